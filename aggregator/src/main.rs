@@ -1,0 +1,6 @@
+//! `aggregator` binary. Not functional yet: it says so and exits with the usage code.
+
+fn main() -> std::process::ExitCode {
+    eprintln!("{}", aggregator::STATUS);
+    std::process::ExitCode::from(2)
+}

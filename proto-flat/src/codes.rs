@@ -1,0 +1,376 @@
+//! Every enumerated wire value, with its code.
+//!
+//! Invariants:
+//! - A code, once given a meaning, keeps it forever; new values take new codes.
+//! - Decoding never fails on a code: an unrecognised one reads as `Unrecognized(code)`,
+//!   displayed `unknown(code)`, and is carried through so a newer writer's value is not
+//!   lost by an older reader.
+//! - Code 0 means "unset" for every enum except [`Class`] (P0 is 0) and [`ProcState`]
+//!   (0 is the explicit `unknown` state), so a zeroed field never reads as a real value.
+//!
+//! The README's tables are checked against [`WireEnum::ALL`] by a test.
+
+use core::fmt;
+
+/// Common surface of the wire enums: code ↔ value, and a stable lower-case name.
+pub trait WireEnum: Sized + Copy + 'static {
+    /// The integer type on the wire.
+    type Code: Copy + fmt::Display;
+    /// The enum's name as the README and the C header spell it.
+    const NAME: &'static str;
+    /// Every known value, in code order.
+    const ALL: &'static [Self];
+    /// The value for `code`; unknown codes read as `Unrecognized(code)`.
+    fn from_code(code: Self::Code) -> Self;
+    /// The code on the wire.
+    fn code(self) -> Self::Code;
+    /// The lower-case name (`None` for an unrecognised code).
+    fn name(self) -> Option<&'static str>;
+}
+
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        $name:ident : $repr:ty, $cname:literal {
+            $( $(#[$vmeta:meta])* $var:ident = $code:literal => $text:literal ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $( $(#[$vmeta])* $var, )+
+            /// A code this version does not know; kept so it can be reported.
+            Unrecognized($repr),
+        }
+
+        impl $name {
+            /// The value for `code` (usable in `const` context).
+            #[must_use]
+            pub const fn from_code_const(code: $repr) -> Self {
+                match code {
+                    $( $code => Self::$var, )+
+                    other => Self::Unrecognized(other),
+                }
+            }
+
+            /// The code on the wire (usable in `const` context).
+            #[must_use]
+            pub const fn code_const(self) -> $repr {
+                match self {
+                    $( Self::$var => $code, )+
+                    Self::Unrecognized(code) => code,
+                }
+            }
+        }
+
+        impl WireEnum for $name {
+            type Code = $repr;
+            const NAME: &'static str = $cname;
+            const ALL: &'static [Self] = &[ $( Self::$var ),+ ];
+            fn from_code(code: $repr) -> Self {
+                Self::from_code_const(code)
+            }
+            fn code(self) -> $repr {
+                self.code_const()
+            }
+            fn name(self) -> Option<&'static str> {
+                match self {
+                    $( Self::$var => Some($text), )+
+                    Self::Unrecognized(_) => None,
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self.name() {
+                    Some(text) => f.write_str(text),
+                    None => write!(f, "unknown({})", self.code()),
+                }
+            }
+        }
+    };
+}
+
+wire_enum! {
+    /// What a frame is (`FrameHeader::kind`).
+    FrameKind: u16, "frame_kind" {
+        /// A collective's lifecycle event (P0).
+        Collective = 1 => "collective",
+        /// A point-to-point send/recv lifecycle event (P0).
+        P2p = 2 => "p2p",
+        /// One network packet seen by XDP/tc (P2, 48 B).
+        BulkPacket = 3 => "bulk_packet",
+        /// One NCCL proxy/net step on RDMA fabrics, where XDP sees no data path (P2).
+        BulkProxy = 4 => "bulk_proxy",
+        /// Shipper heartbeat with counters, progress, clocks and shipper state (P1).
+        Heartbeat = 5 => "heartbeat",
+        /// Frames that will never arrive, with cause (P1).
+        LossRecord = 6 => "loss_record",
+        /// A new shipper session took over the pinned counters (P1).
+        SessionStart = 7 => "session_start",
+        /// A time range in which the shipper could not keep recording (P1).
+        ShipperGap = 8 => "shipper_gap",
+        /// The kernel counters (re)started: a new epoch (P1).
+        EpochStart = 9 => "epoch_start",
+    }
+}
+
+wire_enum! {
+    /// Priority class of a stream (top byte of `stream_id`) and of a batch (`lane`).
+    Class: u8, "class" {
+        /// Collective and P2P lifecycle: own ring, never sampled, dropped last and loudly.
+        P0 = 0 => "p0",
+        /// Heartbeats, loss records, session/epoch/gap frames, control.
+        P1 = 1 => "p1",
+        /// Bulk packet and proxy frames: sampled and shed first.
+        P2 = 2 => "p2",
+        /// Caches and debug.
+        P3 = 3 => "p3",
+    }
+}
+
+wire_enum! {
+    /// Collective and P2P operation.
+    Op: u8, "op" {
+        AllReduce = 1 => "all_reduce",
+        AllGather = 2 => "all_gather",
+        ReduceScatter = 3 => "reduce_scatter",
+        Reduce = 4 => "reduce",
+        Broadcast = 5 => "broadcast",
+        AllToAll = 6 => "all_to_all",
+        Gather = 7 => "gather",
+        Scatter = 8 => "scatter",
+        Barrier = 9 => "barrier",
+        /// All-to-all with per-peer sizes; fr_trace leaves its size check undecided.
+        AllToAllv = 10 => "all_to_allv",
+        /// P2P frames only.
+        Send = 11 => "send",
+        /// P2P frames only.
+        Recv = 12 => "recv",
+    }
+}
+
+wire_enum! {
+    /// Element type (NCCL's `ncclDataType_t` + 1, so 0 stays "unset").
+    DType: u8, "dtype" {
+        Int8 = 1 => "int8",
+        Uint8 = 2 => "uint8",
+        Int32 = 3 => "int32",
+        Uint32 = 4 => "uint32",
+        Int64 = 5 => "int64",
+        Uint64 = 6 => "uint64",
+        Float16 = 7 => "float16",
+        Float32 = 8 => "float32",
+        Float64 = 9 => "float64",
+        Bfloat16 = 10 => "bfloat16",
+        Float8E4m3 = 11 => "float8_e4m3",
+        Float8E5m2 = 12 => "float8_e5m2",
+    }
+}
+
+wire_enum! {
+    /// Lifecycle phase of a collective or P2P op.
+    Phase: u8, "phase" {
+        /// The host began enqueueing the op (proves only that the rank entered).
+        EnqueueStart = 1 => "enqueue_start",
+        /// NCCL's collective `stopEvent`: enqueued, **not** completed.
+        EnqueueEnd = 2 => "enqueue_end",
+        /// The GPU kernel started (rank-level: first channel; per-channel with the flag).
+        KernelStart = 3 => "kernel_start",
+        /// The GPU kernel ended on every channel (rank-level) — a completion.
+        KernelEnd = 4 => "kernel_end",
+        /// The last proxy operation finished on every channel — a completion.
+        ProxyDone = 5 => "proxy_done",
+    }
+}
+
+wire_enum! {
+    /// State of a rank's process in a PROGRESS entry.
+    ProcState: u8, "proc_state" {
+        /// Not known (no process information). Code 0 on purpose.
+        Unknown = 0 => "unknown",
+        Running = 1 => "running",
+        Exited = 2 => "exited",
+    }
+}
+
+wire_enum! {
+    /// Why frames were lost. `drops[]` slots in heartbeat stream entries are indexed by
+    /// `code - 1` (see [`LossCause::drop_slot`]).
+    LossCause: u16, "loss_cause" {
+        /// `bpf_ringbuf_reserve` failed: the ring was full.
+        KernelRingFull = 1 => "kernel_ring_full",
+        /// The event did not fit a ring record.
+        Oversized = 2 => "oversized",
+        /// The shipper's spool had no room (bulk evicted oldest-first).
+        ShipperSpoolFull = 3 => "shipper_spool_full",
+        /// The shipper stopped with data it could not ship.
+        ShipperShutdown = 4 => "shipper_shutdown",
+        /// Read from the ring by a previous session but never shipped.
+        ShipperRestart = 5 => "shipper_restart",
+        /// The aggregator refused the batch (`reason` holds the [`NackReason`]).
+        Rejected = 6 => "rejected",
+        /// Shed under memory pressure (PSI).
+        PsiShed = 7 => "psi_shed",
+        /// A gap that nothing explained before the reorder timeout.
+        Unknown = 8 => "unknown",
+    }
+}
+
+/// Number of named `drops[]` slots in a heartbeat stream entry (one per known cause).
+pub const DROP_SLOTS: usize = 8;
+
+impl LossCause {
+    /// The `drops[]` / running-total slot of this cause, `None` for an unrecognised code.
+    #[must_use]
+    pub fn drop_slot(self) -> Option<usize> {
+        match self {
+            Self::Unrecognized(_) => None,
+            known => usize::from(known.code()).checked_sub(1),
+        }
+    }
+
+    /// The cause counted in `drops[slot]`.
+    #[must_use]
+    pub fn from_drop_slot(slot: usize) -> Option<Self> {
+        let code = u16::try_from(slot).ok()?.checked_add(1)?;
+        match Self::from_code(code) {
+            Self::Unrecognized(_) => None,
+            cause => Some(cause),
+        }
+    }
+}
+
+wire_enum! {
+    /// Why the aggregator refused a batch (`nack.reason`, `loss_record.reason`).
+    NackReason: u16, "nack_reason" {
+        BadMagic = 1 => "bad_magic",
+        UnsupportedVersion = 2 => "unsupported_version",
+        TooShort = 3 => "too_short",
+        LengthMismatch = 4 => "length_mismatch",
+        ChecksumMismatch = 5 => "checksum_mismatch",
+        SummaryMismatch = 6 => "summary_mismatch",
+        LaneMismatch = 7 => "lane_mismatch",
+        /// `node_id` disagrees with the client certificate's name.
+        NodeMismatch = 8 => "node_mismatch",
+        TooLarge = 9 => "too_large",
+        MalformedFrame = 10 => "malformed_frame",
+    }
+}
+
+wire_enum! {
+    /// Status of an `ack`.
+    AckStatus: u8, "ack_status" {
+        /// Applied to the aggregator's state.
+        Applied = 1 => "applied",
+        /// Already applied before (dedup key `(node, shipper_session, batch_seq)`).
+        Duplicate = 2 => "duplicate",
+        /// Durably accepted (a log or snapshot holds it).
+        Durable = 3 => "durable",
+    }
+}
+
+wire_enum! {
+    /// Control message type (aggregator → shipper).
+    ControlType: u16, "control_type" {
+        Hello = 1 => "hello",
+        Ack = 2 => "ack",
+        Nack = 3 => "nack",
+    }
+}
+
+wire_enum! {
+    /// Tag of a section in a sectioned frame or in the batch envelope.
+    SectionTag: u16, "section_tag" {
+        /// Heartbeat: per-stream kernel counters and spool position.
+        Streams = 1 => "streams",
+        /// Heartbeat: per-rank PROGRESS entries.
+        Progress = 2 => "progress",
+        /// Heartbeat: host monotonic ↔ realtime pairs.
+        ClockRealtime = 3 => "clock_realtime",
+        /// Heartbeat: GPU global timer ↔ host monotonic per GPU.
+        ClockGpu = 4 => "clock_gpu",
+        /// Heartbeat: PSI, shedding and spool state.
+        ShipperState = 5 => "shipper_state",
+        /// session_start: per-stream `attempted_seq` at takeover.
+        SessionStreams = 6 => "session_streams",
+        /// Batch envelope: the stream summary.
+        StreamSummary = 7 => "stream_summary",
+    }
+}
+
+wire_enum! {
+    /// Why the shipper could not keep recording (`shipper_gap.reason`).
+    ShipperGapReason: u16, "shipper_gap_reason" {
+        /// The shipper was down and the rings/programs were not pinned.
+        UnpinnedRestart = 1 => "unpinned_restart",
+        /// A source (ring, uprobe target) was detached or reloaded.
+        SourceDetached = 2 => "source_detached",
+        /// Any other reason; details in the shipper's log.
+        Other = 3 => "other",
+    }
+}
+
+/// Header flag bits (`FrameHeader::flags`). Unknown bits are ignored by readers and
+/// preserved by the shipper, which forwards frames unparsed.
+pub mod flags {
+    /// Kept by sampling; bulk frames carry the represented count in `weight`.
+    pub const SAMPLED: u32 = 1 << 0;
+    /// Captured into a CUDA graph (keyed by graph id/node/replay, not `comm_op_seq`).
+    pub const GRAPH_CAPTURED: u32 = 1 << 1;
+    /// A per-channel kernel/proxy event (the rank-level event has the bit clear).
+    pub const PER_CHANNEL: u32 = 1 << 2;
+    /// `ts_ns` is the GPU global timer; clear means host `CLOCK_MONOTONIC`.
+    pub const TS_GPU_GLOBAL: u32 = 1 << 3;
+    /// Every bit v1 defines, as `(mask, name)`.
+    pub const ALL: &[(u32, &str)] = &[
+        (SAMPLED, "sampled"),
+        (GRAPH_CAPTURED, "graph_captured"),
+        (PER_CHANNEL, "per_channel"),
+        (TS_GPU_GLOBAL, "ts_gpu_global"),
+    ];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip<E: WireEnum + PartialEq + fmt::Debug>() {
+        for &v in E::ALL {
+            assert_eq!(E::from_code(v.code()), v);
+            assert!(v.name().is_some());
+        }
+    }
+
+    #[test]
+    fn codes_round_trip_and_unknown_reads_as_unknown_code() {
+        round_trip::<FrameKind>();
+        round_trip::<Class>();
+        round_trip::<Op>();
+        round_trip::<DType>();
+        round_trip::<Phase>();
+        round_trip::<ProcState>();
+        round_trip::<LossCause>();
+        round_trip::<NackReason>();
+        round_trip::<AckStatus>();
+        round_trip::<ControlType>();
+        round_trip::<SectionTag>();
+        round_trip::<ShipperGapReason>();
+        assert_eq!(FrameKind::from_code(999), FrameKind::Unrecognized(999));
+        assert_eq!(std::format!("{}", LossCause::from_code(77)), "unknown(77)");
+        assert_eq!(std::format!("{}", LossCause::Unknown), "unknown");
+        assert_eq!(std::format!("{}", Op::from_code(0)), "unknown(0)");
+    }
+
+    #[test]
+    fn drop_slots_cover_every_cause_once() {
+        for (slot, cause) in LossCause::ALL.iter().enumerate() {
+            assert_eq!(cause.drop_slot(), Some(slot));
+            assert_eq!(LossCause::from_drop_slot(slot), Some(*cause));
+        }
+        assert_eq!(LossCause::ALL.len(), DROP_SLOTS);
+        assert_eq!(LossCause::from_drop_slot(DROP_SLOTS), None);
+        assert_eq!(LossCause::Unrecognized(40).drop_slot(), None);
+    }
+}

@@ -20,7 +20,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::BATCH_MAGIC;
 use crate::codes::{Class, DROP_SLOTS, SectionTag, WireEnum};
-use crate::decode::{FrameIter, split_frame};
+use crate::decode::{FrameIter, HeaderIter, split_frame};
 use crate::error::DecodeError;
 use crate::header::{FrameHeader, WIRE_VERSION};
 use crate::sections::{Entries, SectionHeader, StreamSummaryEntry, parse_section};
@@ -173,10 +173,16 @@ impl<'a> BatchView<'a> {
         Class::from_code(self.header.lane)
     }
 
-    /// Iterate the frames.
+    /// Iterate the frames, decoded.
     #[must_use]
     pub fn frames(&self) -> FrameIter<'a> {
         FrameIter::new(self.payload)
+    }
+
+    /// Iterate the frame headers only (the bulk seq scan).
+    #[must_use]
+    pub fn headers(&self) -> HeaderIter<'a> {
+        HeaderIter::new(self.payload)
     }
 
     /// Walks the frames once: framing, every frame's class equals the lane,

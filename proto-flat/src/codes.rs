@@ -20,12 +20,23 @@ pub trait WireEnum: Sized + Copy + 'static {
     const NAME: &'static str;
     /// Every known value, in code order.
     const ALL: &'static [Self];
+    /// Name and code of every known value (for the README and the C parity test).
+    const TABLE: EnumTable;
     /// The value for `code`; unknown codes read as `Unrecognized(code)`.
     fn from_code(code: Self::Code) -> Self;
     /// The code on the wire.
     fn code(self) -> Self::Code;
     /// The lower-case name (`None` for an unrecognised code).
     fn name(self) -> Option<&'static str>;
+}
+
+/// Name and codes of one wire enum, as the README and the C header list them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnumTable {
+    /// The enum's name (`op`, `loss_cause`, …); C constants are `RW_<NAME>_<VALUE>`.
+    pub name: &'static str,
+    /// `(value name, code)` in code order.
+    pub values: &'static [(&'static str, u64)],
 }
 
 macro_rules! wire_enum {
@@ -67,6 +78,10 @@ macro_rules! wire_enum {
             type Code = $repr;
             const NAME: &'static str = $cname;
             const ALL: &'static [Self] = &[ $( Self::$var ),+ ];
+            const TABLE: EnumTable = EnumTable {
+                name: $cname,
+                values: &[ $( ($text, $code as u64) ),+ ],
+            };
             fn from_code(code: $repr) -> Self {
                 Self::from_code_const(code)
             }
@@ -218,6 +233,22 @@ wire_enum! {
     }
 }
 
+/// Every wire enum's table.
+pub const ALL_ENUMS: &[EnumTable] = &[
+    <FrameKind as WireEnum>::TABLE,
+    <Class as WireEnum>::TABLE,
+    <Op as WireEnum>::TABLE,
+    <DType as WireEnum>::TABLE,
+    <Phase as WireEnum>::TABLE,
+    <ProcState as WireEnum>::TABLE,
+    <LossCause as WireEnum>::TABLE,
+    <NackReason as WireEnum>::TABLE,
+    <AckStatus as WireEnum>::TABLE,
+    <ControlType as WireEnum>::TABLE,
+    <SectionTag as WireEnum>::TABLE,
+    <ShipperGapReason as WireEnum>::TABLE,
+];
+
 /// Number of named `drops[]` slots in a heartbeat stream entry (one per known cause).
 pub const DROP_SLOTS: usize = 8;
 
@@ -336,7 +367,14 @@ pub mod flags {
 mod tests {
     use super::*;
 
-    fn round_trip<E: WireEnum + PartialEq + fmt::Debug>() {
+    fn round_trip<E: WireEnum + PartialEq + fmt::Debug>()
+    where
+        E::Code: Into<u64>,
+    {
+        let from_all: std::vec::Vec<(&str, u64)> =
+            E::ALL.iter().map(|v| (v.name().unwrap(), v.code().into())).collect();
+        assert_eq!(E::TABLE.values, from_all.as_slice());
+        assert!(ALL_ENUMS.contains(&E::TABLE), "{} missing from ALL_ENUMS", E::NAME);
         for &v in E::ALL {
             assert_eq!(E::from_code(v.code()), v);
             assert!(v.name().is_some());
@@ -357,6 +395,7 @@ mod tests {
         round_trip::<ControlType>();
         round_trip::<SectionTag>();
         round_trip::<ShipperGapReason>();
+        assert_eq!(ALL_ENUMS.len(), 12);
         assert_eq!(FrameKind::from_code(999), FrameKind::Unrecognized(999));
         assert_eq!(std::format!("{}", LossCause::from_code(77)), "unknown(77)");
         assert_eq!(std::format!("{}", LossCause::Unknown), "unknown");

@@ -69,6 +69,7 @@ impl<'a> Frame<'a> {
 ///
 /// Checks only what framing needs: a readable header and a `length` that is at least the
 /// header, a multiple of 8 and within the buffer. `offset` is for error context.
+#[inline]
 pub fn split_frame(bytes: &[u8], offset: usize) -> Result<(&FrameHeader, &[u8], &[u8]), DecodeError> {
     let (header, _) = FrameHeader::ref_from_prefix(bytes).map_err(|_| DecodeError::TooShort {
         what: "frame header",
@@ -87,6 +88,7 @@ pub fn split_frame(bytes: &[u8], offset: usize) -> Result<(&FrameHeader, &[u8], 
     Ok((header, frame, rest))
 }
 
+#[inline]
 fn fixed<T: FixedFrame>(frame: &[u8]) -> Result<&T, DecodeError> {
     T::ref_from_prefix(frame).map(|(f, _)| f).map_err(|_| DecodeError::TooShort {
         what: T::KIND.name().unwrap_or("frame"),
@@ -96,6 +98,7 @@ fn fixed<T: FixedFrame>(frame: &[u8]) -> Result<&T, DecodeError> {
 }
 
 /// Decodes one framed frame (as returned by [`split_frame`]).
+#[inline]
 pub fn decode_frame<'a>(header: &'a FrameHeader, frame: &'a [u8]) -> Result<Frame<'a>, DecodeError> {
     if header.version.get() != WIRE_VERSION {
         return Ok(Frame::Unknown { header, bytes: frame });
@@ -182,5 +185,44 @@ impl<'a> Iterator for FrameIter<'a> {
         }
         let result = Ok(decoded);
         Some(result)
+    }
+}
+
+/// Framing-only iterator: yields each frame's header and bytes without decoding bodies.
+/// The aggregator's bulk path uses it for the per-stream seq scan (bulk frames never
+/// become records one by one). Same framing checks and fusing as [`FrameIter`].
+#[derive(Debug, Clone)]
+pub struct HeaderIter<'a> {
+    rest: &'a [u8],
+    offset: usize,
+}
+
+impl<'a> HeaderIter<'a> {
+    /// Iterate the frame headers in `bytes`.
+    #[must_use]
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Self { rest: bytes, offset: 0 }
+    }
+}
+
+impl<'a> Iterator for HeaderIter<'a> {
+    type Item = Result<(&'a FrameHeader, &'a [u8]), DecodeError>;
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        match split_frame(self.rest, self.offset) {
+            Ok((header, frame, rest)) => {
+                self.offset += frame.len();
+                self.rest = rest;
+                Some(Ok((header, frame)))
+            }
+            Err(e) => {
+                self.rest = &[];
+                Some(Err(e))
+            }
+        }
     }
 }

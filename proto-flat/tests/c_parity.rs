@@ -16,10 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use proto_flat::batch::BatchHeader;
-use proto_flat::codes::{
-    AckStatus, Class, ControlType, DType, FrameKind, LossCause, NackReason, Op, Phase, ProcState, SectionTag,
-    ShipperGapReason, WireEnum, flags,
-};
+use proto_flat::codes::{ALL_ENUMS, flags};
 use proto_flat::control::{AckHead, AckRange, ControlHeader, HelloBody, NackBody};
 use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
@@ -215,31 +212,14 @@ fn rust_layouts() -> Vec<Layout> {
     ]
 }
 
-fn enum_consts<E: WireEnum>(out: &mut BTreeMap<String, u64>)
-where
-    E::Code: Into<u64>,
-{
-    for &v in E::ALL {
-        let name = format!("RW_{}_{}", E::NAME, v.name().unwrap()).to_uppercase();
-        out.insert(name, v.code().into());
-    }
-}
-
 /// Every constant the C header must define, with its value.
 fn rust_consts() -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    enum_consts::<FrameKind>(&mut out);
-    enum_consts::<Class>(&mut out);
-    enum_consts::<Op>(&mut out);
-    enum_consts::<DType>(&mut out);
-    enum_consts::<Phase>(&mut out);
-    enum_consts::<ProcState>(&mut out);
-    enum_consts::<LossCause>(&mut out);
-    enum_consts::<NackReason>(&mut out);
-    enum_consts::<AckStatus>(&mut out);
-    enum_consts::<ControlType>(&mut out);
-    enum_consts::<SectionTag>(&mut out);
-    enum_consts::<ShipperGapReason>(&mut out);
+    for table in ALL_ENUMS {
+        for &(value, code) in table.values {
+            out.insert(format!("RW_{}_{}", table.name, value).to_uppercase(), code);
+        }
+    }
     for &(bit, name) in flags::ALL {
         out.insert(format!("RW_FLAG_{}", name.to_uppercase()), u64::from(bit));
     }
@@ -409,21 +389,8 @@ fn c_header_btf_matches_rust_layout() {
     for (i, l) in layouts.iter().enumerate() {
         writeln!(src, "struct {} rw_keep_{i} __attribute__((used));", l.c).unwrap();
     }
-    for e in [
-        "frame_kind",
-        "class",
-        "op",
-        "dtype",
-        "phase",
-        "proc_state",
-        "loss_cause",
-        "nack_reason",
-        "ack_status",
-        "control_type",
-        "section_tag",
-        "shipper_gap_reason",
-    ] {
-        writeln!(src, "enum rw_{e} rw_keep_enum_{e} __attribute__((used));").unwrap();
+    for table in ALL_ENUMS {
+        writeln!(src, "enum rw_{0} rw_keep_enum_{0} __attribute__((used));", table.name).unwrap();
     }
     std::fs::write(work.join("probe.bpf.c"), src).unwrap();
     let obj = work.join("probe.bpf.o");

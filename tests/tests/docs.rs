@@ -1,0 +1,77 @@
+//! The documentation is part of the contract: the wire README lists every enum value the
+//! code knows (and no other), and the top README's test command is what CI runs.
+
+use std::collections::BTreeMap;
+
+use proto_flat::codes::ALL_ENUMS;
+use ringwatch_tests::repo_root;
+
+/// `### \`name\` (type)` headings followed by `| \`value\` | code |` rows.
+fn readme_enums(text: &str) -> BTreeMap<String, Vec<(String, u64)>> {
+    let mut out: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("### `") {
+            current = rest.split('`').next().map(str::to_owned);
+            continue;
+        }
+        if line.starts_with('#') {
+            current = None;
+            continue;
+        }
+        let Some(name) = &current else { continue };
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if let [_, value, code, _] = cells.as_slice()
+            && let (Some(value), Ok(code)) = (value.strip_prefix('`').and_then(|v| v.strip_suffix('`')), code.parse())
+        {
+            out.entry(name.clone()).or_default().push((value.to_owned(), code));
+        }
+    }
+    out
+}
+
+#[test]
+fn wire_readme_lists_every_enum_value() {
+    let text = std::fs::read_to_string(repo_root().join("proto-flat/README.md")).unwrap();
+    let code: BTreeMap<String, Vec<(String, u64)>> = ALL_ENUMS
+        .iter()
+        .map(|t| (t.name.to_owned(), t.values.iter().map(|&(n, c)| (n.to_owned(), c)).collect()))
+        .collect();
+    assert_eq!(readme_enums(&text), code, "proto-flat/README.md enum tables disagree with proto_flat::codes");
+}
+
+#[test]
+fn wire_readme_struct_sizes_match_the_code() {
+    use proto_flat::{batch, control, frames, header, sections};
+    let text = std::fs::read_to_string(repo_root().join("proto-flat/README.md")).unwrap();
+    let sizes = [
+        ("rw_frame_header", size_of::<header::FrameHeader>()),
+        ("rw_collective_frame", size_of::<frames::CollectiveFrame>()),
+        ("rw_p2p_frame", size_of::<frames::P2pFrame>()),
+        ("rw_bulk_packet_frame", size_of::<frames::BulkPacketFrame>()),
+        ("rw_bulk_proxy_frame", size_of::<frames::BulkProxyFrame>()),
+        ("rw_loss_record_frame", size_of::<frames::LossRecordFrame>()),
+        ("rw_shipper_gap_frame", size_of::<frames::ShipperGapFrame>()),
+        ("rw_epoch_start_frame", size_of::<frames::EpochStartFrame>()),
+        ("rw_stream_entry", size_of::<sections::StreamEntry>()),
+        ("rw_progress_entry", size_of::<sections::ProgressEntry>()),
+        ("rw_batch_header", size_of::<batch::BatchHeader>()),
+        ("rw_ack_head", size_of::<control::AckHead>()),
+    ];
+    for (name, size) in sizes {
+        let heading = format!("#### `{name}` ({size} B)");
+        assert!(text.contains(&heading), "proto-flat/README.md lacks {heading:?}");
+    }
+}
+
+#[test]
+fn readme_test_command_is_what_ci_runs() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let ci = std::fs::read_to_string(repo_root().join(".ci/run")).unwrap();
+    let command = "cargo nextest run --workspace --profile ci";
+    assert!(readme.contains(command), "README.md must hold the test command");
+    assert!(ci.lines().any(|l| l.trim() == command), ".ci/run must run the README's test command verbatim");
+    for step in ["cargo fmt --all -- --check", "cargo clippy --workspace --all-targets --locked -- -D warnings"] {
+        assert!(ci.contains(step), ".ci/run must run {step}");
+    }
+}

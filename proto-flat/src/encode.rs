@@ -54,8 +54,10 @@ impl SectionedFrameWriter {
 
     /// Appends a section holding `entries`.
     pub fn section<T: Entry>(&mut self, entries: &[T]) -> &mut Self {
-        // v1 entry sizes are ≤ 104 B and sections hold far fewer than 2³² entries.
-        #[allow(clippy::cast_possible_truncation)]
+        #[allow(
+            clippy::cast_possible_truncation,
+            reason = "v1 entries are at most 104 B; a section holds far fewer than 2^32 entries"
+        )]
         let sh = SectionHeader {
             tag: U16::new(T::TAG.code()),
             entry_len: U16::new(size_of::<T>() as u16),

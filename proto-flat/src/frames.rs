@@ -24,8 +24,7 @@ pub trait FixedFrame: Sized + FromBytes + IntoBytes + KnownLayout + Immutable + 
     /// A header for this kind with `length` = the v1 size.
     #[must_use]
     fn make_header(flags: u32, stream: StreamId, seq: u64, ts_ns: u64) -> FrameHeader {
-        // Every v1 frame is well under 4 GiB; the const asserts below pin the sizes.
-        #[allow(clippy::cast_possible_truncation)]
+        #[allow(clippy::cast_possible_truncation, reason = "v1 frames are at most 144 B (const-asserted)")]
         let len = size_of::<Self>() as u32;
         FrameHeader::new(Self::KIND, flags, len, stream, seq, ts_ns)
     }

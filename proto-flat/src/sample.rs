@@ -76,8 +76,7 @@ pub fn bulk_packet(stream: StreamId, seq: u64, ts_ns: u64) -> BulkPacketFrame {
     f.hdr = BulkPacketFrame::make_header(0, stream, seq, ts_ns);
     f.ifindex = U32::new(4);
     f.pkt_len = U32::new(1500);
-    // Truncation intended: a cheap deterministic stand-in for a flow hash.
-    #[allow(clippy::cast_possible_truncation)]
+    #[allow(clippy::cast_possible_truncation, reason = "truncation intended: a cheap stand-in for a flow hash")]
     let hash = (seq.wrapping_mul(0x9e37_79b9)) as u32;
     f.flow_hash = U32::new(hash);
     f.weight = U16::new(1);

@@ -1,0 +1,168 @@
+//! Every built-in scenario: runs, conserves, decodes, and its truth says what the
+//! scenario is about.
+
+mod common;
+
+use common::{assert_conservation, run};
+use loadgen_sim::builtin;
+use proptest::prelude::*;
+
+fn scenario(name: &str) -> loadgen_sim::Scenario {
+    builtin::builtin(name).expect("exists").expect("valid")
+}
+
+fn outcomes<'a>(truth: &'a loadgen_sim::GroundTruth) -> impl Iterator<Item = &'a loadgen_sim::truth::RankTruth> {
+    truth.collectives.iter().flat_map(|c| c.ranks.iter())
+}
+
+#[test]
+fn at_least_ten_builtin_scenarios_run_and_conserve() {
+    let all = builtin::all().unwrap();
+    assert!(all.len() >= 10);
+    for s in &all {
+        let (_, check, truth) = run(s, None, 2e-5);
+        assert_conservation(&check, &truth);
+        assert!(!truth.collectives.is_empty(), "{}", s.name);
+        // The truth is JSON for scorers.
+        let json = serde_json::to_string(&truth).unwrap();
+        let back: loadgen_sim::GroundTruth = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, truth);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 26, ..ProptestConfig::default() })]
+
+    /// Conservation counted from the decoded output (seq holes per stream) against the
+    /// simulated kernel counters, for every scenario and many seeds.
+    #[test]
+    fn conservation_for_every_scenario_and_seed(idx in 0usize..builtin::BUILTIN.len(), seed in any::<u64>()) {
+        let s = scenario(builtin::BUILTIN[idx].0);
+        let (_, check, truth) = run(&s, Some(seed), 1e-5);
+        assert_conservation(&check, &truth);
+    }
+}
+
+#[test]
+fn seed_case_is_telemetry_loss_not_degradation() {
+    let (_, _, t) = run(&scenario("seed-case"), None, 1e-5);
+    assert!(t.collectives.iter().all(|c| c.state != "hung"));
+    let lossy: Vec<_> = outcomes(&t).filter(|r| r.tags.iter().any(|g| g == "telemetry_loss")).collect();
+    assert!(!lossy.is_empty(), "the overflow must drop some of node 3's frames");
+    assert!(lossy.iter().all(|r| r.node == 3 && r.outcome == "completed"));
+    assert_eq!(t.nodes[3].health, "healthy_lossy");
+    assert!(t.gpus.iter().all(|g| g.health != "degraded"));
+    let p0_drops: u64 = t.streams.iter().filter(|s| s.node == 3 && s.class == "p0").flat_map(|s| s.dropped.values()).sum();
+    assert!(p0_drops > 0);
+}
+
+#[test]
+fn counter_case_is_stuck_despite_the_gap() {
+    let (_, _, t) = run(&scenario("counter-case"), None, 1e-5);
+    let stuck: Vec<_> = outcomes(&t).filter(|r| r.outcome == "stuck").collect();
+    assert!(!stuck.is_empty());
+    assert!(stuck.iter().all(|r| r.node == 3 && r.gpu == 0 && r.decidable));
+    // Every peer of the first stuck collective waits on the culprit.
+    let c = t.collectives.iter().find(|c| c.ranks.iter().any(|r| r.outcome == "stuck")).unwrap();
+    let culprit = c.ranks.iter().find(|r| r.outcome == "stuck").unwrap().rank;
+    assert!(c.ranks.iter().filter(|r| r.outcome != "stuck").all(|r| r.outcome == format!("waiting_on({culprit})")));
+    // Later collectives are blocked by it.
+    assert!(outcomes(&t).any(|r| r.outcome.starts_with("blocked_by(world/0#")));
+    assert_eq!(t.nodes[3].health, "degraded");
+    assert!(t.faults.iter().find(|f| f.kind == "gpu_hang").unwrap().identifiable);
+}
+
+#[test]
+fn late_join_completes_late_and_exited_is_not_joined() {
+    let (_, _, t) = run(&scenario("late-join"), None, 1e-5);
+    assert!(outcomes(&t).all(|r| r.outcome == "completed" || r.outcome == "in_flight"), "a pause is not a failure");
+    assert!(t.gpus.iter().all(|g| g.health != "degraded"));
+
+    let (_, check, t) = run(&scenario("exited-process"), None, 1e-5);
+    let nj: Vec<_> = outcomes(&t).filter(|r| r.outcome == "not_joined(process_exited)").collect();
+    assert!(!nj.is_empty() && nj.iter().all(|r| r.node == 1 && r.gpu == 2));
+    assert!(nj.iter().any(|r| r.decidable));
+    assert!(t.gpus.iter().all(|g| g.health != "degraded"));
+    assert_eq!(t.gpus.iter().find(|g| g.node == 1 && g.gpu == 2).unwrap().health, "suspect");
+    // PROGRESS reports the exit.
+    assert!(check.progress.iter().any(|(n, p)| *n == 1 && p.proc_state == 2 && p.exit_code.get() == 134));
+}
+
+#[test]
+fn whole_collective_hang_has_no_culprit() {
+    let (_, _, t) = run(&scenario("collective-hang"), None, 1e-5);
+    let hung = t.collectives.iter().find(|c| c.state == "hung").expect("a hung collective");
+    assert!(hung.ranks.iter().all(|r| r.outcome == "waiting_on(unknown)"), "{hung:?}");
+    assert!(!t.faults[0].identifiable);
+}
+
+#[test]
+fn dead_node_is_silent_and_peers_are_not_blamed() {
+    let (_, check, t) = run(&scenario("dead-node"), None, 1e-5);
+    assert!(outcomes(&t).filter(|r| r.node == 5).any(|r| r.outcome == "unknown_silent"));
+    assert!(outcomes(&t).filter(|r| r.node != 5).all(|r| !matches!(r.outcome.as_str(), "stuck" | "not_joined")));
+    assert_eq!(t.nodes[5].health, "silent");
+    assert!(t.nodes.iter().filter(|n| n.node != 5).all(|n| n.health == "healthy"));
+    // No snapshot from node 5 after its death: its last one is from before 4 s.
+    assert!(check.snapshots > 0);
+}
+
+#[test]
+fn stragglers_gpu_vs_host_vs_clock_skew() {
+    let (_, _, t) = run(&scenario("gpu-straggler-skew"), None, 1e-5);
+    let tagged: Vec<_> = outcomes(&t).filter(|r| r.tags.iter().any(|g| g.starts_with("straggler(gpu"))).collect();
+    assert!(tagged.len() >= 3);
+    assert!(tagged.iter().all(|r| r.node == 2 && r.gpu == 0), "clock skew alone is never a straggler");
+    assert!(t.faults[0].identifiable);
+
+    let (_, _, t) = run(&scenario("host-straggler"), None, 1e-5);
+    assert!(outcomes(&t).any(|r| r.tags.contains(&"straggler(host)".to_owned())));
+    assert!(t.gpus.iter().all(|g| g.health == "healthy"));
+}
+
+#[test]
+fn mismatch_is_reported_not_degraded() {
+    let (_, _, t) = run(&scenario("mismatch"), None, 1e-5);
+    let m = t.collectives.iter().find(|c| c.state == "mismatch").expect("a mismatch");
+    assert!(m.ranks.iter().any(|r| r.tags.contains(&"mismatch(op)".to_owned())));
+    assert!(t.gpus.iter().all(|g| g.health == "healthy"));
+}
+
+#[test]
+fn bulk_loss_never_touches_collectives() {
+    let (_, _, t) = run(&scenario("bulk-heavy-loss"), None, 1e-4);
+    assert!(t.collectives.iter().all(|c| c.state == "ok" || c.state == "in_flight"));
+    let bulk_drops: u64 = t.streams.iter().filter(|s| s.class == "p2").flat_map(|s| s.dropped.values()).sum();
+    let sampled: u64 = t.streams.iter().map(|s| s.sampled_out).sum();
+    assert!(bulk_drops > 0 && sampled > 0);
+    assert!(t.streams.iter().filter(|s| s.class == "p0").all(|s| s.dropped.is_empty()));
+}
+
+#[test]
+fn pipeline_p2p_does_not_advance_comm_op_seq() {
+    let (_, _, t) = run(&scenario("pipeline-p2p"), None, 1e-5);
+    let pp0: Vec<_> = t.collectives.iter().filter(|c| c.comm == "pp/0").collect();
+    assert!(pp0.iter().any(|c| c.p2p_seq.is_some() && c.comm_op_seq == 0));
+    let seqs: Vec<u64> = pp0.iter().filter(|c| c.p2p_seq.is_none()).map(|c| c.comm_op_seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>(), "collectives count 1, 2, 3… regardless of P2P");
+}
+
+#[test]
+fn enqueue_only_mask_is_indeterminate() {
+    let (_, check, t) = run(&scenario("enqueue-only"), None, 1e-5);
+    assert!(outcomes(&t).all(|r| r.outcome == "indeterminate(no_completion_source)"));
+    assert!(check.progress.iter().all(|(_, p)| p.last_completed_op.get() == 0 && p.activation_mask.get() == 1));
+}
+
+#[test]
+fn mixed_faults_show_up_in_truth_and_output() {
+    let (sim, check, t) = run(&scenario("mixed"), None, 1e-5);
+    assert!(check.epochs.iter().any(|(n, e)| *n == 2 && e.epoch == 2), "counter reset → epoch 2");
+    assert!(t.streams.iter().any(|s| s.node == 2 && s.epoch == 2));
+    assert!(outcomes(&t).any(|r| r.outcome == "indeterminate(key_collision)"));
+    assert!(outcomes(&t).any(|r| r.outcome == "indeterminate(uninstrumented)"));
+    assert!(t.collectives.iter().any(|c| c.graph_replay.is_some() && c.comm_op_seq == 0));
+    assert!(check.seen.values().any(|s| s.out_of_order > 0), "reordering must be visible in seq order");
+    let scheduled: Vec<_> = sim.scheduled_faults().iter().map(|f| f.kind()).collect();
+    assert_eq!(scheduled, ["spool_overflow", "shipper_restart", "aggregator_restart", "partition", "duplicate_batches"]);
+}

@@ -78,3 +78,21 @@ fn one_crypto_provider_aws_lc_never_built() {
         assert!(!graph.contains_key(banned), "{banned} is in Cargo.lock: a dependency enabled its default features");
     }
 }
+
+#[test]
+fn cargo_tree_of_the_simulator_has_no_aggregator_or_shipper() {
+    // The acceptance line of issue 3, literally: `cargo tree -p loadgen-sim -e normal`.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let out = std::process::Command::new(cargo)
+        .args(["tree", "-p", "loadgen-sim", "-e", "normal", "--prefix", "none", "--offline", "--locked"])
+        .current_dir(repo_root())
+        .output()
+        .expect("run cargo tree");
+    assert!(out.status.success(), "cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
+    let tree = String::from_utf8(out.stdout).unwrap();
+    let crates: BTreeSet<&str> = tree.lines().filter_map(|l| l.split_whitespace().next()).collect();
+    assert!(crates.contains("proto-flat"), "{tree}");
+    for banned in ["aggregator", "ringwatch-core", "node-shipper"] {
+        assert!(!crates.contains(banned), "loadgen-sim depends on {banned}:\n{tree}");
+    }
+}

@@ -26,7 +26,7 @@ use proto_flat::decode::{Frame, FrameIter};
 use proto_flat::encode::SectionedFrameWriter;
 use proto_flat::frames::{EpochStartFrame, FixedFrame};
 use proto_flat::header::StreamId;
-use proto_flat::sections::{ClockRealtimeEntry, Heartbeat};
+use proto_flat::sections::{ClockRealtimeEntry, Heartbeat, ProgressEntry, Section, StreamEntry};
 use proto_flat::{Class, DecodeError};
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -126,7 +126,13 @@ impl<W: Write> CaptureWriter<W> {
             return;
         }
         let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
-        let h = RecordHeader { kind: U16::new(kind), _reserved0: [0; 2], node: U32::new(node), len: U32::new(len), _reserved1: [0; 4] };
+        let h = RecordHeader {
+            kind: U16::new(kind),
+            _reserved0: [0; 2],
+            node: U32::new(node),
+            len: U32::new(len),
+            _reserved1: [0; 4],
+        };
         let pad = (8 - payload.len() % 8) % 8;
         let result = self
             .out
@@ -162,6 +168,20 @@ pub fn snapshot_frame(seq: u64, snapshot: &Snapshot<'_>) -> Vec<u8> {
     let mut w = SectionedFrameWriter::heartbeat(CAPTURE_STREAM, seq, snapshot.mono_ns, snapshot.mono_ns);
     w.section(snapshot.streams).section(snapshot.progress).section(&[clock]);
     w.finish()
+}
+
+/// The counters of a snapshot record: its streams and PROGRESS entries (v1 prefixes).
+#[must_use]
+pub fn snapshot_counters(heartbeat: &Heartbeat<'_>) -> (Vec<StreamEntry>, Vec<ProgressEntry>) {
+    let (mut streams, mut progress) = (Vec::new(), Vec::new());
+    for section in heartbeat.sections() {
+        match section {
+            Section::Streams(e) => streams.extend(e.iter().copied()),
+            Section::Progress(e) => progress.extend(e.iter().copied()),
+            _ => {}
+        }
+    }
+    (streams, progress)
 }
 
 /// Encodes an epoch start.
@@ -259,7 +279,8 @@ impl<'a> CaptureReader<'a> {
         let record = match h.kind.get() {
             kind::FRAME | kind::SNAPSHOT | kind::EPOCH => {
                 let mut it = FrameIter::new(bytes);
-                let frame = it.next().ok_or(CaptureError::Truncated { offset, need: 32, got: 0 })?.map_err(frame_err)?;
+                let frame =
+                    it.next().ok_or(CaptureError::Truncated { offset, need: 32, got: 0 })?.map_err(frame_err)?;
                 if it.offset() != bytes.len() {
                     return Err(frame_err(DecodeError::LengthMismatch {
                         what: "capture record",

@@ -96,9 +96,20 @@ pub struct CommInfo {
 /// What an op is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
-    Coll { op: Op, dtype: DType, count: u64, root: u32 },
+    Coll {
+        op: Op,
+        dtype: DType,
+        count: u64,
+        root: u32,
+    },
     /// `src`/`dst` are communicator ranks.
-    P2p { src: u32, dst: u32, p2p_seq: u64, dtype: DType, count: u64 },
+    P2p {
+        src: u32,
+        dst: u32,
+        p2p_seq: u64,
+        dtype: DType,
+        count: u64,
+    },
 }
 
 /// A CUDA-graph replay's key.
@@ -175,6 +186,9 @@ pub struct Model {
     /// Death time per node (`u64::MAX` if alive).
     pub dead_at: Vec<u64>,
 }
+
+/// One of a rank's ops on a communicator: its id and when (if ever) the rank completed it.
+type OpEnd = (usize, Option<u64>);
 
 struct Window {
     from: u64,
@@ -262,9 +276,8 @@ impl Model {
                 }
                 Group::Pipeline => (0..c.nodes / 2)
                     .flat_map(|pair| {
-                        (0..c.gpus_per_node).map(move |g| {
-                            vec![2 * pair * c.gpus_per_node + g, (2 * pair + 1) * c.gpus_per_node + g]
-                        })
+                        (0..c.gpus_per_node)
+                            .map(move |g| vec![2 * pair * c.gpus_per_node + g, (2 * pair + 1) * c.gpus_per_node + g])
                     })
                     .collect(),
             };
@@ -337,14 +350,12 @@ impl Model {
                 let kind_op = parse_op(&op.op).unwrap_or(Op::AllReduce);
                 let dtype = parse_dtype(&op.dtype).unwrap_or(DType::Bfloat16);
                 let dist = duration_dist(&op.duration);
-                let root = op.root.unwrap_or(if matches!(
-                    kind_op,
-                    Op::Reduce | Op::Broadcast | Op::Gather | Op::Scatter
-                ) {
-                    0
-                } else {
-                    u32::MAX
-                });
+                let root =
+                    op.root.unwrap_or(if matches!(kind_op, Op::Reduce | Op::Broadcast | Op::Gather | Op::Scatter) {
+                        0
+                    } else {
+                        u32::MAX
+                    });
                 let count = op.bytes / dtype_bytes(dtype);
                 let mut t = op.start_ms;
                 while ms_f(t) < horizon_ns {
@@ -430,10 +441,11 @@ impl Model {
         let ahead = c.enqueue_ahead as usize;
         let mut local_seq = vec![0u64; ranks.len()];
         // (rank, comm) → ids and ends of that rank's ops on that comm, in order.
-        let mut history: std::collections::HashMap<(u32, usize), Vec<(usize, Option<u64>)>> =
-            std::collections::HashMap::new();
+        let mut history: std::collections::HashMap<(u32, usize), Vec<OpEnd>> = std::collections::HashMap::new();
+        #[allow(clippy::needless_range_loop, reason = "each step mutates ops[op_i] while reading other ops")]
         for op_i in 0..ops.len() {
-            let (comm, sched, dur, channels) = (ops[op_i].comm, ops[op_i].sched_ns, ops[op_i].dur_ns, ops[op_i].channels);
+            let (comm, sched, dur, channels) =
+                (ops[op_i].comm, ops[op_i].sched_ns, ops[op_i].dur_ns, ops[op_i].channels);
             let spec = comms[comm].spec;
             let is_coll = matches!(ops[op_i].kind, OpKind::Coll { .. });
             let mut hung_after = Vec::new();
@@ -527,9 +539,7 @@ impl Model {
                 p.block = block;
                 p.host_lag_ns = host_lag;
                 p.gpu_lag_ns = gpu_lag;
-                if is_coll
-                    && let Some(m) = mismatches.iter_mut().find(|m| m.0 == spec && m.1 == rank && sched >= m.2)
-                {
+                if is_coll && let Some(m) = mismatches.iter_mut().find(|m| m.0 == spec && m.1 == rank && sched >= m.2) {
                     p.mismatch = Some(m.3);
                     m.2 = u64::MAX; // one op only
                 }
@@ -537,9 +547,9 @@ impl Model {
             // Completion.
             let starts: Option<Vec<u64>> = ops[op_i].participants.iter().map(|p| p.k_start).collect();
             let hang = if is_coll {
-                channel_hangs.iter_mut().find(|h| {
-                    h.0 == spec && sched >= h.2 && ops[op_i].participants.iter().any(|p| p.rank == h.1)
-                })
+                channel_hangs
+                    .iter_mut()
+                    .find(|h| h.0 == spec && sched >= h.2 && ops[op_i].participants.iter().any(|p| p.rank == h.1))
             } else {
                 None
             };
@@ -550,7 +560,8 @@ impl Model {
             if let Some(starts) = starts {
                 let t_all = starts.iter().copied().max().unwrap_or(0);
                 let base = t_all + dur;
-                let any_dead = ops[op_i].participants.iter().any(|p| dead_at[ranks[p.rank as usize].node as usize] <= base);
+                let any_dead =
+                    ops[op_i].participants.iter().any(|p| dead_at[ranks[p.rank as usize].node as usize] <= base);
                 for (p_i, p) in ops[op_i].participants.iter_mut().enumerate() {
                     let jitter = dur / 100 * u64::from(rng.random::<u8>() % 2) + 200 * u64::from(p.pos % 8);
                     let end = base + jitter;

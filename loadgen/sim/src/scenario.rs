@@ -513,7 +513,7 @@ impl Scenario {
         if c.gpus_per_node == 0 || c.gpus_per_node > 64 {
             p.push(format!("cluster.gpus_per_node = {} must be in 1..=64", c.gpus_per_node));
         }
-        if c.pods_per_node == 0 || c.gpus_per_node % c.pods_per_node.max(1) != 0 {
+        if c.pods_per_node == 0 || !c.gpus_per_node.is_multiple_of(c.pods_per_node.max(1)) {
             p.push(format!(
                 "cluster.pods_per_node = {} must divide gpus_per_node = {}",
                 c.pods_per_node, c.gpus_per_node

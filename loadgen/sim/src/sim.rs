@@ -100,7 +100,14 @@ struct Counters {
 
 impl Counters {
     fn new(stream: StreamId) -> Self {
-        Self { stream, attempted: 0, drops: [0; DROP_SLOTS], sampled_out: 0, delivered: 0, dropped_since_snapshot: false }
+        Self {
+            stream,
+            attempted: 0,
+            drops: [0; DROP_SLOTS],
+            sampled_out: 0,
+            delivered: 0,
+            dropped_since_snapshot: false,
+        }
     }
 }
 
@@ -390,14 +397,13 @@ impl Simulation {
         let hb = self.scenario.timers.heartbeat_ms * 1_000_000;
         while self.now < until {
             let next_hb = (self.now / hb + 1) * hb;
-            let next_reset =
-                self.nodes.iter().flat_map(|n| n.resets.iter().copied()).filter(|&r| r > self.now).min();
+            let next_reset = self.nodes.iter().flat_map(|n| n.resets.iter().copied()).filter(|&r| r > self.now).min();
             let boundary = next_hb.min(next_reset.unwrap_or(u64::MAX)).min(until);
             for node in 0..self.nodes.len() {
                 self.emit_until(node, boundary, sink);
             }
             self.now = boundary;
-            if boundary % hb == 0 || boundary == horizon {
+            if boundary.is_multiple_of(hb) || boundary == horizon {
                 for node in 0..self.nodes.len() {
                     if self.nodes[node].dead_at > boundary {
                         self.snapshot(node, boundary, sink);
@@ -458,40 +464,42 @@ impl Simulation {
         list.iter().find(|w| w.0 == ring && w.1 <= t && t < w.2).map(|w| w.3)
     }
 
+    /// Emits node `node`'s events before `until`, P0 and bulk merged in time order, so
+    /// a node's output does not depend on how the run is sliced into steps.
     fn emit_until(&mut self, node: usize, until: u64, sink: &mut impl Sink) {
         let until = until.min(self.nodes[node].dead_at.max(self.now));
-        // P0 events.
-        while let Some(ev) = self.nodes[node].events.get(self.nodes[node].next_event).copied() {
-            if ev.t >= until {
-                break;
+        let period = self.nodes[node].bulk_period_ns;
+        let every = u64::from(self.scenario.bulk.sample_every.max(1));
+        let cpus = u64::from(self.scenario.cluster.cpus_per_node);
+        loop {
+            let n = &self.nodes[node];
+            let p0 = n.events.get(n.next_event).map(|e| e.t).filter(|&t| t < until);
+            let bulk = (period > 0.0).then(|| bulk_time(n.bulk_next, period)).filter(|&t| t < until);
+            match (p0, bulk) {
+                (Some(tp), Some(tb)) if tb < tp => self.next_bulk(node, tb, every, cpus, sink),
+                (Some(_), _) => {
+                    let ev = self.nodes[node].events[self.nodes[node].next_event];
+                    self.nodes[node].next_event += 1;
+                    self.emit_p0(node, ev, sink);
+                }
+                (None, Some(tb)) => self.next_bulk(node, tb, every, cpus, sink),
+                (None, None) => break,
             }
-            self.nodes[node].next_event += 1;
-            self.emit_p0(node, ev, sink);
         }
         self.flush_pending(node, sink);
-        // Bulk events.
-        let period = self.nodes[node].bulk_period_ns;
-        if period > 0.0 {
-            let every = u64::from(self.scenario.bulk.sample_every.max(1));
-            let cpus = u64::from(self.scenario.cluster.cpus_per_node);
-            loop {
-                let i = self.nodes[node].bulk_next;
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "event times fit u64 ns")]
-                let t = (i as f64 * period) as u64;
-                if t >= until {
-                    break;
-                }
-                self.nodes[node].bulk_next += 1;
-                self.emit_bulk(node, i, t, every, cpus, sink);
-            }
-        }
+    }
+
+    fn next_bulk(&mut self, node: usize, t: u64, every: u64, cpus: u64, sink: &mut impl Sink) {
+        let i = self.nodes[node].bulk_next;
+        self.nodes[node].bulk_next += 1;
+        self.emit_bulk(node, i, t, every, cpus, sink);
     }
 
     fn emit_bulk(&mut self, node: usize, i: u64, t: u64, every: u64, cpus: u64, sink: &mut impl Sink) {
         let n = &mut self.nodes[node];
         let cpu = (i % cpus) as usize;
         let Some(c) = n.bulk.get_mut(cpu) else { return };
-        if i % every != 0 {
+        if !i.is_multiple_of(every) {
             c.sampled_out += 1;
             return;
         }
@@ -509,7 +517,8 @@ impl Simulation {
         c.delivered += 1;
         let stream = c.stream;
         let ts = node_clock(n, t, MONO_BASE_NS + node as u64 * 7_000_000_000);
-        let (flags, weight) = if every > 1 { (flags::SAMPLED, u16::try_from(every).unwrap_or(u16::MAX)) } else { (0, 1) };
+        let (flags, weight) =
+            if every > 1 { (flags::SAMPLED, u16::try_from(every).unwrap_or(u16::MAX)) } else { (0, 1) };
         match self.scenario.bulk.kind {
             BulkKind::Packet => {
                 let mut f = BulkPacketFrame::new_zeroed();
@@ -612,7 +621,12 @@ impl Simulation {
                 f.pid = U32::new(rank.pid);
                 f.status = I32::new(0);
                 f.local_rank = U16::new(u16::try_from(rank.gpu).unwrap_or(u16::MAX));
-                f.cuda_dev = U16::new(u16::try_from(rank.gpu % (self.scenario.cluster.gpus_per_node / self.scenario.cluster.pods_per_node).max(1)).unwrap_or(0));
+                f.cuda_dev = U16::new(
+                    u16::try_from(
+                        rank.gpu % (self.scenario.cluster.gpus_per_node / self.scenario.cluster.pods_per_node).max(1),
+                    )
+                    .unwrap_or(0),
+                );
                 f.channel = U16::new(ev.channel.unwrap_or(0));
                 f.n_channels = U16::new(op.channels);
                 f.op = kind.code();
@@ -635,7 +649,8 @@ impl Simulation {
                 f.pid = U32::new(rank.pid);
                 f.channel = U16::new(ev.channel.unwrap_or(0));
                 f.n_channels = U16::new(op.channels);
-                f.op = if p.pos == src { proto_flat::codes::Op::Send.code() } else { proto_flat::codes::Op::Recv.code() };
+                f.op =
+                    if p.pos == src { proto_flat::codes::Op::Send.code() } else { proto_flat::codes::Op::Recv.code() };
                 f.phase = ev.phase.code();
                 f.dtype = dtype.code();
                 self.frame_buf.extend_from_slice(f.as_bytes());
@@ -705,9 +720,12 @@ impl Simulation {
             p.last_enqueued_op = U64::new(track.max[0]);
             p.last_kernel_started_op = U64::new(track.max[1]);
             p.last_completed_op = U64::new(track.max[2]);
-            p.last_update_ns = U64::new(clock(drift, offset, track.last_update, MONO_BASE_NS + node as u64 * 7_000_000_000));
+            p.last_update_ns =
+                U64::new(clock(drift, offset, track.last_update, MONO_BASE_NS + node as u64 * 7_000_000_000));
             p.gpu_uuid = rank.gpu_uuid;
-            p.rank = U32::new(comm.members.iter().position(|&m| m == track.rank).and_then(|x| u32::try_from(x).ok()).unwrap_or(0));
+            p.rank = U32::new(
+                comm.members.iter().position(|&m| m == track.rank).and_then(|x| u32::try_from(x).ok()).unwrap_or(0),
+            );
             p.pid = U32::new(rank.pid);
             p.exit_code = I32::new(exit.map_or(0, |e| e.2));
             p.activation_mask = U32::new(self.scenario.cluster.activation_mask);
@@ -744,6 +762,18 @@ impl Simulation {
         }
         crate::truth::build(&self.scenario, &self.options, &self.model, &self.lost_p0, streams)
     }
+}
+
+/// Time of the `i`-th bulk event of a node.
+fn bulk_time(i: u64, period_ns: f64) -> u64 {
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "event times fit u64 ns"
+    )]
+    let t = (i as f64 * period_ns) as u64;
+    t
 }
 
 fn node_clock(n: &NodeState, t: u64, base: u64) -> u64 {

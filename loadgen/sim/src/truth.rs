@@ -223,14 +223,20 @@ pub(crate) fn build(
         let mut any_mismatch = false;
         for (pi, p) in op.participants.iter().enumerate() {
             let r = &m.ranks[p.rank as usize];
-            let lost = lost_p0.get(&(u32::try_from(op.id).unwrap_or(u32::MAX), u16::try_from(pi).unwrap_or(0))).copied().unwrap_or(0);
+            let lost = lost_p0
+                .get(&(u32::try_from(op.id).unwrap_or(u32::MAX), u16::try_from(pi).unwrap_or(0)))
+                .copied()
+                .unwrap_or(0);
             let mut tags = Vec::new();
             if lost > 0 {
                 tags.push("telemetry_loss".to_owned());
                 any_loss = true;
             }
             if let Some(f) = p.mismatch {
-                tags.push(format!("mismatch({})", serde_json::to_value(f).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()));
+                tags.push(format!(
+                    "mismatch({})",
+                    serde_json::to_value(f).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
+                ));
                 any_mismatch = true;
             }
             if p.gpu_lag_ns > 0 {
@@ -257,7 +263,9 @@ pub(crate) fn build(
                 let deadline = |d: u64| horizon >= first_start.saturating_add(d);
                 match p.block {
                     Some(Block::NodeDead) => ("unknown_silent".to_owned(), true),
-                    Some(Block::NotJoined(JoinReason::Exited)) => ("not_joined(process_exited)".to_owned(), deadline(join)),
+                    Some(Block::NotJoined(JoinReason::Exited)) => {
+                        ("not_joined(process_exited)".to_owned(), deadline(join))
+                    }
                     Some(Block::NotJoined(_)) => ("not_joined".to_owned(), deadline(join)),
                     Some(Block::GpuHungBefore | Block::GpuHungAfter) => ("stuck".to_owned(), deadline(stuck)),
                     Some(Block::RunAhead(id) | Block::GpuOrder(id)) => {
@@ -340,13 +348,17 @@ pub(crate) fn build(
                 Fault::GpuHang { node, gpu, at_ms, .. } if node == r.node && gpu == r.gpu && at_ms * ms < horizon => {
                     raise("degraded", format!("gpu hung at {at_ms} ms"), &mut why);
                 }
-                Fault::ChannelHang { node, gpu, at_ms, channel, .. } if node == r.node && gpu == r.gpu && at_ms * ms < horizon => {
+                Fault::ChannelHang { node, gpu, at_ms, channel, .. }
+                    if node == r.node && gpu == r.gpu && at_ms * ms < horizon =>
+                {
                     raise("degraded", format!("channel {channel} hung at {at_ms} ms"), &mut why);
                 }
                 Fault::GpuStraggler { node, gpu, lag_ms, .. } if node == r.node && gpu == r.gpu => {
                     raise("degraded", format!("gpu-side straggler, {lag_ms} ms"), &mut why);
                 }
-                Fault::NotJoined { node, gpu, from_ms, .. } if node == r.node && gpu == r.gpu && from_ms * ms < horizon => {
+                Fault::NotJoined { node, gpu, from_ms, .. }
+                    if node == r.node && gpu == r.gpu && from_ms * ms < horizon =>
+                {
                     raise("suspect", format!("not joined from {from_ms} ms (host side)"), &mut why);
                 }
                 Fault::NodeDead { node, at_ms } if node == r.node && at_ms * ms < horizon => {
@@ -419,12 +431,15 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
             let alive = m.dead_at[node as usize] > at_ms * ms + s.timers.stuck_deadline_ms * ms;
             let late_enough = horizon >= at_ms * ms + s.timers.stuck_deadline_ms * ms + hb;
             let ok = r.instrumented && mask & mask::KERNEL_CH != 0 && alive && late_enough;
-            (ok, format!(
-                "needs kernel-channel events and PROGRESS of an instrumented, live rank past the stuck deadline \
+            (
+                ok,
+                format!(
+                    "needs kernel-channel events and PROGRESS of an instrumented, live rank past the stuck deadline \
                  (instrumented={}, kernel_ch={}, alive={alive}, deadline_passed={late_enough})",
-                r.instrumented,
-                mask & mask::KERNEL_CH != 0
-            ))
+                    r.instrumented,
+                    mask & mask::KERNEL_CH != 0
+                ),
+            )
         }
         Fault::ChannelHang { .. } => {
             (false, "the hung channel is missing on every rank: no rank-level evidence singles out the culprit".into())
@@ -432,16 +447,23 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
         Fault::NotJoined { node, gpu, from_ms, .. } => {
             let r = rank(node, gpu);
             let late_enough = horizon >= from_ms * ms + s.timers.join_deadline_ms * ms;
-            (r.instrumented && late_enough, format!(
-                "needs fresh PROGRESS showing the rank behind past the join deadline (instrumented={}, deadline_passed={late_enough})",
-                r.instrumented
-            ))
+            (
+                r.instrumented && late_enough,
+                format!(
+                    "needs fresh PROGRESS showing the rank behind past the join deadline (instrumented={}, deadline_passed={late_enough})",
+                    r.instrumented
+                ),
+            )
         }
         Fault::GpuStraggler { node, gpu, lag_ms, .. } => {
             let r = rank(node, gpu);
             let bound = s.timers.straggler_threshold_ms.max(6.0 * s.timers.clock_epsilon_ms);
-            let instances =
-                m.ops.iter().flat_map(|o| o.participants.iter()).filter(|p| p.rank == r.global && p.gpu_lag_ns > 0).count();
+            let instances = m
+                .ops
+                .iter()
+                .flat_map(|o| o.participants.iter())
+                .filter(|p| p.rank == r.global && p.gpu_lag_ns > 0)
+                .count();
             let ok = lag_ms > bound && instances >= 3 && mask & mask::KERNEL_CH != 0 && r.instrumented;
             (ok, format!("lag {lag_ms} ms vs bound {bound} ms, {instances} lagging instances (need 3 of 5)"))
         }
@@ -460,7 +482,10 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
                             .is_none()
                 })
             });
-            (survived && r.instrumented && mask & mask::COLL != 0, format!("the mismatching frames survived: {survived}"))
+            (
+                survived && r.instrumented && mask & mask::COLL != 0,
+                format!("the mismatching frames survived: {survived}"),
+            )
         }
         Fault::NodeDead { node: _, at_ms } => {
             let ok = horizon >= at_ms * ms + s.timers.silent_ms * ms;
@@ -478,6 +503,8 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
         | Fault::ShipperRestart { .. }
         | Fault::AggregatorRestart { .. }
         | Fault::Partition { .. }
-        | Fault::DuplicateBatches { .. } => (true, "applied by the harness; loss records and gaps account for it".into()),
+        | Fault::DuplicateBatches { .. } => {
+            (true, "applied by the harness; loss records and gaps account for it".into())
+        }
     }
 }

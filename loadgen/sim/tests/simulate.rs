@@ -11,7 +11,7 @@ fn scenario(name: &str) -> loadgen_sim::Scenario {
     builtin::builtin(name).expect("exists").expect("valid")
 }
 
-fn outcomes<'a>(truth: &'a loadgen_sim::GroundTruth) -> impl Iterator<Item = &'a loadgen_sim::truth::RankTruth> {
+fn outcomes(truth: &loadgen_sim::GroundTruth) -> impl Iterator<Item = &loadgen_sim::truth::RankTruth> {
     truth.collectives.iter().flat_map(|c| c.ranks.iter())
 }
 
@@ -52,7 +52,8 @@ fn seed_case_is_telemetry_loss_not_degradation() {
     assert!(lossy.iter().all(|r| r.node == 3 && r.outcome == "completed"));
     assert_eq!(t.nodes[3].health, "healthy_lossy");
     assert!(t.gpus.iter().all(|g| g.health != "degraded"));
-    let p0_drops: u64 = t.streams.iter().filter(|s| s.node == 3 && s.class == "p0").flat_map(|s| s.dropped.values()).sum();
+    let p0_drops: u64 =
+        t.streams.iter().filter(|s| s.node == 3 && s.class == "p0").flat_map(|s| s.dropped.values()).sum();
     assert!(p0_drops > 0);
 }
 
@@ -164,5 +165,8 @@ fn mixed_faults_show_up_in_truth_and_output() {
     assert!(t.collectives.iter().any(|c| c.graph_replay.is_some() && c.comm_op_seq == 0));
     assert!(check.seen.values().any(|s| s.out_of_order > 0), "reordering must be visible in seq order");
     let scheduled: Vec<_> = sim.scheduled_faults().iter().map(|f| f.kind()).collect();
-    assert_eq!(scheduled, ["spool_overflow", "shipper_restart", "aggregator_restart", "partition", "duplicate_batches"]);
+    assert_eq!(
+        scheduled,
+        ["spool_overflow", "shipper_restart", "aggregator_restart", "partition", "duplicate_batches"]
+    );
 }

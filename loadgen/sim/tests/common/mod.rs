@@ -1,7 +1,7 @@
 //! A sink that decodes everything the simulator writes, the way a shipper and an
 //! aggregator would, and counts per stream what arrived.
 
-#![allow(dead_code, reason = "shared by several test binaries, each using a part")]
+#![allow(dead_code, unreachable_pub, reason = "shared by several test binaries, each using a part")]
 
 use std::collections::{BTreeMap, HashMap};
 

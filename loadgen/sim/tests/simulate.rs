@@ -31,15 +31,16 @@ fn at_least_ten_builtin_scenarios_run_and_conserve() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 26, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
 
     /// Conservation counted from the decoded output (seq holes per stream) against the
-    /// simulated kernel counters, for every scenario and many seeds.
+    /// simulated kernel counters, for every scenario, at many seeds.
     #[test]
-    fn conservation_for_every_scenario_and_seed(idx in 0usize..builtin::BUILTIN.len(), seed in any::<u64>()) {
-        let s = scenario(builtin::BUILTIN[idx].0);
-        let (_, check, truth) = run(&s, Some(seed), 1e-5);
-        assert_conservation(&check, &truth);
+    fn conservation_for_every_scenario_and_seed(seed in any::<u64>(), scale in 1e-6f64..5e-5) {
+        for (name, _) in builtin::BUILTIN {
+            let (_, check, truth) = run(&scenario(name), Some(seed), scale);
+            assert_conservation(&check, &truth);
+        }
     }
 }
 

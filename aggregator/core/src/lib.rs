@@ -2,10 +2,23 @@
 //!
 //! What it is: deterministic state machines that take time as an argument — per-stream
 //! sequence accounting (every lost frame an explicit, counted gap with a cause),
-//! watermarks, liveness, the collective matcher, verdicts and health.
+//! watermarks, liveness, cluster-time estimates, and (next) the collective matcher,
+//! verdicts and health.
 //!
 //! What it is not: I/O. It never imports tokio, quinn, aya or axum and never reads a
-//! clock; its own crate lets the compiler hold that boundary (as `quinn-proto` does).
+//! clock; its own crate lets the compiler hold that boundary (as `quinn-proto` does),
+//! and `tests/tests/boundaries.rs` holds its dependency graph to it.
 //!
-//! Status: the workspace skeleton (issue 2); records and loss accounting arrive with
-//! issue 4, the matcher with issues 5–6.
+//! Modules: [`records`] (what ingest produces and the matcher consumes), [`loss`]
+//! (`SeqTracker`), [`ingest`] (batches → records; watermarks, liveness, knowledge
+//! gaps), [`clock`] (cluster time), [`snapshot`] (the versioned state format).
+
+pub mod clock;
+pub mod ingest;
+pub mod loss;
+pub mod records;
+pub mod snapshot;
+
+pub use ingest::{Ingest, IngestConfig, IngestStats};
+pub use loss::SeqTracker;
+pub use records::{NodeId, Record, StreamKey};

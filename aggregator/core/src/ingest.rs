@@ -1,0 +1,640 @@
+//! `Ingest`: validated batches in, records out — sequence accounting, watermarks,
+//! liveness, clocks and the aggregator's own knowledge gaps for every node.
+//!
+//! The matcher never sees a batch: [`Ingest::handle_batch`] is the one function that
+//! turns a decoded batch into [`Record`]s.
+//!
+//! Method groups and call order (quinn-proto's `Connection` is the model):
+//! - getters: [`Ingest::tracker`], [`Ingest::node`], [`Ingest::stats`];
+//! - inputs: [`Ingest::handle_batch`] (a batch that passed `BatchView::parse` and
+//!   `validate`), [`Ingest::handle_connection_closed`], [`Ingest::handle_timeout`];
+//! - outputs: [`Ingest::poll_record`] until `None`, then [`Ingest::poll_timeout`] for
+//!   the next time to call `handle_timeout`.
+//!
+//! Time is always an argument (`now`, aggregator ns); nothing here reads a clock.
+//!
+//! Invariants:
+//! - a P0 frame yields exactly one `Lifecycle` record; bulk frames yield none;
+//! - a node's watermark for a class never moves back, and never passes a pending gap of
+//!   any stream of that class in the current epoch;
+//! - memory is bounded: `max_nodes`, `max_streams_per_node`, per-tracker gap caps; what a
+//!   cap turns away is counted in [`IngestStats`].
+
+use std::collections::BTreeMap;
+
+use proto_flat::Frame;
+use proto_flat::batch::BatchView;
+use proto_flat::codes::{Class, LossCause, WireEnum};
+use proto_flat::sections::Section;
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::clock::ClockEstimate;
+use crate::loss::{HeartbeatCounters, SeqTracker, TrackerLimits};
+use crate::records::{
+    Comm, EpochChange, KnowledgeGap, Lifecycle, LifecycleKind, Liveness, LivenessState, LossInterval, NodeId,
+    Progress, Record, ShipperGap, StreamKey, Watermark,
+};
+
+/// Configuration (DESIGN's timer defaults).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IngestConfig {
+    /// Settlement delay after a heartbeat (DESIGN: 500 ms).
+    pub reorder_timeout_ns: u64,
+    /// Silent after this long without frames or heartbeats (NCCL RAS warns at 5 s).
+    pub silent_ns: u64,
+    /// Unreachable after this long (RAS: dead at 60 s), or when the connection closes.
+    pub unreachable_ns: u64,
+    pub max_nodes: usize,
+    pub max_streams_per_node: usize,
+    pub tracker: TrackerLimits,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            reorder_timeout_ns: 500_000_000,
+            silent_ns: 5_000_000_000,
+            unreachable_ns: 60_000_000_000,
+            max_nodes: 4096,
+            // 2 rings × 256 CPUs × 2 + the shipper's own streams, with room.
+            max_streams_per_node: 2048,
+            tracker: TrackerLimits::default(),
+        }
+    }
+}
+
+/// What ingest counted (exported as metrics by the aggregator).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IngestStats {
+    pub batches: u64,
+    pub frames: u64,
+    pub lifecycle_records: u64,
+    pub unknown_frames: u64,
+    pub malformed_frames: u64,
+    /// Frames of an epoch already closed.
+    pub stale_epoch_frames: u64,
+    /// Frames of streams refused by `max_streams_per_node`.
+    pub streams_refused_frames: u64,
+    /// Batches of nodes refused by `max_nodes`.
+    pub nodes_refused_batches: u64,
+    pub loss_intervals: u64,
+}
+
+/// One node's ingest state.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct NodeState {
+    pub epoch: u64,
+    /// `(epoch, stream_id)` → tracker.
+    pub trackers: BTreeMap<(u64, u32), SeqTracker>,
+    pub clock: ClockEstimate,
+    pub last_heard_ns: u64,
+    pub liveness: LivenessState,
+    pub connected: bool,
+    /// Whether a batch arrived since start or restore (the knowledge gap ends there).
+    pub heard_since_start: bool,
+    /// Watermark per class code (node ns); 0 = none yet.
+    pub watermark_ns: [u64; 4],
+}
+
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+struct Settle {
+    node: NodeId,
+    epoch: u64,
+    stream_id: u32,
+    hb: HeartbeatCounters,
+    /// When the heartbeat arrived.
+    announced_ns: u64,
+}
+
+/// The ingest state machine. See the module docs for the call order.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Ingest {
+    config: IngestConfig,
+    nodes: BTreeMap<NodeId, NodeState>,
+    /// `(due, order)` → settlement.
+    settles: BTreeMap<(u64, u64), Settle>,
+    next_order: u64,
+    next_loss_id: u64,
+    /// Aggregator start, or the time of the snapshot restored.
+    known_since_ns: u64,
+    stats: IngestStats,
+    out: Vec<Record>,
+    out_read: usize,
+}
+
+impl Ingest {
+    /// A fresh ingest started at `now`.
+    #[must_use]
+    pub fn new(config: IngestConfig, now: u64) -> Self {
+        Self {
+            config,
+            nodes: BTreeMap::new(),
+            settles: BTreeMap::new(),
+            next_order: 0,
+            next_loss_id: 0,
+            known_since_ns: now,
+            stats: IngestStats::default(),
+            out: Vec::new(),
+            out_read: 0,
+        }
+    }
+
+    // ---------------------------------------------------------------- getters
+
+    /// The tracker of a stream.
+    #[must_use]
+    pub fn tracker(&self, key: StreamKey) -> Option<&SeqTracker> {
+        self.nodes.get(&key.node)?.trackers.get(&(key.epoch, key.stream_id))
+    }
+
+    /// Every tracker of a node.
+    pub fn trackers(&self, node: NodeId) -> impl Iterator<Item = &SeqTracker> {
+        self.nodes.get(&node).into_iter().flat_map(|n| n.trackers.values())
+    }
+
+    /// A node's state.
+    #[must_use]
+    pub fn node(&self, node: NodeId) -> Option<&NodeState> {
+        self.nodes.get(&node)
+    }
+
+    /// Counters.
+    #[must_use]
+    pub fn stats(&self) -> &IngestStats {
+        &self.stats
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &IngestConfig {
+        &self.config
+    }
+
+    // ---------------------------------------------------------------- outputs
+
+    /// The next record, in the order they were produced.
+    pub fn poll_record(&mut self) -> Option<Record> {
+        let r = self.out.get(self.out_read).copied();
+        if r.is_some() {
+            self.out_read += 1;
+        }
+        if self.out_read >= self.out.len() {
+            self.out.clear();
+            self.out_read = 0;
+        }
+        r
+    }
+
+    /// When to call [`Self::handle_timeout`] next.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<u64> {
+        let settle = self.settles.keys().next().map(|k| k.0);
+        let liveness = self
+            .nodes
+            .values()
+            .filter_map(|n| match n.liveness {
+                LivenessState::Fresh => Some(n.last_heard_ns + self.config.silent_ns),
+                LivenessState::Silent => Some(n.last_heard_ns + self.config.unreachable_ns),
+                LivenessState::Unreachable => None,
+            })
+            .min();
+        match (settle, liveness) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    // ---------------------------------------------------------------- inputs
+
+    /// Time passed: due settlements and liveness transitions.
+    pub fn handle_timeout(&mut self, now: u64) {
+        let mut scratch = Vec::new();
+        while let Some((&key, _)) = self.settles.iter().next() {
+            if key.0 > now {
+                break;
+            }
+            let Some(s) = self.settles.remove(&key) else { break };
+            if let Some(t) = self.nodes.get_mut(&s.node).and_then(|n| n.trackers.get_mut(&(s.epoch, s.stream_id)))
+                && !t.is_closed()
+            {
+                t.settle(&s.hb, s.announced_ns, now, &mut scratch, &mut self.next_loss_id);
+            }
+            self.flush_losses(&mut scratch);
+            self.update_watermarks(s.node);
+        }
+        let (silent, unreachable) = (self.config.silent_ns, self.config.unreachable_ns);
+        for (&id, n) in &mut self.nodes {
+            let age = now.saturating_sub(n.last_heard_ns);
+            let state = if !n.connected || age >= unreachable {
+                LivenessState::Unreachable
+            } else if age >= silent {
+                LivenessState::Silent
+            } else {
+                LivenessState::Fresh
+            };
+            if state != n.liveness {
+                n.liveness = state;
+                self.out.push(Record::Liveness(Liveness { node: id, state, at_ns: now, last_heard_ns: n.last_heard_ns }));
+            }
+        }
+    }
+
+    /// The node's connection closed: unreachable now.
+    pub fn handle_connection_closed(&mut self, now: u64, node: NodeId) {
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.connected = false;
+            if n.liveness != LivenessState::Unreachable {
+                n.liveness = LivenessState::Unreachable;
+                self.out.push(Record::Liveness(Liveness {
+                    node,
+                    state: LivenessState::Unreachable,
+                    at_ns: now,
+                    last_heard_ns: n.last_heard_ns,
+                }));
+            }
+        }
+    }
+
+    /// A validated batch from `node` arrived at `now` over a path with round-trip
+    /// `rtt_ns` (for the clock estimate). Returns false if the node was refused by
+    /// `max_nodes` (counted).
+    pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
+        if !self.nodes.contains_key(&node) {
+            if self.nodes.len() >= self.config.max_nodes {
+                self.stats.nodes_refused_batches += 1;
+                return false;
+            }
+            self.nodes.insert(
+                node,
+                NodeState {
+                    epoch: batch.header.epoch.get(),
+                    trackers: BTreeMap::new(),
+                    clock: ClockEstimate::default(),
+                    last_heard_ns: now,
+                    liveness: LivenessState::Fresh,
+                    connected: true,
+                    heard_since_start: false,
+                    watermark_ns: [0; 4],
+                },
+            );
+        }
+        self.stats.batches += 1;
+        let mut scratch = Vec::new();
+        {
+            let Some(n) = self.nodes.get_mut(&node) else { return false };
+            n.last_heard_ns = now;
+            n.connected = true;
+            if n.liveness != LivenessState::Fresh {
+                n.liveness = LivenessState::Fresh;
+                self.out.push(Record::Liveness(Liveness {
+                    node,
+                    state: LivenessState::Fresh,
+                    at_ns: now,
+                    last_heard_ns: now,
+                }));
+            }
+            if !n.heard_since_start {
+                n.heard_since_start = true;
+                self.out.push(Record::KnowledgeGap(KnowledgeGap { node, from_ns: self.known_since_ns, to_ns: now }));
+            }
+        }
+        let epoch = batch.header.epoch.get();
+        self.maybe_new_epoch(now, node, epoch, [0; 16], &mut scratch);
+        match batch.lane() {
+            Class::P1 => self.ingest_p1(now, node, epoch, rtt_ns, batch, &mut scratch),
+            Class::P0 => self.ingest_frames(now, node, epoch, batch, true, &mut scratch),
+            _ => self.ingest_frames(now, node, epoch, batch, false, &mut scratch),
+        }
+        self.flush_losses(&mut scratch);
+        self.update_watermarks(node);
+        true
+    }
+
+    // ---------------------------------------------------------------- internals
+
+    fn flush_losses(&mut self, scratch: &mut Vec<LossInterval>) {
+        self.stats.loss_intervals += scratch.len() as u64;
+        self.out.extend(scratch.drain(..).map(Record::Loss));
+    }
+
+    fn maybe_new_epoch(&mut self, now: u64, node: NodeId, epoch: u64, boot_id: [u8; 16], scratch: &mut Vec<LossInterval>) {
+        let Some(n) = self.nodes.get_mut(&node) else { return };
+        if epoch <= n.epoch {
+            return;
+        }
+        let old = n.epoch;
+        for ((e, _), t) in &mut n.trackers {
+            if *e < epoch {
+                t.close_epoch(now, scratch, &mut self.next_loss_id);
+            }
+        }
+        n.epoch = epoch;
+        n.watermark_ns = [0; 4];
+        self.out.push(Record::Epoch(EpochChange { node, old_epoch: old, new_epoch: epoch, boot_id, at_ns: now }));
+    }
+
+    /// The tracker for `(node, epoch, stream)`, created if the caps allow; `None` if
+    /// refused or the epoch is closed.
+    fn tracker_mut<'a>(
+        nodes: &'a mut BTreeMap<NodeId, NodeState>,
+        config: &IngestConfig,
+        stats: &mut IngestStats,
+        node: NodeId,
+        epoch: u64,
+        stream_id: u32,
+    ) -> Option<&'a mut SeqTracker> {
+        let n = nodes.get_mut(&node)?;
+        if epoch < n.epoch {
+            stats.stale_epoch_frames += 1;
+            return None;
+        }
+        let len = n.trackers.len();
+        match n.trackers.entry((epoch, stream_id)) {
+            std::collections::btree_map::Entry::Occupied(e) => Some(e.into_mut()),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                if len >= config.max_streams_per_node {
+                    stats.streams_refused_frames += 1;
+                    return None;
+                }
+                Some(v.insert(SeqTracker::new(StreamKey { node, epoch, stream_id }, config.tracker)))
+            }
+        }
+    }
+
+    /// P0 and bulk lanes: the seq scan (and lifecycle records for P0).
+    fn ingest_frames(
+        &mut self,
+        now: u64,
+        node: NodeId,
+        epoch: u64,
+        batch: &BatchView<'_>,
+        lifecycle: bool,
+        scratch: &mut Vec<LossInterval>,
+    ) {
+        if !lifecycle {
+            // Bulk: the summary names the streams; one tracker lookup per stream run.
+            let mut last_stream = u32::MAX;
+            let mut frames = 0u64;
+            let mut tracker: Option<&mut SeqTracker> = None;
+            for item in batch.headers() {
+                let Ok((h, _)) = item else { break };
+                frames += 1;
+                let sid = h.stream_id.get();
+                if sid != last_stream || tracker.is_none() {
+                    last_stream = sid;
+                    tracker = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid);
+                }
+                if let Some(t) = tracker.as_deref_mut() {
+                    t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
+                }
+            }
+            self.stats.frames += frames;
+            return;
+        }
+        let offset = self.nodes.get(&node).map_or(ClockEstimate::default(), |n| n.clock.clone());
+        for item in batch.frames() {
+            let Ok(frame) = item else { break };
+            self.stats.frames += 1;
+            let h = frame.header();
+            if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
+                t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
+            }
+            let stream = StreamKey { node, epoch, stream_id: h.stream_id.get() };
+            let record = match frame {
+                Frame::Collective(f) => Some(Lifecycle {
+                    stream,
+                    seq: h.seq.get(),
+                    flags: h.flags.get(),
+                    ts_node_ns: h.ts_ns.get(),
+                    ts_cluster_ns: offset.to_cluster(h.ts_ns.get()),
+                    comm: Comm {
+                        hash: f.comm_hash.get(),
+                        disambiguator: f.comm_disambiguator.get(),
+                        instance: f.comm_instance.get(),
+                    },
+                    local_op_seq: f.local_op_seq.get(),
+                    rank: f.rank.get(),
+                    pid: f.pid.get(),
+                    op: f.op,
+                    dtype: f.dtype,
+                    phase: f.phase,
+                    count: f.count.get(),
+                    group_id: f.group_id.get(),
+                    status: f.status.get(),
+                    channel: f.channel.get(),
+                    n_channels: f.n_channels.get(),
+                    kind: LifecycleKind::Collective {
+                        comm_op_seq: f.comm_op_seq.get(),
+                        nccl_seq: f.nccl_seq.get(),
+                        nranks: f.nranks.get(),
+                        root: f.root.get(),
+                        local_rank: f.local_rank.get(),
+                        cuda_dev: f.cuda_dev.get(),
+                        graph_id: f.graph_id.get(),
+                        graph_node: f.graph_node.get(),
+                        replay_idx: f.replay_idx.get(),
+                    },
+                }),
+                Frame::P2p(f) => Some(Lifecycle {
+                    stream,
+                    seq: h.seq.get(),
+                    flags: h.flags.get(),
+                    ts_node_ns: h.ts_ns.get(),
+                    ts_cluster_ns: offset.to_cluster(h.ts_ns.get()),
+                    comm: Comm {
+                        hash: f.comm_hash.get(),
+                        disambiguator: f.comm_disambiguator.get(),
+                        instance: f.comm_instance.get(),
+                    },
+                    local_op_seq: f.local_op_seq.get(),
+                    rank: f.rank.get(),
+                    pid: f.pid.get(),
+                    op: f.op,
+                    dtype: f.dtype,
+                    phase: f.phase,
+                    count: f.count.get(),
+                    group_id: f.group_id.get(),
+                    status: f.status.get(),
+                    channel: f.channel.get(),
+                    n_channels: f.n_channels.get(),
+                    kind: LifecycleKind::P2p { src: f.src.get(), dst: f.dst.get(), p2p_seq: f.p2p_seq.get() },
+                }),
+                Frame::Unknown { .. } => {
+                    self.stats.unknown_frames += 1;
+                    None
+                }
+                Frame::Malformed { .. } => {
+                    self.stats.malformed_frames += 1;
+                    None
+                }
+                _ => None,
+            };
+            if let Some(r) = record {
+                self.stats.lifecycle_records += 1;
+                self.out.push(Record::Lifecycle(r));
+            }
+        }
+    }
+
+    /// P1 lane: heartbeats, loss records, session and epoch frames.
+    fn ingest_p1(
+        &mut self,
+        now: u64,
+        node: NodeId,
+        epoch: u64,
+        rtt_ns: u64,
+        batch: &BatchView<'_>,
+        scratch: &mut Vec<LossInterval>,
+    ) {
+        for item in batch.frames() {
+            let Ok(frame) = item else { break };
+            self.stats.frames += 1;
+            let h = frame.header();
+            if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
+                t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
+            }
+            match frame {
+                Frame::Heartbeat(hb) => {
+                    let snapshot = hb.head.snapshot_ns.get();
+                    if let Some(n) = self.nodes.get_mut(&node) {
+                        n.clock.on_heartbeat(h.ts_ns.get(), now, rtt_ns);
+                    }
+                    let clock = self.nodes.get(&node).map(|n| n.clock.clone()).unwrap_or_default();
+                    for section in hb.sections() {
+                        match section {
+                            Section::Streams(entries) => {
+                                for e in entries.iter() {
+                                    let counters = HeartbeatCounters {
+                                        attempted: e.attempted_seq.get(),
+                                        spooled_through: e.spooled_through_seq.get(),
+                                        kernel_ring_full: e.drops_for(LossCause::KernelRingFull),
+                                        kernel_oversized: e.drops_for(LossCause::Oversized),
+                                        sampled_out: e.sampled_out.get(),
+                                        snapshot_node_ns: snapshot,
+                                    };
+                                    let sid = e.stream_id.get();
+                                    if let Some(t) =
+                                        Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
+                                    {
+                                        t.on_heartbeat(counters);
+                                        let due = now + self.config.reorder_timeout_ns;
+                                        self.settles.insert(
+                                            (due, self.next_order),
+                                            Settle { node, epoch, stream_id: sid, hb: counters, announced_ns: now },
+                                        );
+                                        self.next_order += 1;
+                                    }
+                                }
+                            }
+                            Section::Progress(entries) => {
+                                for p in entries.iter() {
+                                    self.out.push(Record::Progress(Progress {
+                                        node,
+                                        epoch,
+                                        comm: Comm {
+                                            hash: p.comm_hash.get(),
+                                            disambiguator: p.comm_disambiguator.get(),
+                                            instance: p.comm_instance.get(),
+                                        },
+                                        rank: p.rank.get(),
+                                        pid: p.pid.get(),
+                                        proc_state: p.proc_state,
+                                        exit_code: p.exit_code.get(),
+                                        gpu_uuid: p.gpu_uuid,
+                                        cgroup_id: p.cgroup_id.get(),
+                                        activation_mask: p.activation_mask.get(),
+                                        last_enqueued_op: p.last_enqueued_op.get(),
+                                        last_kernel_started_op: p.last_kernel_started_op.get(),
+                                        last_completed_op: p.last_completed_op.get(),
+                                        last_update_node_ns: p.last_update_ns.get(),
+                                        snapshot_node_ns: snapshot,
+                                        snapshot_cluster_ns: clock.to_cluster(snapshot),
+                                        received_at_ns: now,
+                                    }));
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                Frame::LossRecord(r) => {
+                    let sid = r.stream_id.get();
+                    if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid) {
+                        t.on_loss_record(
+                            r.first_seq.get(),
+                            r.last_seq.get(),
+                            r.count.get(),
+                            r.cause(),
+                            r.reason.get(),
+                            now,
+                            scratch,
+                            &mut self.next_loss_id,
+                        );
+                    }
+                }
+                Frame::SessionStart(s) => {
+                    for section in s.sections() {
+                        if let Section::SessionStreams(entries) = section {
+                            for e in entries.iter() {
+                                let sid = e.stream_id.get();
+                                if let Some(t) =
+                                    Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
+                                {
+                                    t.on_session_start(e.attempted_seq.get());
+                                }
+                            }
+                        }
+                    }
+                }
+                Frame::ShipperGap(g) => self.out.push(Record::ShipperGap(ShipperGap {
+                    node,
+                    epoch,
+                    from_node_ns: g.from_ns.get(),
+                    to_node_ns: g.to_ns.get(),
+                    reason: g.reason.get(),
+                })),
+                Frame::EpochStart(e) => {
+                    self.maybe_new_epoch(now, node, e.epoch.get(), e.boot_id, scratch);
+                }
+                Frame::Unknown { .. } => self.stats.unknown_frames += 1,
+                Frame::Malformed { .. } => self.stats.malformed_frames += 1,
+                _ => {}
+            }
+        }
+    }
+
+    fn update_watermarks(&mut self, node: NodeId) {
+        let Some(n) = self.nodes.get_mut(&node) else { return };
+        for class in [Class::P0, Class::P2] {
+            let c = usize::from(class.code());
+            let wm = n
+                .trackers
+                .iter()
+                .filter(|((e, sid), _)| *e == n.epoch && proto_flat::StreamId(*sid).class_code() == class.code())
+                .map(|(_, t)| t.watermark_ns())
+                .min();
+            if let Some(wm) = wm
+                && wm > n.watermark_ns[c]
+            {
+                n.watermark_ns[c] = wm;
+                self.out.push(Record::Watermark(Watermark {
+                    node,
+                    class: class.code(),
+                    node_ns: wm,
+                    cluster_ns: n.clock.to_cluster(wm),
+                }));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- snapshots
+
+    /// Marks every node as not heard from since `now` (after a restore: the knowledge
+    /// gap runs from the snapshot to each node's first batch).
+    pub(crate) fn restart_knowledge(&mut self, snapshot_ns: u64) {
+        self.known_since_ns = snapshot_ns;
+        for n in self.nodes.values_mut() {
+            n.heard_since_start = false;
+        }
+    }
+}

@@ -1,0 +1,497 @@
+//! `SeqTracker`: exact loss accounting for one stream `(node, epoch, stream_id)`.
+//!
+//! Every seq below `attempted_seq` ends in exactly one state:
+//! - **received** (duplicates are ignored and counted);
+//! - **pending**: a gap below the highest seq seen, waiting for a late frame, a loss
+//!   record, or settlement;
+//! - **in transit**: above the highest seq seen, below the heartbeat's
+//!   `spooled_through_seq` (the shipper has it) or `attempted_seq` (still in the ring);
+//! - **lost(cause)**, as a [`LossInterval`].
+//!
+//! Resolution rules:
+//! - a late frame fills its gap; a frame for a seq already declared lost *revives* it
+//!   (the loss is taken back and counted in `revived`), so the counts end exact;
+//! - a shipper loss record `(first..=last, count, cause)` declares `count` pending seqs in
+//!   its range lost with its cause (the rest of the range are kernel holes the shipper
+//!   never saw; they stay pending);
+//! - **settlement**, `reorder_timeout` after a heartbeat `(A, S, drops)` arrived: every
+//!   gap that existed when it arrived is lost (the shipper sends a stream's frames in
+//!   order, so a hole below frames that did arrive is not in its spool): first to the
+//!   kernel's unexplained drop counts (`kernel_ring_full`, then `oversized`), the rest to
+//!   `shipper_restart` below a session's takeover floor, else `unknown`. The tail
+//!   `[high, S)` is in transit (in the spool, however long a partition lasts) unless the
+//!   unexplained kernel drops cover all of it. Counts are exact; where one range mixes
+//!   causes, causes are placed in seq order;
+//! - an epoch change settles everything below the last `attempted_seq` and emits an
+//!   explicitly unknown tail above it.
+//!
+//! Conservation (tested): `attempted + sampled_out = received + lost + pending +
+//! in_transit + sampled_out`, per stream, at every step.
+//!
+//! Memory: at most `max_gaps` gaps (beyond, the oldest is declared lost(unknown) and
+//! counted in `gaps_evicted`) and `max_recent_lost` remembered loss ranges for revival.
+
+use std::collections::BTreeMap;
+
+use proto_flat::codes::{DROP_SLOTS, LossCause, WireEnum};
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::records::{LossInterval, StreamKey};
+
+/// A pending hole `[start, end)` (start is the map key).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gap {
+    pub end: u64,
+    /// Node time of the frame below and above the hole.
+    pub lo_ts: u64,
+    pub hi_ts: u64,
+    pub created_at_ns: u64,
+}
+
+/// The last heartbeat's counters for the stream.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HeartbeatCounters {
+    pub attempted: u64,
+    pub spooled_through: u64,
+    pub kernel_ring_full: u64,
+    pub kernel_oversized: u64,
+    pub sampled_out: u64,
+    pub snapshot_node_ns: u64,
+}
+
+/// A range already declared lost, kept for revival.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LostRange {
+    pub start: u64,
+    pub end: u64,
+    pub slot: u8,
+}
+
+/// Per-stream counters.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamCounts {
+    pub received: u64,
+    pub duplicates: u64,
+    /// Lost by cause slot (`LossCause::drop_slot`).
+    pub lost: [u64; DROP_SLOTS],
+    /// Seqs declared lost that arrived after all.
+    pub revived: u64,
+    pub gaps_evicted: u64,
+}
+
+impl StreamCounts {
+    /// Total lost, all causes.
+    #[must_use]
+    pub fn lost_total(&self) -> u64 {
+        self.lost.iter().sum()
+    }
+}
+
+/// Limits.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrackerLimits {
+    pub max_gaps: usize,
+    pub max_recent_lost: usize,
+}
+
+impl Default for TrackerLimits {
+    fn default() -> Self {
+        // 4,096 gaps ≈ 200 KiB per stream at worst; 256 remembered losses cover a
+        // reorder window many batches wide.
+        Self { max_gaps: 4096, max_recent_lost: 256 }
+    }
+}
+
+/// Sequence accounting for one stream. Method groups: getters (`high`, `pending`,
+/// `counts`, `watermark_ns`, `in_transit`), inputs (`on_frame`, `on_loss_record`,
+/// `on_heartbeat`, `on_session_start`), resolution (`settle`, `close_epoch`). Inputs that
+/// resolve loss push [`LossInterval`]s into the caller's `out`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct SeqTracker {
+    pub key: StreamKey,
+    high: u64,
+    gaps: BTreeMap<u64, Gap>,
+    pending: u64,
+    counts: StreamCounts,
+    kernel_attributed: [u64; 2],
+    hb: Option<HeartbeatCounters>,
+    ts_high: u64,
+    wm_ns: u64,
+    restart_floor: u64,
+    recent_lost: Vec<LostRange>,
+    closed: bool,
+    limits: TrackerLimits,
+}
+
+const RING_FULL_SLOT: usize = 0;
+const OVERSIZED_SLOT: usize = 1;
+
+fn slot(cause: LossCause) -> usize {
+    cause.drop_slot().unwrap_or(DROP_SLOTS - 1)
+}
+
+impl SeqTracker {
+    /// A tracker for a stream with nothing seen yet.
+    #[must_use]
+    pub fn new(key: StreamKey, limits: TrackerLimits) -> Self {
+        Self {
+            key,
+            high: 0,
+            gaps: BTreeMap::new(),
+            pending: 0,
+            counts: StreamCounts::default(),
+            kernel_attributed: [0; 2],
+            hb: None,
+            ts_high: 0,
+            wm_ns: 0,
+            restart_floor: 0,
+            recent_lost: Vec::new(),
+            closed: false,
+            limits,
+        }
+    }
+
+    // ---------------------------------------------------------------- getters
+
+    /// One past the highest seq received or covered.
+    #[must_use]
+    pub fn high(&self) -> u64 {
+        self.high
+    }
+    /// Seqs in pending gaps.
+    #[must_use]
+    pub fn pending(&self) -> u64 {
+        self.pending
+    }
+    /// The pending gaps, `(start, end)`.
+    pub fn gaps(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.gaps.iter().map(|(s, g)| (*s, g.end))
+    }
+    /// Counters.
+    #[must_use]
+    pub fn counts(&self) -> &StreamCounts {
+        &self.counts
+    }
+    /// The last heartbeat's counters.
+    #[must_use]
+    pub fn heartbeat(&self) -> Option<&HeartbeatCounters> {
+        self.hb.as_ref()
+    }
+    /// Seqs the kernel attempted that are neither received, pending nor lost yet.
+    #[must_use]
+    pub fn in_transit(&self) -> u64 {
+        self.hb.map_or(0, |h| h.attempted.saturating_sub(self.high))
+    }
+    /// Node time through which every seq of this stream is received or resolved.
+    #[must_use]
+    pub fn watermark_ns(&self) -> u64 {
+        self.wm_ns
+    }
+    /// Whether the epoch of this stream has ended.
+    #[must_use]
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+    /// `attempted + sampled_out` as the last heartbeat said (0 before one).
+    #[must_use]
+    pub fn generated(&self) -> u64 {
+        self.hb.map_or(0, |h| h.attempted + h.sampled_out)
+    }
+
+    // ---------------------------------------------------------------- inputs
+
+    /// A frame with `seq` and node time `ts` arrived. The hot path (the next seq) is a
+    /// compare and two increments.
+    #[inline]
+    pub fn on_frame(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+        if seq == self.high {
+            self.high += 1;
+            self.counts.received += 1;
+            self.ts_high = ts;
+            if self.gaps.is_empty() {
+                self.wm_ns = self.wm_ns.max(ts);
+            }
+            return;
+        }
+        self.on_frame_slow(seq, ts, now, out, ids);
+    }
+
+    fn on_frame_slow(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+        if seq > self.high {
+            let gap = Gap { end: seq, lo_ts: self.ts_high, hi_ts: ts, created_at_ns: now };
+            self.pending += seq - self.high;
+            self.gaps.insert(self.high, gap);
+            self.high = seq + 1;
+            self.counts.received += 1;
+            self.ts_high = ts;
+            self.enforce_gap_cap(now, out, ids);
+            return;
+        }
+        // Below high: a late frame, a revival, or a duplicate.
+        if let Some((&start, &gap)) = self.gaps.range(..=seq).next_back()
+            && seq < gap.end
+        {
+            self.gaps.remove(&start);
+            if start < seq {
+                self.gaps.insert(start, Gap { end: seq, hi_ts: ts, ..gap });
+            }
+            if seq + 1 < gap.end {
+                self.gaps.insert(seq + 1, Gap { lo_ts: ts, ..gap });
+            }
+            self.pending -= 1;
+            self.counts.received += 1;
+            self.update_watermark();
+            return;
+        }
+        if let Some(i) = self.recent_lost.iter().position(|r| r.start <= seq && seq < r.end) {
+            let r = self.recent_lost.remove(i);
+            if r.start < seq {
+                self.recent_lost.push(LostRange { end: seq, ..r });
+            }
+            if seq + 1 < r.end {
+                self.recent_lost.push(LostRange { start: seq + 1, ..r });
+            }
+            let s = usize::from(r.slot);
+            if let Some(l) = self.counts.lost.get_mut(s) {
+                *l = l.saturating_sub(1);
+            }
+            if s == RING_FULL_SLOT || s == OVERSIZED_SLOT {
+                self.kernel_attributed[s] = self.kernel_attributed[s].saturating_sub(1);
+            }
+            self.counts.received += 1;
+            self.counts.revived += 1;
+            return;
+        }
+        self.counts.duplicates += 1;
+    }
+
+    /// A shipper loss record: `count` frames of `first..=last` will never arrive.
+    #[allow(clippy::too_many_arguments, reason = "one loss record's fields")]
+    pub fn on_loss_record(
+        &mut self,
+        first: u64,
+        last: u64,
+        count: u64,
+        cause: LossCause,
+        reason: u16,
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) {
+        if last < first {
+            return;
+        }
+        let mut remaining = count;
+        // Beyond what was seen: the range's upper part becomes a gap first.
+        if last >= self.high {
+            let start = self.high.max(first);
+            if start > self.high {
+                // Seqs between high and the record's range: unknown yet, pending.
+                self.gaps.insert(self.high, Gap { end: start, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
+                self.pending += start - self.high;
+            }
+            self.gaps.insert(start, Gap { end: last + 1, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
+            self.pending += last + 1 - start;
+            self.high = last + 1;
+        }
+        let starts: Vec<u64> = self.gaps.range(..=last).map(|(s, _)| *s).collect();
+        for start in starts {
+            if remaining == 0 {
+                break;
+            }
+            let Some(gap) = self.gaps.get(&start).copied() else { continue };
+            let lo = start.max(first);
+            let hi = gap.end.min(last + 1);
+            if lo >= hi {
+                continue;
+            }
+            let n = (hi - lo).min(remaining);
+            remaining -= n;
+            self.declare(start, lo, lo + n, slot(cause), reason, now, out, ids);
+        }
+        self.update_watermark();
+        self.enforce_gap_cap(now, out, ids);
+    }
+
+    /// A heartbeat's counters for this stream. Schedules nothing itself: the caller
+    /// calls [`Self::settle`] with these counters `reorder_timeout` later.
+    pub fn on_heartbeat(&mut self, hb: HeartbeatCounters) {
+        let prev = self.hb.unwrap_or_default();
+        // Counters are cumulative within an epoch; never go back.
+        self.hb = Some(HeartbeatCounters {
+            attempted: hb.attempted.max(prev.attempted),
+            spooled_through: hb.spooled_through.max(prev.spooled_through),
+            kernel_ring_full: hb.kernel_ring_full.max(prev.kernel_ring_full),
+            kernel_oversized: hb.kernel_oversized.max(prev.kernel_oversized),
+            sampled_out: hb.sampled_out.max(prev.sampled_out),
+            snapshot_node_ns: hb.snapshot_node_ns.max(prev.snapshot_node_ns),
+        });
+        self.update_watermark();
+    }
+
+    /// A new shipper session took over at `attempted` for this stream: seqs below it
+    /// that nobody ships are `shipper_restart` losses at the next settlement.
+    pub fn on_session_start(&mut self, attempted: u64) {
+        self.restart_floor = self.restart_floor.max(attempted);
+    }
+
+    // ---------------------------------------------------------------- resolution
+
+    /// Settles with the counters of a heartbeat that arrived at `announced_ns`, now that
+    /// `reorder_timeout` has passed: every gap that existed by then is lost — kernel
+    /// drops first (`kernel_ring_full`, then `oversized`), then `shipper_restart` below a
+    /// takeover floor, then `unknown`. The never-received tail `[high, spooled_through)`
+    /// is in transit (the shipper still holds it), unless the kernel's unexplained drops
+    /// cover all of it (an overflow at the end of a burst). After an epoch ended, the
+    /// whole tail up to `attempted` is settled.
+    pub fn settle(
+        &mut self,
+        hb: &HeartbeatCounters,
+        announced_ns: u64,
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) {
+        let mut unexplained = [
+            hb.kernel_ring_full.saturating_sub(self.kernel_attributed[0]),
+            hb.kernel_oversized.saturating_sub(self.kernel_attributed[1]),
+        ];
+        let eligible: Vec<u64> =
+            self.gaps.iter().filter(|(_, g)| g.created_at_ns <= announced_ns || self.closed).map(|(s, _)| *s).collect();
+        for start in eligible {
+            let Some(gap) = self.gaps.get(&start).copied() else { continue };
+            self.resolve(start, gap.end, &mut unexplained, now, out, ids);
+        }
+        let tail_end = if self.closed { hb.attempted.max(self.high) } else { hb.spooled_through };
+        if tail_end > self.high {
+            let tail = tail_end - self.high;
+            let kernel_left = unexplained[0] + unexplained[1];
+            if self.closed || kernel_left >= tail {
+                let start = self.high;
+                self.gaps.insert(start, Gap { end: tail_end, lo_ts: self.ts_high, hi_ts: hb.snapshot_node_ns, created_at_ns: now });
+                self.pending += tail;
+                self.high = tail_end;
+                self.resolve(start, tail_end, &mut unexplained, now, out, ids);
+            }
+        }
+        self.update_watermark();
+    }
+
+    /// Declares the whole gap `[start, end)` lost, causes in order: kernel counts, then
+    /// the fallback.
+    fn resolve(&mut self, start: u64, end: u64, unexplained: &mut [u64; 2], now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+        let mut lo = start;
+        while lo < end {
+            let (slot_now, n) = if unexplained[0] > 0 {
+                (RING_FULL_SLOT, (end - lo).min(unexplained[0]))
+            } else if unexplained[1] > 0 {
+                (OVERSIZED_SLOT, (end - lo).min(unexplained[1]))
+            } else if lo < self.restart_floor {
+                (slot(LossCause::ShipperRestart), end.min(self.restart_floor) - lo)
+            } else {
+                (slot(LossCause::Unknown), end - lo)
+            };
+            if slot_now <= OVERSIZED_SLOT {
+                unexplained[slot_now] -= n;
+            }
+            self.declare(lo, lo, lo + n, slot_now, 0, now, out, ids);
+            lo += n;
+        }
+    }
+
+    /// The epoch ended: settle everything below the last `attempted_seq`, then emit the
+    /// explicitly unknown tail above it. The tracker takes no more input.
+    pub fn close_epoch(&mut self, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let hb = self.hb.unwrap_or_default();
+        self.settle(&hb, now, now, out, ids);
+        let from = self.high.max(hb.attempted);
+        *ids += 1;
+        out.push(LossInterval {
+            id: *ids,
+            stream: self.key,
+            first_seq: from,
+            last_seq: u64::MAX,
+            count: None,
+            cause: LossCause::Unknown.code(),
+            reason: 0,
+            from_node_ns: hb.snapshot_node_ns,
+            to_node_ns: 0,
+            decided_at_ns: now,
+        });
+    }
+
+    /// Declares `[lo, hi)` of the gap at `gap_start` lost with the cause in `slot`.
+    #[allow(clippy::too_many_arguments, reason = "internal; the gap split needs all of it")]
+    fn declare(
+        &mut self,
+        gap_start: u64,
+        lo: u64,
+        hi: u64,
+        cause_slot: usize,
+        reason: u16,
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) {
+        let Some(gap) = self.gaps.remove(&gap_start) else { return };
+        if gap_start < lo {
+            self.gaps.insert(gap_start, Gap { end: lo, ..gap });
+        }
+        if hi < gap.end {
+            self.gaps.insert(hi, gap);
+        }
+        let n = hi - lo;
+        self.pending -= n;
+        if let Some(l) = self.counts.lost.get_mut(cause_slot) {
+            *l += n;
+        }
+        if cause_slot <= OVERSIZED_SLOT {
+            self.kernel_attributed[cause_slot] += n;
+        }
+        if self.recent_lost.len() >= self.limits.max_recent_lost {
+            self.recent_lost.remove(0);
+        }
+        let slot_u8 = u8::try_from(cause_slot).unwrap_or(u8::MAX);
+        self.recent_lost.push(LostRange { start: lo, end: hi, slot: slot_u8 });
+        *ids += 1;
+        let cause = LossCause::from_drop_slot(cause_slot).unwrap_or(LossCause::Unknown);
+        out.push(LossInterval {
+            id: *ids,
+            stream: self.key,
+            first_seq: lo,
+            last_seq: hi - 1,
+            count: Some(n),
+            cause: cause.code(),
+            reason,
+            from_node_ns: gap.lo_ts,
+            to_node_ns: gap.hi_ts,
+            decided_at_ns: now,
+        });
+    }
+
+    fn enforce_gap_cap(&mut self, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+        while self.gaps.len() > self.limits.max_gaps {
+            let Some((&start, &gap)) = self.gaps.iter().next() else { break };
+            self.counts.gaps_evicted += 1;
+            self.declare(start, start, gap.end, slot(LossCause::Unknown), 0, now, out, ids);
+        }
+        self.update_watermark();
+    }
+
+    fn update_watermark(&mut self) {
+        let candidate = match self.gaps.values().next() {
+            Some(first) => first.lo_ts,
+            None => match self.hb {
+                // Idle: everything the kernel attempted is resolved, so the stream is
+                // known through the heartbeat's snapshot.
+                Some(hb) if self.high >= hb.attempted => self.ts_high.max(hb.snapshot_node_ns),
+                _ => self.ts_high,
+            },
+        };
+        self.wm_ns = self.wm_ns.max(candidate);
+    }
+}

@@ -1,0 +1,58 @@
+//! Snapshots of the core's state: `magic "RWSNAP\0\0" | version u32 | reserved u32 |
+//! rkyv archive`. The archive is validated (bytecheck) before anything is restored, so a
+//! corrupt or hostile file is an error, never undefined behaviour.
+//!
+//! This state is the ingest state (trackers, watermarks, clocks, liveness,
+//! pending settlements, undelivered records); the matcher, health and dedup state join
+//! it in later versions.
+
+use crate::ingest::Ingest;
+
+/// First bytes of a snapshot.
+pub const SNAPSHOT_MAGIC: [u8; 8] = *b"RWSNAP\0\0";
+/// Snapshot format version.
+pub const SNAPSHOT_VERSION: u32 = 1;
+
+/// Why a snapshot could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("not a ringwatch snapshot")]
+    BadMagic,
+    #[error("unsupported snapshot version {got} (this build reads {SNAPSHOT_VERSION})")]
+    UnsupportedVersion { got: u32 },
+    #[error("snapshot too short: {got} bytes")]
+    TooShort { got: usize },
+    #[error("snapshot archive invalid: {0}")]
+    Archive(String),
+}
+
+/// Serializes the state.
+pub fn write(state: &Ingest) -> Result<Vec<u8>, SnapshotError> {
+    let archive = rkyv::to_bytes::<rkyv::rancor::Error>(state).map_err(|e| SnapshotError::Archive(e.to_string()))?;
+    let mut out = Vec::with_capacity(16 + archive.len());
+    out.extend_from_slice(&SNAPSHOT_MAGIC);
+    out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&archive);
+    Ok(out)
+}
+
+/// Restores a state written by [`write`], at aggregator time `now`: the aggregator's
+/// knowledge gap for every node runs from `snapshot_ns` to that node's next batch.
+pub fn read(bytes: &[u8], snapshot_ns: u64) -> Result<Ingest, SnapshotError> {
+    let head = bytes.get(..16).ok_or(SnapshotError::TooShort { got: bytes.len() })?;
+    if head.get(..8) != Some(&SNAPSHOT_MAGIC[..]) {
+        return Err(SnapshotError::BadMagic);
+    }
+    let version = head.get(8..12).and_then(|v| <[u8; 4]>::try_from(v).ok()).map_or(0, u32::from_le_bytes);
+    if version != SNAPSHOT_VERSION {
+        return Err(SnapshotError::UnsupportedVersion { got: version });
+    }
+    // rkyv needs the archive aligned; copy it into an aligned buffer.
+    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len() - 16);
+    aligned.extend_from_slice(bytes.get(16..).unwrap_or(&[]));
+    let mut state = rkyv::from_bytes::<Ingest, rkyv::rancor::Error>(&aligned)
+        .map_err(|e| SnapshotError::Archive(e.to_string()))?;
+    state.restart_knowledge(snapshot_ns);
+    Ok(state)
+}

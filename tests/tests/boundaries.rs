@@ -79,20 +79,39 @@ fn one_crypto_provider_aws_lc_never_built() {
     }
 }
 
-#[test]
-fn cargo_tree_of_the_simulator_has_no_aggregator_or_shipper() {
-    // The acceptance line of issue 3, literally: `cargo tree -p loadgen-sim -e normal`.
+/// The crates `cargo tree -p PACKAGE -e normal` lists.
+fn cargo_tree(package: &str) -> BTreeSet<String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = std::process::Command::new(cargo)
-        .args(["tree", "-p", "loadgen-sim", "-e", "normal", "--prefix", "none", "--offline", "--locked"])
+        .args(["tree", "-p", package, "-e", "normal", "--prefix", "none", "--offline", "--locked"])
         .current_dir(repo_root())
         .output()
         .expect("run cargo tree");
     assert!(out.status.success(), "cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
-    let tree = String::from_utf8(out.stdout).unwrap();
-    let crates: BTreeSet<&str> = tree.lines().filter_map(|l| l.split_whitespace().next()).collect();
-    assert!(crates.contains("proto-flat"), "{tree}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn cargo_tree_of_the_simulator_has_no_aggregator_or_shipper() {
+    // Issue 3's acceptance line, literally: `cargo tree -p loadgen-sim -e normal`.
+    let crates = cargo_tree("loadgen-sim");
+    assert!(crates.contains("proto-flat"), "{crates:?}");
     for banned in ["aggregator", "ringwatch-core", "node-shipper"] {
-        assert!(!crates.contains(banned), "loadgen-sim depends on {banned}:\n{tree}");
+        assert!(!crates.contains(banned), "loadgen-sim depends on {banned}: {crates:?}");
+    }
+}
+
+#[test]
+fn cargo_tree_of_the_core_has_no_io_crates() {
+    // Issue 4's acceptance line, literally: `cargo tree -p ringwatch-core -e normal`.
+    let crates = cargo_tree("ringwatch-core");
+    assert!(crates.contains("rkyv"), "{crates:?}");
+    for banned in ["tokio", "quinn", "axum", "aya", "hyper", "mio"] {
+        assert!(!crates.contains(banned), "ringwatch-core depends on {banned}: {crates:?}");
     }
 }

@@ -31,8 +31,8 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::clock::ClockEstimate;
 use crate::loss::{HeartbeatCounters, SeqTracker, TrackerLimits};
 use crate::records::{
-    Comm, EpochChange, KnowledgeGap, Lifecycle, LifecycleKind, Liveness, LivenessState, LossInterval, NodeId,
-    Progress, Record, ShipperGap, StreamKey, Watermark,
+    Comm, EpochChange, KnowledgeGap, Lifecycle, LifecycleKind, Liveness, LivenessState, LossInterval, NodeId, Progress,
+    Record, ShipperGap, StreamKey, Watermark,
 };
 
 /// Configuration (DESIGN's timer defaults).
@@ -94,6 +94,8 @@ pub struct NodeState {
     pub heard_since_start: bool,
     /// Watermark per class code (node ns); 0 = none yet.
     pub watermark_ns: [u64; 4],
+    /// Epochs up to this one are closed (their tails declared).
+    pub closed_through_epoch: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +106,9 @@ struct Settle {
     hb: HeartbeatCounters,
     /// When the heartbeat arrived.
     announced_ns: u64,
+    /// Close every epoch up to `epoch` instead (an epoch change, `reorder_timeout` on,
+    /// so the old epoch's batches in flight land first).
+    close: bool,
 }
 
 /// The ingest state machine. See the module docs for the call order.
@@ -214,7 +219,17 @@ impl Ingest {
                 break;
             }
             let Some(s) = self.settles.remove(&key) else { break };
-            if let Some(t) = self.nodes.get_mut(&s.node).and_then(|n| n.trackers.get_mut(&(s.epoch, s.stream_id)))
+            if s.close {
+                if let Some(n) = self.nodes.get_mut(&s.node) {
+                    for ((e, _), t) in &mut n.trackers {
+                        if *e <= s.epoch {
+                            t.close_epoch(now, &mut scratch, &mut self.next_loss_id);
+                        }
+                    }
+                    n.closed_through_epoch = n.closed_through_epoch.max(s.epoch);
+                }
+            } else if let Some(t) =
+                self.nodes.get_mut(&s.node).and_then(|n| n.trackers.get_mut(&(s.epoch, s.stream_id)))
                 && !t.is_closed()
             {
                 t.settle(&s.hb, s.announced_ns, now, &mut scratch, &mut self.next_loss_id);
@@ -234,7 +249,12 @@ impl Ingest {
             };
             if state != n.liveness {
                 n.liveness = state;
-                self.out.push(Record::Liveness(Liveness { node: id, state, at_ns: now, last_heard_ns: n.last_heard_ns }));
+                self.out.push(Record::Liveness(Liveness {
+                    node: id,
+                    state,
+                    at_ns: now,
+                    last_heard_ns: n.last_heard_ns,
+                }));
             }
         }
     }
@@ -275,6 +295,7 @@ impl Ingest {
                     connected: true,
                     heard_since_start: false,
                     watermark_ns: [0; 4],
+                    closed_through_epoch: 0,
                 },
             );
         }
@@ -299,7 +320,7 @@ impl Ingest {
             }
         }
         let epoch = batch.header.epoch.get();
-        self.maybe_new_epoch(now, node, epoch, [0; 16], &mut scratch);
+        self.maybe_new_epoch(now, node, epoch, [0; 16]);
         match batch.lane() {
             Class::P1 => self.ingest_p1(now, node, epoch, rtt_ns, batch, &mut scratch),
             Class::P0 => self.ingest_frames(now, node, epoch, batch, true, &mut scratch),
@@ -317,19 +338,21 @@ impl Ingest {
         self.out.extend(scratch.drain(..).map(Record::Loss));
     }
 
-    fn maybe_new_epoch(&mut self, now: u64, node: NodeId, epoch: u64, boot_id: [u8; 16], scratch: &mut Vec<LossInterval>) {
+    fn maybe_new_epoch(&mut self, now: u64, node: NodeId, epoch: u64, boot_id: [u8; 16]) {
         let Some(n) = self.nodes.get_mut(&node) else { return };
         if epoch <= n.epoch {
             return;
         }
         let old = n.epoch;
-        for ((e, _), t) in &mut n.trackers {
-            if *e < epoch {
-                t.close_epoch(now, scratch, &mut self.next_loss_id);
-            }
-        }
         n.epoch = epoch;
         n.watermark_ns = [0; 4];
+        // Close the old epoch once its batches in flight have had time to land.
+        let due = now + self.config.reorder_timeout_ns;
+        self.settles.insert(
+            (due, self.next_order),
+            Settle { node, epoch: old, stream_id: 0, hb: HeartbeatCounters::default(), announced_ns: now, close: true },
+        );
+        self.next_order += 1;
         self.out.push(Record::Epoch(EpochChange { node, old_epoch: old, new_epoch: epoch, boot_id, at_ns: now }));
     }
 
@@ -344,9 +367,13 @@ impl Ingest {
         stream_id: u32,
     ) -> Option<&'a mut SeqTracker> {
         let n = nodes.get_mut(&node)?;
-        if epoch < n.epoch {
-            stats.stale_epoch_frames += 1;
-            return None;
+        if epoch <= n.closed_through_epoch {
+            // A closed epoch: late frames revive what its tail declared lost; nothing new.
+            let t = n.trackers.get_mut(&(epoch, stream_id));
+            if t.is_none() {
+                stats.stale_epoch_frames += 1;
+            }
+            return t;
         }
         let len = n.trackers.len();
         match n.trackers.entry((epoch, stream_id)) {
@@ -396,34 +423,45 @@ impl Ingest {
             let Ok(frame) = item else { break };
             self.stats.frames += 1;
             let h = frame.header();
-            if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
+            if let Some(t) =
+                Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get())
+            {
                 t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
             }
             let stream = StreamKey { node, epoch, stream_id: h.stream_id.get() };
+            // The fields collective and P2P frames share, read the same way from both.
+            macro_rules! lifecycle {
+                ($f:expr, $kind:expr) => {
+                    Some(Lifecycle {
+                        stream,
+                        seq: h.seq.get(),
+                        flags: h.flags.get(),
+                        ts_node_ns: h.ts_ns.get(),
+                        ts_cluster_ns: offset.to_cluster(h.ts_ns.get()),
+                        comm: Comm {
+                            hash: $f.comm_hash.get(),
+                            disambiguator: $f.comm_disambiguator.get(),
+                            instance: $f.comm_instance.get(),
+                        },
+                        local_op_seq: $f.local_op_seq.get(),
+                        rank: $f.rank.get(),
+                        pid: $f.pid.get(),
+                        op: $f.op,
+                        dtype: $f.dtype,
+                        phase: $f.phase,
+                        count: $f.count.get(),
+                        group_id: $f.group_id.get(),
+                        status: $f.status.get(),
+                        channel: $f.channel.get(),
+                        n_channels: $f.n_channels.get(),
+                        kind: $kind,
+                    })
+                };
+            }
             let record = match frame {
-                Frame::Collective(f) => Some(Lifecycle {
-                    stream,
-                    seq: h.seq.get(),
-                    flags: h.flags.get(),
-                    ts_node_ns: h.ts_ns.get(),
-                    ts_cluster_ns: offset.to_cluster(h.ts_ns.get()),
-                    comm: Comm {
-                        hash: f.comm_hash.get(),
-                        disambiguator: f.comm_disambiguator.get(),
-                        instance: f.comm_instance.get(),
-                    },
-                    local_op_seq: f.local_op_seq.get(),
-                    rank: f.rank.get(),
-                    pid: f.pid.get(),
-                    op: f.op,
-                    dtype: f.dtype,
-                    phase: f.phase,
-                    count: f.count.get(),
-                    group_id: f.group_id.get(),
-                    status: f.status.get(),
-                    channel: f.channel.get(),
-                    n_channels: f.n_channels.get(),
-                    kind: LifecycleKind::Collective {
+                Frame::Collective(f) => lifecycle!(
+                    f,
+                    LifecycleKind::Collective {
                         comm_op_seq: f.comm_op_seq.get(),
                         nccl_seq: f.nccl_seq.get(),
                         nranks: f.nranks.get(),
@@ -433,32 +471,11 @@ impl Ingest {
                         graph_id: f.graph_id.get(),
                         graph_node: f.graph_node.get(),
                         replay_idx: f.replay_idx.get(),
-                    },
-                }),
-                Frame::P2p(f) => Some(Lifecycle {
-                    stream,
-                    seq: h.seq.get(),
-                    flags: h.flags.get(),
-                    ts_node_ns: h.ts_ns.get(),
-                    ts_cluster_ns: offset.to_cluster(h.ts_ns.get()),
-                    comm: Comm {
-                        hash: f.comm_hash.get(),
-                        disambiguator: f.comm_disambiguator.get(),
-                        instance: f.comm_instance.get(),
-                    },
-                    local_op_seq: f.local_op_seq.get(),
-                    rank: f.rank.get(),
-                    pid: f.pid.get(),
-                    op: f.op,
-                    dtype: f.dtype,
-                    phase: f.phase,
-                    count: f.count.get(),
-                    group_id: f.group_id.get(),
-                    status: f.status.get(),
-                    channel: f.channel.get(),
-                    n_channels: f.n_channels.get(),
-                    kind: LifecycleKind::P2p { src: f.src.get(), dst: f.dst.get(), p2p_seq: f.p2p_seq.get() },
-                }),
+                    }
+                ),
+                Frame::P2p(f) => {
+                    lifecycle!(f, LifecycleKind::P2p { src: f.src.get(), dst: f.dst.get(), p2p_seq: f.p2p_seq.get() })
+                }
                 Frame::Unknown { .. } => {
                     self.stats.unknown_frames += 1;
                     None
@@ -490,7 +507,9 @@ impl Ingest {
             let Ok(frame) = item else { break };
             self.stats.frames += 1;
             let h = frame.header();
-            if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
+            if let Some(t) =
+                Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get())
+            {
                 t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
             }
             match frame {
@@ -513,14 +532,26 @@ impl Ingest {
                                         snapshot_node_ns: snapshot,
                                     };
                                     let sid = e.stream_id.get();
-                                    if let Some(t) =
-                                        Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
-                                    {
+                                    if let Some(t) = Self::tracker_mut(
+                                        &mut self.nodes,
+                                        &self.config,
+                                        &mut self.stats,
+                                        node,
+                                        epoch,
+                                        sid,
+                                    ) {
                                         t.on_heartbeat(counters);
                                         let due = now + self.config.reorder_timeout_ns;
                                         self.settles.insert(
                                             (due, self.next_order),
-                                            Settle { node, epoch, stream_id: sid, hb: counters, announced_ns: now },
+                                            Settle {
+                                                node,
+                                                epoch,
+                                                stream_id: sid,
+                                                hb: counters,
+                                                announced_ns: now,
+                                                close: false,
+                                            },
                                         );
                                         self.next_order += 1;
                                     }
@@ -559,7 +590,8 @@ impl Ingest {
                 }
                 Frame::LossRecord(r) => {
                     let sid = r.stream_id.get();
-                    if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid) {
+                    if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
+                    {
                         t.on_loss_record(
                             r.first_seq.get(),
                             r.last_seq.get(),
@@ -594,7 +626,7 @@ impl Ingest {
                     reason: g.reason.get(),
                 })),
                 Frame::EpochStart(e) => {
-                    self.maybe_new_epoch(now, node, e.epoch.get(), e.boot_id, scratch);
+                    self.maybe_new_epoch(now, node, e.epoch.get(), e.boot_id);
                 }
                 Frame::Unknown { .. } => self.stats.unknown_frames += 1,
                 Frame::Malformed { .. } => self.stats.malformed_frames += 1,

@@ -15,8 +15,9 @@
 //!   its range lost with its cause (the rest of the range are kernel holes the shipper
 //!   never saw; they stay pending);
 //! - **settlement**, `reorder_timeout` after a heartbeat `(A, S, drops)` arrived: every
-//!   gap that existed when it arrived is lost (the shipper sends a stream's frames in
-//!   order, so a hole below frames that did arrive is not in its spool): first to the
+//!   gap below `A` is lost (the kernel had attempted those seqs when it read its drop
+//!   counters, and the shipper sends a stream's frames in order, so a hole below frames
+//!   that did arrive is not in its spool): first to the
 //!   kernel's unexplained drop counts (`kernel_ring_full`, then `oversized`), the rest to
 //!   `shipper_restart` below a session's takeover floor, else `unknown`. The tail
 //!   `[high, S)` is in transit (in the spool, however long a partition lasts) unless the
@@ -316,6 +317,9 @@ impl SeqTracker {
     /// A heartbeat's counters for this stream. Schedules nothing itself: the caller
     /// calls [`Self::settle`] with these counters `reorder_timeout` later.
     pub fn on_heartbeat(&mut self, hb: HeartbeatCounters) {
+        if self.closed {
+            return;
+        }
         let prev = self.hb.unwrap_or_default();
         // Counters are cumulative within an epoch; never go back.
         self.hb = Some(HeartbeatCounters {
@@ -338,7 +342,7 @@ impl SeqTracker {
     // ---------------------------------------------------------------- resolution
 
     /// Settles with the counters of a heartbeat that arrived at `announced_ns`, now that
-    /// `reorder_timeout` has passed: every gap that existed by then is lost — kernel
+    /// `reorder_timeout` has passed: every gap below its `attempted_seq` is lost — kernel
     /// drops first (`kernel_ring_full`, then `oversized`), then `shipper_restart` below a
     /// takeover floor, then `unknown`. The never-received tail `[high, spooled_through)`
     /// is in transit (the shipper still holds it), unless the kernel's unexplained drops
@@ -356,11 +360,15 @@ impl SeqTracker {
             hb.kernel_ring_full.saturating_sub(self.kernel_attributed[0]),
             hb.kernel_oversized.saturating_sub(self.kernel_attributed[1]),
         ];
-        let eligible: Vec<u64> =
-            self.gaps.iter().filter(|(_, g)| g.created_at_ns <= announced_ns || self.closed).map(|(s, _)| *s).collect();
+        // A gap is settled by a heartbeat only below that heartbeat's attempted_seq: the
+        // kernel had attempted those seqs when it snapshotted its drop counters, so the
+        // counters already include any drop among them.
+        let limit = if self.closed { u64::MAX } else { hb.attempted };
+        let eligible: Vec<u64> = self.gaps.range(..limit).map(|(s, _)| *s).collect();
+        let _ = announced_ns;
         for start in eligible {
             let Some(gap) = self.gaps.get(&start).copied() else { continue };
-            self.resolve(start, gap.end, &mut unexplained, now, out, ids);
+            self.resolve(start, gap.end.min(limit), &mut unexplained, now, out, ids);
         }
         let tail_end = if self.closed { hb.attempted.max(self.high) } else { hb.spooled_through };
         if tail_end > self.high {
@@ -368,7 +376,10 @@ impl SeqTracker {
             let kernel_left = unexplained[0] + unexplained[1];
             if self.closed || kernel_left >= tail {
                 let start = self.high;
-                self.gaps.insert(start, Gap { end: tail_end, lo_ts: self.ts_high, hi_ts: hb.snapshot_node_ns, created_at_ns: now });
+                self.gaps.insert(
+                    start,
+                    Gap { end: tail_end, lo_ts: self.ts_high, hi_ts: hb.snapshot_node_ns, created_at_ns: now },
+                );
                 self.pending += tail;
                 self.high = tail_end;
                 self.resolve(start, tail_end, &mut unexplained, now, out, ids);
@@ -379,7 +390,15 @@ impl SeqTracker {
 
     /// Declares the whole gap `[start, end)` lost, causes in order: kernel counts, then
     /// the fallback.
-    fn resolve(&mut self, start: u64, end: u64, unexplained: &mut [u64; 2], now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+    fn resolve(
+        &mut self,
+        start: u64,
+        end: u64,
+        unexplained: &mut [u64; 2],
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) {
         let mut lo = start;
         while lo < end {
             let (slot_now, n) = if unexplained[0] > 0 {

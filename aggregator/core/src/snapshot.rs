@@ -51,8 +51,8 @@ pub fn read(bytes: &[u8], snapshot_ns: u64) -> Result<Ingest, SnapshotError> {
     // rkyv needs the archive aligned; copy it into an aligned buffer.
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len() - 16);
     aligned.extend_from_slice(bytes.get(16..).unwrap_or(&[]));
-    let mut state = rkyv::from_bytes::<Ingest, rkyv::rancor::Error>(&aligned)
-        .map_err(|e| SnapshotError::Archive(e.to_string()))?;
+    let mut state =
+        rkyv::from_bytes::<Ingest, rkyv::rancor::Error>(&aligned).map_err(|e| SnapshotError::Archive(e.to_string()))?;
     state.restart_knowledge(snapshot_ns);
     Ok(state)
 }

@@ -1,0 +1,260 @@
+//! Ingest end to end on simulated clusters: exact loss accounting against the
+//! simulator's ground truth, watermarks, liveness, epochs, restarts, snapshots.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::{Net, Run, node_id, run};
+use loadgen_sim::builtin;
+use proptest::prelude::*;
+use proto_flat::codes::{LossCause, WireEnum};
+use ringwatch_core::records::{LivenessState, Record};
+
+fn scenario(name: &str) -> loadgen_sim::Scenario {
+    builtin::builtin(name).unwrap().unwrap()
+}
+
+/// Loss intervals per stream as a set of seqs (known counts only), minus revived seqs.
+fn lost_seqs(r: &Run) -> BTreeMap<(u32, u64, u32), BTreeSet<u64>> {
+    let mut out: BTreeMap<(u32, u64, u32), BTreeSet<u64>> = BTreeMap::new();
+    let node_of = |id: u64| u32::try_from(id - 0x5eed_0000).unwrap();
+    for rec in &r.records {
+        if let Record::Loss(l) = rec
+            && l.count.is_some()
+        {
+            let set = out.entry((node_of(l.stream.node.0), l.stream.epoch, l.stream.stream_id)).or_default();
+            for s in l.first_seq..=l.last_seq {
+                set.insert(s);
+            }
+        }
+    }
+    // Revived seqs were delivered after all.
+    for (k, set) in &mut out {
+        if let Some(d) = r.delivered.get(k) {
+            for s in d {
+                set.remove(s);
+            }
+        }
+    }
+    out
+}
+
+/// Exact accounting: for every stream the simulator knows, at the end, received, lost
+/// and sampled out add up to generated; lost seqs are exactly the seqs never
+/// delivered; causes match what dropped them.
+fn assert_exact(r: &Run) {
+    let truth = r.sim.ground_truth();
+    let lost = lost_seqs(r);
+    for st in &truth.streams {
+        if truth.nodes[st.node as usize].dead_at_ms.is_some() {
+            continue; // no final heartbeat from a dead node: its tail stays in transit
+        }
+        let key = (st.node, st.epoch, st.stream_id);
+        let t = r.ingest.tracker(ringwatch_core::StreamKey {
+            node: node_id(st.node),
+            epoch: st.epoch,
+            stream_id: st.stream_id,
+        });
+        let Some(t) = t else {
+            assert_eq!(st.generated, 0, "no tracker for a stream with events: {st:?}");
+            continue;
+        };
+        let c = t.counts();
+        let shipper_lost = r.model.shipper_lost.get(&key).map_or(0, Vec::len) as u64;
+        let closed_tail = if t.is_closed() { 0 } else { t.pending() };
+        assert_eq!(closed_tail, 0, "pending left at the end: {st:?} {c:?}");
+        assert_eq!(c.received + c.lost_total(), st.attempted, "received + lost = attempted: {st:?} {c:?}");
+        assert_eq!(c.received, st.delivered - shipper_lost, "{st:?}");
+        assert_eq!(t.heartbeat().map_or(0, |h| h.sampled_out), st.sampled_out);
+        assert_eq!(
+            c.lost[LossCause::KernelRingFull.drop_slot().unwrap()],
+            st.dropped.get("kernel_ring_full").copied().unwrap_or(0),
+            "kernel drops exact: {st:?}"
+        );
+        // The lost seqs are exactly the ones never delivered.
+        let delivered: BTreeSet<u64> = r.delivered.get(&key).map(|v| v.iter().copied().collect()).unwrap_or_default();
+        let never: BTreeSet<u64> = (0..st.attempted).filter(|s| !delivered.contains(s)).collect();
+        assert_eq!(lost.get(&key).cloned().unwrap_or_default(), never, "loss intervals = undelivered seqs: {st:?}");
+    }
+}
+
+#[test]
+fn seed_case_losses_are_exactly_the_kernel_drops() {
+    let r = run(&scenario("seed-case"), None, 1e-5, Net::default(), &[]);
+    assert_exact(&r);
+    // Node 3's P0 intervals are all kernel_ring_full, and equal the simulator's holes.
+    let p0_losses: Vec<_> = r
+        .records
+        .iter()
+        .filter_map(|x| if let Record::Loss(l) = x { Some(l) } else { None })
+        .filter(|l| l.stream.stream_id >> 24 == 0)
+        .collect();
+    assert!(!p0_losses.is_empty());
+    assert!(p0_losses.iter().all(|l| l.stream.node == node_id(3) && l.cause == LossCause::KernelRingFull.code()));
+    // Every P0 frame became one lifecycle record.
+    let lifecycle = r.records.iter().filter(|x| matches!(x, Record::Lifecycle(_))).count() as u64;
+    let p0_delivered: u64 = r.delivered.iter().filter(|((_, _, s), _)| s >> 24 == 0).map(|(_, v)| v.len() as u64).sum();
+    assert_eq!(lifecycle, p0_delivered);
+}
+
+#[test]
+fn p0_watermark_advances_while_bulk_loses_heavily() {
+    let r = run(&scenario("bulk-heavy-loss"), None, 1e-4, Net::default(), &[]);
+    assert_exact(&r);
+    for node in 0..4 {
+        let n = r.ingest.node(node_id(node)).unwrap();
+        let horizon_node = r.sim.node_mono(node, r.sim.horizon_ns());
+        let w_p0 = n.watermark_ns[0];
+        assert!(w_p0 + 1_000_000_000 >= horizon_node, "node {node}: w_p0 {w_p0} far behind {horizon_node}");
+    }
+    let bulk_lost: u64 =
+        r.ingest.trackers(node_id(1)).filter(|t| t.key.stream_id >> 24 == 2).map(|t| t.counts().lost_total()).sum();
+    assert!(bulk_lost > 0);
+}
+
+#[test]
+fn a_silent_node_holds_its_watermark_and_goes_silent_then_unreachable() {
+    let r = run(&scenario("dead-node"), None, 1e-5, Net::default(), &[]);
+    let dead = node_id(5);
+    let n = r.ingest.node(dead).unwrap();
+    let death_node_time = r.sim.node_mono(5, 4_000_000_000);
+    assert!(n.watermark_ns[0] <= death_node_time, "no verdict may rest on time past a silent node's watermark");
+    let states: Vec<LivenessState> = r
+        .records
+        .iter()
+        .filter_map(|x| if let Record::Liveness(l) = x { (l.node == dead).then_some(l.state) } else { None })
+        .collect();
+    assert_eq!(states, vec![LivenessState::Silent, LivenessState::Unreachable]);
+    // Timers: silent 5 s after the last heartbeat (at ≤ 4 s), unreachable at 60 s.
+    let silent_at = r.records.iter().find_map(|x| match x {
+        Record::Liveness(l) if l.node == dead && l.state == LivenessState::Silent => Some(l.at_ns),
+        _ => None,
+    });
+    assert!(silent_at.unwrap() >= 8_000_000_000);
+    // Live nodes never went silent while the run lasted.
+    let run_end = r.sim.horizon_ns() + 2_000_000_000;
+    assert!(r.records.iter().all(
+        |x| !matches!(x, Record::Liveness(l) if l.node != dead && l.state != LivenessState::Fresh && l.at_ns < run_end)
+    ));
+}
+
+#[test]
+fn epoch_change_closes_the_old_epoch_with_an_unknown_tail() {
+    let r = run(&scenario("mixed"), None, 1e-5, Net::default(), &[]);
+    assert_exact(&r);
+    let epoch = r.records.iter().find_map(|x| if let Record::Epoch(e) = x { Some(*e) } else { None }).unwrap();
+    assert_eq!((epoch.node, epoch.old_epoch, epoch.new_epoch), (node_id(2), 1, 2));
+    let tails: Vec<_> = r
+        .records
+        .iter()
+        .filter_map(|x| if let Record::Loss(l) = x { l.count.is_none().then_some(l) } else { None })
+        .collect();
+    assert!(!tails.is_empty());
+    assert!(tails.iter().all(|l| l.stream.node == node_id(2) && l.stream.epoch == 1 && l.last_seq == u64::MAX));
+    assert!(r.ingest.trackers(node_id(2)).any(|t| t.key.epoch == 2 && t.counts().received > 0));
+}
+
+#[test]
+fn shipper_restart_same_epoch_loses_exactly_the_unshipped_tail() {
+    let r = run(&scenario("seed-case"), None, 2e-5, Net::default(), &[(1, 2_500_000_000)]);
+    assert_exact(&r);
+    let restart_lost: u64 =
+        r.ingest.trackers(node_id(1)).map(|t| t.counts().lost[LossCause::ShipperRestart.drop_slot().unwrap()]).sum();
+    let unshipped: usize = r.model.shipper_lost.iter().filter(|((n, _, _), _)| *n == 1).map(|(_, v)| v.len()).sum();
+    assert!(unshipped > 0, "the restart must have dropped open batches");
+    assert_eq!(restart_lost, unshipped as u64, "exactly the unshipped frames, as shipper_restart");
+    let other_nodes_lost: u64 = (0..8)
+        .filter(|&n| n != 1 && n != 3)
+        .flat_map(|n| r.ingest.trackers(node_id(n)).map(|t| t.counts().lost_total()).collect::<Vec<_>>())
+        .sum();
+    assert_eq!(other_nodes_lost, 0, "no false loss anywhere else");
+}
+
+#[test]
+fn knowledge_gap_and_lifecycle_fields() {
+    let r = run(&scenario("pipeline-p2p"), None, 1e-5, Net::default(), &[]);
+    let gaps: Vec<_> = r.records.iter().filter(|x| matches!(x, Record::KnowledgeGap(_))).collect();
+    assert_eq!(gaps.len(), 4, "one per node, from start to its first batch");
+    assert!(r.records.iter().any(
+        |x| matches!(x, Record::Lifecycle(l) if matches!(l.kind, ringwatch_core::records::LifecycleKind::P2p { .. }))
+    ));
+    assert!(r.records.iter().any(|x| matches!(x, Record::Progress(p) if p.last_completed_op > 0)));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Random loss/reorder/duplicate/delay: per stream, delivered + lost + sampled_out =
+    /// generated exactly, and loss intervals equal exactly the seqs never delivered
+    /// (kernel drops as the simulator dropped them, and dropped batches).
+    #[test]
+    fn exact_under_random_network_patterns(
+        idx in 0usize..builtin::BUILTIN.len(),
+        seed in any::<u64>(),
+        drop in 0.0f64..0.3,
+        duplicate in 0.0f64..0.3,
+        max_delay_ms in 0u64..400,
+    ) {
+        let net = Net { drop, duplicate, max_delay_ms, seed };
+        let r = run(&scenario(builtin::BUILTIN[idx].0), Some(seed), 2e-5, net, &[]);
+        assert_exact(&r);
+    }
+}
+
+#[test]
+fn snapshot_restore_continue_equals_no_snapshot() {
+    use proto_flat::batch::BatchView;
+    let s = scenario("mixed");
+    let full = run(&s, None, 2e-5, Net { drop: 0.1, duplicate: 0.1, max_delay_ms: 50, seed: 7 }, &[]);
+    // Replay the same deliveries, snapshotting and restoring half way.
+    let mut arrivals: Vec<(u64, usize)> = Vec::new();
+    // Rebuild deliveries deterministically: run() delivered sent batches in arrival
+    // order; re-run with the same seed and capture the order by re-running deliver.
+    let again = run(&s, None, 2e-5, Net { drop: 0.1, duplicate: 0.1, max_delay_ms: 50, seed: 7 }, &[]);
+    assert!(full.records == again.records, "the harness is deterministic");
+    for (i, sent) in again.model.sent.iter().enumerate() {
+        arrivals.push((sent.at_ns + 1_000_000, i));
+    }
+    arrivals.sort();
+    let cut = arrivals.len() / 2;
+    let mut a = ringwatch_core::Ingest::new(Default::default(), 0);
+    let mut b = ringwatch_core::Ingest::new(Default::default(), 0);
+    let (mut ra, mut rb) = (Vec::new(), Vec::new());
+    for (k, &(t, i)) in arrivals.iter().enumerate() {
+        if k == cut {
+            let bytes = ringwatch_core::snapshot::write(&b).unwrap();
+            b = ringwatch_core::snapshot::read(&bytes, t).unwrap();
+            // The restored core reports its own knowledge gap, as designed; everything
+            // else must equal the uninterrupted run.
+        }
+        let sent = &again.model.sent[i];
+        let view = BatchView::parse(&sent.bytes).unwrap();
+        for (ing, out) in [(&mut a, &mut ra), (&mut b, &mut rb)] {
+            ing.handle_timeout(t);
+            ing.handle_batch(t, node_id(sent.node), 0, &view);
+            while let Some(r) = ing.poll_record() {
+                if !matches!(r, Record::KnowledgeGap(_)) {
+                    out.push(r);
+                }
+            }
+        }
+    }
+    assert!(ra == rb, "records differ after snapshot/restore ({} vs {})", ra.len(), rb.len());
+    for node in 0..4 {
+        let (ta, tb): (Vec<_>, Vec<_>) = (a.trackers(node_id(node)).collect(), b.trackers(node_id(node)).collect());
+        assert!(ta == tb, "trackers differ for node {node}");
+    }
+    // A damaged snapshot is an error, never a panic.
+    let mut bytes = ringwatch_core::snapshot::write(&a).unwrap();
+    assert!(ringwatch_core::snapshot::read(&bytes[..10], 0).is_err());
+    let n = bytes.len();
+    bytes[n / 2] ^= 0xff;
+    bytes[n / 3] ^= 0x55;
+    let _ = ringwatch_core::snapshot::read(&bytes, 0);
+    bytes[0] = b'X';
+    assert!(matches!(
+        ringwatch_core::snapshot::read(&bytes, 0),
+        Err(ringwatch_core::snapshot::SnapshotError::BadMagic)
+    ));
+}

@@ -1,0 +1,234 @@
+//! Table-driven SeqTracker cases: every way a seq can end, with time passed in.
+
+use proto_flat::codes::{LossCause, WireEnum};
+use ringwatch_core::loss::{HeartbeatCounters, SeqTracker, TrackerLimits};
+use ringwatch_core::records::{LossInterval, NodeId, StreamKey};
+
+const MS: u64 = 1_000_000;
+
+struct T {
+    t: SeqTracker,
+    out: Vec<LossInterval>,
+    ids: u64,
+}
+
+impl T {
+    fn new() -> Self {
+        let key = StreamKey { node: NodeId(1), epoch: 1, stream_id: 7 };
+        Self { t: SeqTracker::new(key, TrackerLimits::default()), out: Vec::new(), ids: 0 }
+    }
+    fn frames(&mut self, seqs: &[u64], now: u64) {
+        for &s in seqs {
+            self.t.on_frame(s, 1000 + s * 10, now, &mut self.out, &mut self.ids);
+        }
+    }
+    fn hb(&mut self, attempted: u64, spooled: u64, ring_full: u64) -> HeartbeatCounters {
+        let hb = HeartbeatCounters {
+            attempted,
+            spooled_through: spooled,
+            kernel_ring_full: ring_full,
+            kernel_oversized: 0,
+            sampled_out: 0,
+            snapshot_node_ns: 1000 + attempted * 10,
+        };
+        self.t.on_heartbeat(hb);
+        hb
+    }
+    fn settle(&mut self, hb: HeartbeatCounters, announced: u64, now: u64) {
+        self.t.settle(&hb, announced, now, &mut self.out, &mut self.ids);
+    }
+    /// `(first, last, count, cause name)` of every interval so far.
+    fn losses(&self) -> Vec<(u64, u64, Option<u64>, String)> {
+        self.out.iter().map(|l| (l.first_seq, l.last_seq, l.count, LossCause::from_code(l.cause).to_string())).collect()
+    }
+}
+
+fn conserved(t: &T, attempted: u64) {
+    let c = t.t.counts();
+    // Every seq below high is received, lost or pending; above it, in transit.
+    assert_eq!(c.received + c.lost_total() + t.t.pending(), t.t.high());
+    assert_eq!(t.t.high() + t.t.in_transit(), attempted.max(t.t.high()));
+}
+
+#[test]
+fn gap_then_late_fill_is_no_loss() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 3, 4], 0);
+    assert_eq!(t.t.pending(), 1);
+    assert_eq!(t.t.watermark_ns(), 1010, "the watermark stops below the hole");
+    t.frames(&[2], MS);
+    assert_eq!(t.t.pending(), 0);
+    assert_eq!(t.t.counts().received, 5);
+    assert_eq!(t.t.watermark_ns(), 1040);
+    let hb = t.hb(5, 5, 0);
+    t.settle(hb, 2 * MS, 600 * MS);
+    assert!(t.losses().is_empty());
+    conserved(&t, 5);
+}
+
+#[test]
+fn gap_covered_by_kernel_drops() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 4, 5], 0);
+    let hb = t.hb(6, 6, 2);
+    t.settle(hb, MS, 501 * MS);
+    assert_eq!(t.losses(), vec![(2, 3, Some(2), "kernel_ring_full".into())]);
+    assert_eq!(t.t.counts().lost[0], 2);
+    assert_eq!(t.out[0].from_node_ns, 1010);
+    assert_eq!(t.out[0].to_node_ns, 1040);
+    conserved(&t, 6);
+}
+
+#[test]
+fn gap_covered_by_a_loss_record() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 2, 6], 0);
+    t.t.on_loss_record(3, 5, 3, LossCause::ShipperSpoolFull, 0, MS, &mut t.out, &mut t.ids);
+    assert_eq!(t.losses(), vec![(3, 5, Some(3), "shipper_spool_full".into())]);
+    assert_eq!(t.t.pending(), 0);
+    // A record ahead of everything seen extends the stream.
+    t.t.on_loss_record(7, 9, 3, LossCause::PsiShed, 0, MS, &mut t.out, &mut t.ids);
+    assert_eq!(t.t.high(), 10);
+    assert_eq!(t.losses()[1], (7, 9, Some(3), "psi_shed".into()));
+    // A rejected batch carries its nack reason.
+    t.t.on_loss_record(10, 10, 1, LossCause::Rejected, 5, MS, &mut t.out, &mut t.ids);
+    assert_eq!(t.out[2].reason, 5);
+    conserved(&t, 11);
+}
+
+#[test]
+fn loss_record_with_kernel_holes_inside_leaves_them_pending() {
+    // A dropped batch held seqs 3, 4 and 6 (5 was a kernel hole): count 3 of range 3..=6.
+    let mut t = T::new();
+    t.frames(&[0, 1, 2], 0);
+    t.t.on_loss_record(3, 6, 3, LossCause::ShipperSpoolFull, 0, MS, &mut t.out, &mut t.ids);
+    assert_eq!(t.t.pending(), 1, "one seq of the range is not the record's");
+    let hb = t.hb(7, 7, 1);
+    t.settle(hb, 2 * MS, 600 * MS);
+    let c = t.t.counts();
+    assert_eq!((c.lost[2], c.lost[0]), (3, 1), "3 spool losses, 1 kernel drop");
+    assert_eq!(t.t.pending(), 0);
+}
+
+#[test]
+fn timing_out_to_unknown() {
+    let mut t = T::new();
+    t.frames(&[0, 2, 3], 0);
+    let hb = t.hb(4, 4, 0);
+    // Not yet: the gap must exist when the heartbeat arrived and the timeout pass.
+    t.settle(hb, MS, 501 * MS);
+    assert_eq!(t.losses(), vec![(1, 1, Some(1), "unknown".into())]);
+}
+
+#[test]
+fn gaps_newer_than_the_heartbeat_wait_for_the_next_one() {
+    let mut t = T::new();
+    t.frames(&[0, 1], 0);
+    let hb = t.hb(2, 2, 0);
+    t.frames(&[3], 2 * MS); // gap [2] appears after the heartbeat arrived at 1 ms
+    t.settle(hb, MS, 501 * MS);
+    assert!(t.losses().is_empty());
+    assert_eq!(t.t.pending(), 1);
+}
+
+#[test]
+fn in_transit_is_not_lost() {
+    let mut t = T::new();
+    t.frames(&[0, 1], 0);
+    // The shipper has read through 10 and holds it in its spool (a partition, say).
+    let hb = t.hb(12, 10, 0);
+    t.settle(hb, MS, 501 * MS);
+    assert!(t.losses().is_empty());
+    assert_eq!(t.t.in_transit(), 10);
+    // Much later the spool drains.
+    t.frames(&[2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 90_000 * MS);
+    assert!(t.losses().is_empty());
+    assert_eq!(t.t.counts().received, 12);
+}
+
+#[test]
+fn tail_loss_from_attempted_seq_when_the_kernel_dropped_it() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 2], 0);
+    // The ring overflowed at the end of a burst: 3..=5 dropped, nothing after.
+    let hb = t.hb(6, 6, 3);
+    t.settle(hb, MS, 501 * MS);
+    assert_eq!(t.losses(), vec![(3, 5, Some(3), "kernel_ring_full".into())]);
+    assert_eq!(t.t.watermark_ns(), 1060, "idle and resolved: the watermark reaches the snapshot");
+}
+
+#[test]
+fn duplicates_are_ignored_and_counted() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 1, 2, 0, 2], 0);
+    assert_eq!(t.t.counts().received, 3);
+    assert_eq!(t.t.counts().duplicates, 3);
+}
+
+#[test]
+fn a_late_frame_after_loss_revives_it() {
+    let mut t = T::new();
+    t.frames(&[0, 3], 0);
+    let hb = t.hb(4, 4, 0);
+    t.settle(hb, MS, 501 * MS);
+    assert_eq!(t.t.counts().lost_total(), 2);
+    t.frames(&[2], 900 * MS);
+    let c = t.t.counts();
+    assert_eq!((c.lost_total(), c.revived, c.received), (1, 1, 3));
+}
+
+#[test]
+fn epoch_close_with_known_and_unknown_tail() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 2], 0);
+    t.hb(5, 3, 0); // the kernel attempted 5; the shipper had read 3
+    t.t.close_epoch(MS, &mut t.out, &mut t.ids);
+    let l = t.losses();
+    assert_eq!(l[0], (3, 4, Some(2), "unknown".into()), "known tail: exact range");
+    assert_eq!(l[1], (5, u64::MAX, None, "unknown".into()), "then explicitly unknown");
+    assert!(t.t.is_closed());
+}
+
+#[test]
+fn session_restart_loses_only_the_unshipped_gap() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 2, 3], 0);
+    // The old shipper read 4..=7 but died before shipping them; the new session takes
+    // over with the kernel at 8 and reads on from the ring at 8.
+    t.t.on_session_start(8);
+    t.frames(&[8, 9, 10], 10 * MS);
+    let hb = t.hb(11, 11, 0);
+    t.settle(hb, 11 * MS, 511 * MS);
+    assert_eq!(t.losses(), vec![(4, 7, Some(4), "shipper_restart".into())]);
+    // Nothing above the takeover is lost: a later hole is unknown, not a restart loss.
+    t.frames(&[12], 600 * MS);
+    let hb = t.hb(13, 13, 0);
+    t.settle(hb, 601 * MS, 1101 * MS);
+    assert_eq!(t.losses()[1], (11, 11, Some(1), "unknown".into()));
+}
+
+#[test]
+fn kernel_drops_and_restart_mix_in_order() {
+    let mut t = T::new();
+    t.frames(&[0], 0);
+    t.t.on_session_start(6);
+    t.frames(&[6], MS);
+    let hb = t.hb(7, 7, 2); // two of 1..=5 were kernel drops
+    t.settle(hb, MS, 501 * MS);
+    let c = t.t.counts();
+    assert_eq!((c.lost[0], c.lost[4]), (2, 3));
+}
+
+#[test]
+fn gap_cap_evicts_oldest_as_unknown() {
+    let key = StreamKey { node: NodeId(1), epoch: 1, stream_id: 7 };
+    let mut t = SeqTracker::new(key, TrackerLimits { max_gaps: 3, max_recent_lost: 4 });
+    let (mut out, mut ids) = (Vec::new(), 0);
+    for s in [0, 2, 4, 6, 8, 10] {
+        t.on_frame(s, s, 0, &mut out, &mut ids);
+    }
+    assert_eq!(t.gaps().count(), 3);
+    assert_eq!(t.counts().gaps_evicted, 2);
+    assert_eq!(out.len(), 2);
+    assert_eq!((out[0].first_seq, out[0].last_seq), (1, 1));
+}

@@ -153,6 +153,16 @@ enum rw_shipper_gap_reason {
 #define RW_FLAG_PER_CHANNEL (1u << 2)
 #define RW_FLAG_TS_GPU_GLOBAL (1u << 3) /* clear: host CLOCK_MONOTONIC */
 
+/* PROGRESS activation_mask bits: NCCL's ncclProfile* event types. */
+#define RW_ACTIVATION_GROUP (1u << 0)
+#define RW_ACTIVATION_COLL (1u << 1)
+#define RW_ACTIVATION_P2P (1u << 2)
+#define RW_ACTIVATION_PROXY_OP (1u << 3) /* proxy_done: a completion source */
+#define RW_ACTIVATION_PROXY_STEP (1u << 4)
+#define RW_ACTIVATION_PROXY_CTRL (1u << 5)
+#define RW_ACTIVATION_KERNEL_CH (1u << 6) /* kernel channel events: the completion source */
+#define RW_ACTIVATION_NET_PLUGIN (1u << 7)
+
 /* stream_id = class:8 | ring:8 | cpu:16 */
 #define RW_STREAM_ID(class, ring, cpu) \
 	((((__u32)(class) & 0xff) << 24) | (((__u32)(ring) & 0xff) << 16) | ((__u32)(cpu) & 0xffff))

@@ -363,6 +363,36 @@ pub mod flags {
     ];
 }
 
+/// NCCL profiler activation mask bits (`ncclProfile*` event types), as PROGRESS entries
+/// carry them in `activation_mask`: which event kinds the profiler reports on that rank.
+pub mod activation {
+    pub const GROUP: u32 = 1 << 0;
+    /// Host collective calls: enqueue events.
+    pub const COLL: u32 = 1 << 1;
+    /// Host P2P calls.
+    pub const P2P: u32 = 1 << 2;
+    /// Proxy operations: `proxy_done` is a completion source.
+    pub const PROXY_OP: u32 = 1 << 3;
+    pub const PROXY_STEP: u32 = 1 << 4;
+    pub const PROXY_CTRL: u32 = 1 << 5;
+    /// Kernel channels (GPU timer): `kernel_start` / `kernel_end`, the completion source.
+    pub const KERNEL_CH: u32 = 1 << 6;
+    pub const NET_PLUGIN: u32 = 1 << 7;
+    /// Without one of these, completion can never be proven.
+    pub const COMPLETION_SOURCES: u32 = KERNEL_CH | PROXY_OP;
+    /// Every bit, as `(mask, name)`.
+    pub const ALL: &[(u32, &str)] = &[
+        (GROUP, "group"),
+        (COLL, "coll"),
+        (P2P, "p2p"),
+        (PROXY_OP, "proxy_op"),
+        (PROXY_STEP, "proxy_step"),
+        (PROXY_CTRL, "proxy_ctrl"),
+        (KERNEL_CH, "kernel_ch"),
+        (NET_PLUGIN, "net_plugin"),
+    ];
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

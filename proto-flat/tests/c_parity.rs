@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use proto_flat::batch::BatchHeader;
-use proto_flat::codes::{ALL_ENUMS, flags};
+use proto_flat::codes::{ALL_ENUMS, activation, flags};
 use proto_flat::control::{AckHead, AckRange, ControlHeader, HelloBody, NackBody};
 use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
@@ -222,6 +222,9 @@ fn rust_consts() -> BTreeMap<String, u64> {
     }
     for &(bit, name) in flags::ALL {
         out.insert(format!("RW_FLAG_{}", name.to_uppercase()), u64::from(bit));
+    }
+    for &(bit, name) in activation::ALL {
+        out.insert(format!("RW_ACTIVATION_{}", name.to_uppercase()), u64::from(bit));
     }
     out.insert("RW_WIRE_VERSION".into(), u64::from(proto_flat::WIRE_VERSION));
     out.insert("RW_BATCH_MAGIC".into(), u64::from(proto_flat::BATCH_MAGIC));
@@ -441,7 +444,10 @@ fn c_header_btf_matches_rust_layout() {
             btf_consts.insert(v["name"].as_str().unwrap().to_owned(), v["val"].as_u64().unwrap());
         }
     }
-    for (name, value) in consts.iter().filter(|(n, _)| !n.starts_with("RW_FLAG_") && !n.contains("RW_WIRE")) {
+    for (name, value) in consts
+        .iter()
+        .filter(|(n, _)| !n.starts_with("RW_FLAG_") && !n.starts_with("RW_ACTIVATION_") && !n.contains("RW_WIRE"))
+    {
         if ["RW_BATCH_MAGIC", "RW_DROP_SLOTS", "RW_FRAME_ALIGN"].contains(&name.as_str()) {
             continue; // preprocessor constants leave no BTF; the gcc probe checks them.
         }

@@ -6,15 +6,17 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Profiler activation mask bits (the event kinds the NCCL profiler reports).
+/// Profiler activation mask bits (NCCL's `ncclProfile*` event types, as
+/// `proto_flat::codes::activation` defines them).
 pub mod mask {
+    use proto_flat::codes::activation;
     /// Collective / P2P enqueue events.
-    pub const COLL: u32 = 1 << 0;
+    pub const COLL: u32 = activation::COLL | activation::P2P;
     /// Kernel-channel events (GPU timer): the completion source.
-    pub const KERNEL_CH: u32 = 1 << 1;
+    pub const KERNEL_CH: u32 = activation::KERNEL_CH;
     /// Proxy operation events.
-    pub const PROXY: u32 = 1 << 2;
-    /// Everything.
+    pub const PROXY: u32 = activation::PROXY_OP;
+    /// What the scenarios enable by default.
     pub const ALL: u32 = COLL | KERNEL_CH | PROXY;
 }
 

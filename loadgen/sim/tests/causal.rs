@@ -102,7 +102,7 @@ fn progress_never_reports_completion_before_start_or_start_before_enqueue() {
         let (_, check, truth) = common::run(&s, None, 0.0);
         for (_, p) in &check.progress {
             assert!(p.last_completed_op.get() <= p.last_kernel_started_op.get() || truth.scenario == "enqueue-only");
-            if s.cluster.activation_mask & 1 != 0 {
+            if s.cluster.activation_mask & loadgen_sim::scenario::mask::COLL != 0 {
                 assert!(p.last_kernel_started_op.get() <= p.last_enqueued_op.get(), "{name}: {p:?}");
             }
         }

@@ -153,7 +153,7 @@ fn pipeline_p2p_does_not_advance_comm_op_seq() {
 fn enqueue_only_mask_is_indeterminate() {
     let (_, check, t) = run(&scenario("enqueue-only"), None, 1e-5);
     assert!(outcomes(&t).all(|r| r.outcome == "indeterminate(no_completion_source)"));
-    assert!(check.progress.iter().all(|(_, p)| p.last_completed_op.get() == 0 && p.activation_mask.get() == 1));
+    assert!(check.progress.iter().all(|(_, p)| p.last_completed_op.get() == 0 && p.activation_mask.get() == 6));
 }
 
 #[test]

@@ -55,6 +55,12 @@ impl ClockEstimate {
         self.best().map(|s| s.rtt_ns / 2 + now.saturating_sub(s.received_ns) / 1_000_000 * DRIFT_PPM)
     }
 
+    /// Whether a heartbeat sample exists (cluster times mean something).
+    #[must_use]
+    pub fn is_synced(&self) -> bool {
+        !self.samples.is_empty()
+    }
+
     /// Cluster time of a node time (the node time itself before any heartbeat).
     #[must_use]
     pub fn to_cluster(&self, node_ns: u64) -> i64 {

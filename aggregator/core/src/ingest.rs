@@ -637,6 +637,10 @@ impl Ingest {
 
     fn update_watermarks(&mut self, node: NodeId) {
         let Some(n) = self.nodes.get_mut(&node) else { return };
+        // A watermark is a cluster time: none before the node's clock is estimated.
+        if !n.clock.is_synced() {
+            return;
+        }
         for class in [Class::P0, Class::P2] {
             let c = usize::from(class.code());
             let wm = n

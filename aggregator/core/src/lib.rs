@@ -16,9 +16,12 @@
 pub mod clock;
 pub mod ingest;
 pub mod loss;
+pub mod matcher;
 pub mod records;
 pub mod snapshot;
+pub mod verdict;
 
 pub use ingest::{Ingest, IngestConfig, IngestStats};
 pub use loss::SeqTracker;
+pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
 pub use records::{NodeId, Record, StreamKey};

@@ -27,6 +27,7 @@ pub struct StreamKey {
 
 /// Communicator identity.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord))]
 pub struct Comm {
     pub hash: u64,
     pub disambiguator: u64,

@@ -467,7 +467,7 @@ impl Simulation {
     /// Emits node `node`'s events before `until`, P0 and bulk merged in time order, so
     /// a node's output does not depend on how the run is sliced into steps.
     fn emit_until(&mut self, node: usize, until: u64, sink: &mut impl Sink) {
-        let until = until.min(self.nodes[node].dead_at.max(self.now));
+        let until = until.min(self.nodes[node].dead_at);
         let period = self.nodes[node].bulk_period_ns;
         let every = u64::from(self.scenario.bulk.sample_every.max(1));
         let cpus = u64::from(self.scenario.cluster.cpus_per_node);

@@ -245,6 +245,10 @@ pub struct Run {
     pub model: ShipperModel,
     /// Seqs each stream delivered to ingest at least once.
     pub delivered: BTreeMap<(u32, u64, u32), Vec<u64>>,
+    /// Every record with the aggregator time it was produced.
+    pub timed: Vec<(u64, Record)>,
+    /// Aggregator time at the end of the delivery.
+    pub end_ns: u64,
 }
 
 pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restarts: &[(u32, u64)]) -> Run {
@@ -252,12 +256,23 @@ pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restart
     let mut model = ShipperModel::new(scenario.cluster.nodes, net);
     model.restarts = restarts.to_vec();
     let step = 10_000_000;
+    let dead_at: Vec<u64> = sim.model().dead_at.clone();
+    let mut flushed = vec![false; dead_at.len()];
     while !sim.is_done() {
         model.now_ns += step;
         sim.step(model.now_ns, &mut model);
+        // A dead node's shipper dies with it: what it had read goes out at the death.
+        for (node, &d) in dead_at.iter().enumerate() {
+            if !flushed[node] && model.now_ns >= d {
+                flushed[node] = true;
+                model.cut_all(node as u32);
+            }
+        }
     }
     for node in 0..scenario.cluster.nodes {
-        model.cut_all(node);
+        if !flushed[node as usize] {
+            model.cut_all(node);
+        }
     }
     // Live shippers keep heartbeating after the run; one more, after every delayed
     // batch has arrived, lets the last gaps settle.
@@ -286,10 +301,15 @@ fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
     let mut records = Vec::new();
     let mut delivered: BTreeMap<(u32, u64, u32), Vec<u64>> = BTreeMap::new();
     let mut scratch = SummaryCheck::default();
+    let mut timed = Vec::new();
     for (t, i) in arrivals {
         // Drive timers as the aggregator's event loop does: at each due time.
         while let Some(due) = ingest.poll_timeout().filter(|&d| d <= t) {
             ingest.handle_timeout(due);
+            while let Some(r) = ingest.poll_record() {
+                timed.push((due, r));
+                records.push(r);
+            }
         }
         let s = &model.sent[i];
         let view = BatchView::parse(&s.bytes).unwrap();
@@ -300,6 +320,7 @@ fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
         }
         ingest.handle_batch(t, node_id(s.node), 200_000, &view);
         while let Some(r) = ingest.poll_record() {
+            timed.push((t, r));
             records.push(r);
         }
     }
@@ -307,9 +328,10 @@ fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
     let end = model.now_ns + 120_000_000_000;
     while let Some(due) = ingest.poll_timeout().filter(|&d| d <= end) {
         ingest.handle_timeout(due);
+        while let Some(r) = ingest.poll_record() {
+            timed.push((due, r));
+            records.push(r);
+        }
     }
-    while let Some(r) = ingest.poll_record() {
-        records.push(r);
-    }
-    Run { ingest, records, sim, model, delivered }
+    Run { ingest, records, sim, model, delivered, timed, end_ns: end }
 }

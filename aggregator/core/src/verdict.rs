@@ -1,0 +1,160 @@
+//! Verdict records: per rank and op, `{outcome, tags, final, decided_at, evidence}`.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::records::{Comm, NodeId};
+
+/// Which op a verdict is about.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord))]
+pub enum OpRef {
+    /// A collective: `(communicator, comm_op_seq)`.
+    Coll { comm: Comm, seq: u64 },
+    /// A point-to-point op: `(communicator, src, dst, p2p_seq)`.
+    P2p { comm: Comm, src: u32, dst: u32, p2p_seq: u64 },
+}
+
+impl OpRef {
+    /// The communicator.
+    #[must_use]
+    pub fn comm(&self) -> Comm {
+        match *self {
+            Self::Coll { comm, .. } | Self::P2p { comm, .. } => comm,
+        }
+    }
+}
+
+/// Why an outcome cannot be decided.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Indeterminate {
+    /// The activation mask has neither kernel-channel nor proxy events.
+    NoCompletionSource,
+    /// No PROGRESS entry for the rank.
+    Uninstrumented,
+    /// `nranks` disagree at one key.
+    KeyCollision,
+    /// The op overlaps the aggregator's own knowledge gap.
+    AggregatorGap,
+}
+
+/// A rank's outcome for one op (DESIGN's set).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Completed,
+    /// Completion proven by PROGRESS or by a later op's completion on the same
+    /// communicator (its own completion frame was not seen).
+    CompletedInferred,
+    /// Entry proven without an own frame (a peer's completion of a strong collective).
+    EnteredInferred,
+    InFlight,
+    /// Entered and waiting on a culprit rank (`None`: culprit unknown).
+    WaitingOn(Option<u32>),
+    NotJoined,
+    /// Not joined, and PROGRESS shows the process exited.
+    NotJoinedExited,
+    Stuck,
+    /// An earlier unresolved op of the same rank blocks this one.
+    BlockedBy(OpRef),
+    /// The rank's node is silent or unreachable.
+    UnknownSilent,
+    Indeterminate(Indeterminate),
+}
+
+impl Outcome {
+    /// Short name as DESIGN spells it.
+    #[must_use]
+    pub fn name(&self) -> String {
+        match self {
+            Self::Completed => "completed".into(),
+            Self::CompletedInferred => "completed_inferred".into(),
+            Self::EnteredInferred => "entered_inferred".into(),
+            Self::InFlight => "in_flight".into(),
+            Self::WaitingOn(Some(r)) => format!("waiting_on({r})"),
+            Self::WaitingOn(None) => "waiting_on(unknown)".into(),
+            Self::NotJoined => "not_joined".into(),
+            Self::NotJoinedExited => "not_joined(process_exited)".into(),
+            Self::Stuck => "stuck".into(),
+            Self::BlockedBy(OpRef::Coll { seq, .. }) => format!("blocked_by(#{seq})"),
+            Self::BlockedBy(OpRef::P2p { p2p_seq, .. }) => format!("blocked_by(p2p#{p2p_seq})"),
+            Self::UnknownSilent => "unknown_silent".into(),
+            Self::Indeterminate(i) => format!(
+                "indeterminate({})",
+                match i {
+                    Indeterminate::NoCompletionSource => "no_completion_source",
+                    Indeterminate::Uninstrumented => "uninstrumented",
+                    Indeterminate::KeyCollision => "key_collision",
+                    Indeterminate::AggregatorGap => "aggregator_gap",
+                }
+            ),
+        }
+    }
+}
+
+/// Tags on a verdict.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum VerdictTag {
+    /// A P0 loss interval of the rank's node overlaps the op (interval ids).
+    TelemetryLoss { ids: Vec<u64> },
+    /// A consistency check failed (proto-flat field name).
+    Mismatch { field: String },
+    GraphCaptured,
+    AggregatorGap,
+}
+
+/// A frame the verdict rests on.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameRef {
+    pub node: NodeId,
+    pub stream_id: u32,
+    pub seq: u64,
+    pub phase: u8,
+}
+
+/// A PROGRESS value the verdict rests on.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgressRef {
+    pub node: NodeId,
+    pub rank: u32,
+    pub last_enqueued_op: u64,
+    pub last_kernel_started_op: u64,
+    pub last_completed_op: u64,
+    pub snapshot_cluster_ns: i64,
+}
+
+/// Evidence a person can follow.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+pub struct Evidence {
+    pub frames: Vec<FrameRef>,
+    pub loss_intervals: Vec<u64>,
+    /// `(node, w_p0 in cluster ns)` of the participants when decided.
+    pub watermarks: Vec<(NodeId, i64)>,
+    pub progress: Vec<ProgressRef>,
+    /// One sentence: the rule that decided it.
+    pub rule: String,
+}
+
+/// One rank's verdict on one op.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub op: OpRef,
+    pub rank: u32,
+    pub node: Option<NodeId>,
+    pub gpu_uuid: [u8; 16],
+    pub outcome: Outcome,
+    pub tags: Vec<VerdictTag>,
+    /// No late data stamped ≤ `decided_at` can change it.
+    pub is_final: bool,
+    /// Aggregator time.
+    pub decided_at_ns: u64,
+    pub evidence: Evidence,
+    /// Changes of this rank's outcome before it became final.
+    pub revision: u32,
+}
+
+/// What the matcher emits.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum MatcherEvent {
+    Verdict(Verdict),
+    /// A final `stuck` op completed after all (not a revision).
+    Recovered { op: OpRef, rank: u32, node: Option<NodeId>, after_ms: u64 },
+}

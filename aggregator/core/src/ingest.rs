@@ -665,9 +665,9 @@ impl Ingest {
 
     // ---------------------------------------------------------------- snapshots
 
-    /// Marks every node as not heard from since `now` (after a restore: the knowledge
-    /// gap runs from the snapshot to each node's first batch).
-    pub(crate) fn restart_knowledge(&mut self, snapshot_ns: u64) {
+    /// Marks every node as not heard from since `snapshot_ns` (after a restore: the
+    /// knowledge gap runs from the snapshot to each node's first batch).
+    pub fn restart_knowledge(&mut self, snapshot_ns: u64) {
         self.known_since_ns = snapshot_ns;
         for n in self.nodes.values_mut() {
             n.heard_since_start = false;

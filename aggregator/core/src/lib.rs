@@ -2,8 +2,8 @@
 //!
 //! What it is: deterministic state machines that take time as an argument — per-stream
 //! sequence accounting (every lost frame an explicit, counted gap with a cause),
-//! watermarks, liveness, cluster-time estimates, and (next) the collective matcher,
-//! verdicts and health.
+//! watermarks, liveness, cluster-time estimates, the collective matcher, verdicts and
+//! health.
 //!
 //! What it is not: I/O. It never imports tokio, quinn, aya or axum and never reads a
 //! clock; its own crate lets the compiler hold that boundary (as `quinn-proto` does),
@@ -11,12 +11,15 @@
 //!
 //! Modules: [`records`] (what ingest produces and the matcher consumes), [`loss`]
 //! (`SeqTracker`), [`ingest`] (batches → records; watermarks, liveness, knowledge
-//! gaps), [`clock`] (cluster time), [`snapshot`] (the versioned state format).
+//! gaps), [`clock`] (cluster time), [`matcher`] and [`verdict`] (collectives → verdicts,
+//! health), [`pipeline`] (`Core`: ingest and matcher together), [`snapshot`] (the
+//! versioned state format).
 
 pub mod clock;
 pub mod ingest;
 pub mod loss;
 pub mod matcher;
+pub mod pipeline;
 pub mod records;
 pub mod snapshot;
 pub mod verdict;
@@ -24,4 +27,5 @@ pub mod verdict;
 pub use ingest::{Ingest, IngestConfig, IngestStats};
 pub use loss::SeqTracker;
 pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
+pub use pipeline::Core;
 pub use records::{NodeId, Record, StreamKey};

@@ -41,7 +41,9 @@ use proto_flat::codes::{Op, Phase, ProcState, WireEnum, activation, flags};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::records::{Comm, LifecycleKind, LivenessState, NodeId, Record};
-use crate::verdict::{Evidence, FrameRef, Indeterminate, MatcherEvent, OpRef, Outcome, ProgressRef, Verdict, VerdictTag};
+use crate::verdict::{
+    Evidence, FrameRef, Indeterminate, MatcherEvent, OpRef, Outcome, ProgressRef, Rule, Verdict, VerdictTag,
+};
 
 /// Matcher configuration (DESIGN's timers).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +88,8 @@ pub struct MatcherStats {
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
 struct RankObs {
+    /// Whether any frame of this rank for this op arrived.
+    present: bool,
     node: Option<NodeId>,
     entered: Option<FrameRef>,
     started: Option<FrameRef>,
@@ -119,7 +123,8 @@ struct OpState {
     first_seen_ns: u64,
     /// Participants: comm ranks (0..nranks for collectives, {src, dst} for P2P).
     participants: Vec<u32>,
-    ranks: BTreeMap<u32, RankObs>,
+    /// Per participant, in `participants` order.
+    ranks: Vec<RankObs>,
     op: u8,
     count: u64,
     verdicts: BTreeMap<u32, RankVerdict>,
@@ -198,8 +203,26 @@ pub struct CollectiveMatcher {
     out_read: usize,
 }
 
+impl OpState {
+    /// Index of a communicator rank among the participants.
+    fn slot(&self, rank: u32) -> Option<usize> {
+        let i = usize::try_from(rank).ok()?;
+        if self.participants.get(i) == Some(&rank) {
+            return Some(i);
+        }
+        self.participants.iter().position(|&p| p == rank)
+    }
+
+    fn observed(&self) -> impl Iterator<Item = &RankObs> {
+        self.ranks.iter().filter(|r| r.present)
+    }
+}
+
 fn strong(op: u8) -> bool {
-    matches!(Op::from_code(op), Op::AllReduce | Op::AllGather | Op::ReduceScatter | Op::AllToAll | Op::Barrier | Op::AllToAllv)
+    matches!(
+        Op::from_code(op),
+        Op::AllReduce | Op::AllGather | Op::ReduceScatter | Op::AllToAll | Op::Barrier | Op::AllToAllv
+    )
 }
 
 fn size_bucket(count: u64) -> u8 {
@@ -383,7 +406,7 @@ impl CollectiveMatcher {
 
     fn mark_node_dirty(&mut self, node: NodeId) {
         let keys: Vec<OpRef> =
-            self.ops.iter().filter(|(_, o)| o.ranks.values().any(|r| r.node == Some(node))).map(|(k, _)| *k).collect();
+            self.ops.iter().filter(|(_, o)| o.observed().any(|r| r.node == Some(node))).map(|(k, _)| *k).collect();
         self.dirty.extend(keys);
     }
 
@@ -449,8 +472,8 @@ impl CollectiveMatcher {
                 OpState {
                     key,
                     first_seen_ns: now,
+                    ranks: vec![RankObs::default(); participants.len()],
                     participants,
-                    ranks: BTreeMap::new(),
                     op: l.op,
                     count: l.count,
                     verdicts: BTreeMap::new(),
@@ -464,7 +487,13 @@ impl CollectiveMatcher {
         if nranks as usize != op.participants.len() && matches!(key, OpRef::Coll { .. }) {
             op.key_collision = true;
         }
-        let obs = op.ranks.entry(l.rank).or_default();
+        let Some(slot) = op.slot(l.rank) else {
+            // A rank outside the key's participants: another communicator's frame.
+            op.key_collision = true;
+            return;
+        };
+        let Some(obs) = op.ranks.get_mut(slot) else { return };
+        obs.present = true;
         if obs.node.is_some_and(|n| n != node) || (obs.pid != 0 && obs.pid != l.pid) {
             // Two different processes claim the same rank of the same key: two
             // communicators share a key.
@@ -551,7 +580,8 @@ impl CollectiveMatcher {
 
     #[allow(clippy::too_many_lines, reason = "the rules read best in one place, in DESIGN's order")]
     fn evaluate(&mut self, now: u64, key: OpRef) {
-        let Some(op) = self.ops.get(&key).cloned() else { return };
+        // Taken out while evaluated (no clone); put back unless final.
+        let Some(mut op) = self.ops.remove(&key) else { return };
         let seq = match key {
             OpRef::Coll { seq, .. } => seq,
             OpRef::P2p { .. } => 0,
@@ -574,13 +604,19 @@ impl CollectiveMatcher {
         }
         let mut rs: Vec<R> = Vec::new();
         for &rank in &op.participants {
-            let obs = op.ranks.get(&rank);
+            let obs = op.slot(rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present);
             let prog = self.progress.get(&(comm, rank)).copied();
             let node = obs.and_then(|o| o.node).or(prog.and_then(|p| p.node));
             let direct = obs.is_some_and(|o| o.completed.is_some());
             let by_progress = is_coll && prog.is_some_and(|p| p.last_completed >= seq);
             let by_later = is_coll && self.completed_through.get(&(comm, rank)).is_some_and(|&c| c > seq);
-            let completed = if direct { Some(true) } else if by_progress || by_later { Some(false) } else { None };
+            let completed = if direct {
+                Some(true)
+            } else if by_progress || by_later {
+                Some(false)
+            } else {
+                None
+            };
             let entered = completed.is_some()
                 || obs.is_some_and(|o| o.entered.is_some())
                 || (is_coll && prog.is_some_and(|p| p.last_enqueued >= seq));
@@ -623,7 +659,11 @@ impl CollectiveMatcher {
             OpRef::P2p { .. } => None,
         };
         let in_gap = rs.iter().any(|r| {
-            r.node.and_then(|n| self.nodes.get(&n)).is_some_and(|n| n.knowledge_gaps.iter().any(|&(_, to)| op.first_seen_ns <= to))
+            // A gap of positive length that the op lived through (it was first seen
+            // before the gap ended).
+            r.node
+                .and_then(|n| self.nodes.get(&n))
+                .is_some_and(|n| n.knowledge_gaps.iter().any(|&(from, to)| to > from && op.first_seen_ns <= to))
         });
 
         // Per-rank outcomes.
@@ -638,6 +678,10 @@ impl CollectiveMatcher {
                 Outcome::Indeterminate(Indeterminate::NoCompletionSource)
             } else if r.live != LivenessState::Fresh {
                 Outcome::UnknownSilent
+            } else if !r.instrumented && any_completed {
+                // No PROGRESS and no completion frame: peers finished, this rank cannot be
+                // decided either way.
+                Outcome::Indeterminate(Indeterminate::Uninstrumented)
             } else if let Some(root) = blocked_root {
                 // An earlier op on this communicator ended unresolved: this one cannot run.
                 Outcome::BlockedBy(root)
@@ -651,7 +695,8 @@ impl CollectiveMatcher {
                 } else {
                     // Not joined needs a fresh PROGRESS entry (after the join deadline)
                     // showing the rank behind.
-                    let fresh = past_join && r.progress.is_some_and(|p| p.received_at_ns >= join_at && p.last_enqueued < seq);
+                    let fresh =
+                        past_join && r.progress.is_some_and(|p| p.received_at_ns >= join_at && p.last_enqueued < seq);
                     if fresh && r.exited {
                         Outcome::NotJoinedExited
                     } else if fresh {
@@ -702,8 +747,25 @@ impl CollectiveMatcher {
             }
         }
         for (r, o) in rs.iter().zip(&outcomes) {
-            if matches!(o, Outcome::Stuck | Outcome::NotJoined | Outcome::NotJoinedExited | Outcome::UnknownSilent) {
+            if matches!(
+                o,
+                Outcome::Stuck
+                    | Outcome::NotJoined
+                    | Outcome::NotJoinedExited
+                    | Outcome::UnknownSilent
+                    | Outcome::BlockedBy(_)
+            ) {
                 culprits.push((r.rank, r.node));
+            }
+        }
+        // C3(a) candidates not yet past their join deadline still name the culprit the
+        // others wait on (their own outcome stays in flight until the deadline).
+        if past_stuck && culprits.is_empty() {
+            for (r, o) in rs.iter().zip(outcomes.iter()) {
+                let behind = r.progress.is_some_and(|p| p.received_at_ns >= stuck_at && p.last_enqueued < seq);
+                if matches!(o, Outcome::InFlight) && !r.entered && r.instrumented && behind {
+                    culprits.push((r.rank, r.node));
+                }
             }
         }
         let culprit_nodes: BTreeSet<Option<NodeId>> = culprits.iter().map(|c| c.1).collect();
@@ -715,13 +777,15 @@ impl CollectiveMatcher {
             match o {
                 Outcome::WaitingOn(w) => *w = waiting_on,
                 // C4: once a culprit is identified, ranks that entered wait on it.
-                Outcome::InFlight if decisive && r.entered && waiting_on.is_some() => *o = Outcome::WaitingOn(waiting_on),
+                Outcome::InFlight if decisive && r.entered && waiting_on.is_some() => {
+                    *o = Outcome::WaitingOn(waiting_on)
+                }
                 _ => {}
             }
         }
 
         // Decision time and finality.
-        let last_completion = op.ranks.values().filter(|o| o.completed.is_some()).map(|o| o.completed_cluster_ns).max();
+        let last_completion = op.observed().filter(|o| o.completed.is_some()).map(|o| o.completed_cluster_ns).max();
         let decided_at = if all_completed {
             last_completion.and_then(|t| u64::try_from(t).ok()).map_or(now, |t| t.min(now))
         } else if past_stuck {
@@ -735,7 +799,8 @@ impl CollectiveMatcher {
         let settled = |m: &Self| {
             gating.iter().all(|n| {
                 m.nodes.get(n).is_some_and(|v| {
-                    let need = i64::try_from(decided_at.saturating_add(m.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
+                    let need =
+                        i64::try_from(decided_at.saturating_add(m.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
                     v.w_p0_cluster_ns >= need
                 })
             })
@@ -747,8 +812,7 @@ impl CollectiveMatcher {
         // each rank's own clock (never across clocks), the longest rank.
         if all_completed && is_coll {
             let d = op
-                .ranks
-                .values()
+                .observed()
                 .filter(|o| o.started_node_ns > 0 && o.completed_node_ns > o.started_node_ns)
                 .map(|o| o.completed_node_ns - o.started_node_ns)
                 .max();
@@ -762,7 +826,9 @@ impl CollectiveMatcher {
         }
 
         // Emit changes.
-        let mut new_verdicts = op.verdicts.clone();
+        let reference = op.observed().find(|x| x.op == op.op).cloned();
+        let reference = reference.as_ref();
+        let mut new_verdicts = std::mem::take(&mut op.verdicts);
         let mut events = Vec::new();
         for (r, o) in rs.iter().zip(outcomes.iter()) {
             let mut tags = Vec::new();
@@ -772,7 +838,7 @@ impl CollectiveMatcher {
                 // The window where the missing record would have been emitted: around
                 // this op's frames from the same node, or the node's latest losses when
                 // none of them arrived.
-                let same_node: Vec<&RankObs> = op.ranks.values().filter(|x| x.node == r.node).collect();
+                let same_node: Vec<&RankObs> = op.observed().filter(|x| x.node == r.node).collect();
                 let ids: Vec<u64> = if same_node.is_empty() {
                     n.p0_losses.iter().rev().take(16).map(|l| l.0).collect()
                 } else {
@@ -787,9 +853,10 @@ impl CollectiveMatcher {
             if in_gap {
                 tags.push(VerdictTag::AggregatorGap);
             }
-            if let Some(obs) = op.ranks.get(&r.rank) {
-                let reference = op.ranks.values().find(|x| x.op == op.op);
-                if let Some(refo) = reference {
+            if let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present)
+                && let Some(refo) = reference
+            {
+                {
                     if obs.op != refo.op {
                         tags.push(VerdictTag::Mismatch { field: "op".into() });
                     } else if obs.dtype != refo.dtype {
@@ -804,13 +871,18 @@ impl CollectiveMatcher {
             if !changed {
                 continue;
             }
+            // Kept in state, emitted only when it says something: final verdicts, and
+            // non-final ones that are neither in flight nor a plain completion.
+            let emit = is_final || !matches!(o, Outcome::InFlight | Outcome::Completed);
             let mut revision = prev.as_ref().map_or(0, |p| p.revision);
             if let Some(p) = &prev
                 && p.outcome != *o
             {
                 if p.is_final {
                     self.stats.revisions_after_final += 1;
-                } else if !matches!(p.outcome, Outcome::InFlight) {
+                } else if is_decision(&p.outcome) {
+                    // A decided outcome changed before it became final. Waiting states
+                    // (in flight, waiting on, blocked by) evolving are not revisions.
                     revision += 1;
                     self.stats.revisions_before_final += 1;
                 }
@@ -818,7 +890,7 @@ impl CollectiveMatcher {
             new_verdicts.insert(r.rank, RankVerdict { outcome: *o, tags: tags.clone(), is_final, revision });
             let gpu_uuid = r.progress.map_or([0; 16], |p| p.gpu_uuid);
             let mut evidence = Evidence::default();
-            if let Some(obs) = op.ranks.get(&r.rank) {
+            if let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present) {
                 evidence.frames.extend([obs.entered, obs.started, obs.completed].into_iter().flatten());
             }
             if let Some(p) = r.progress {
@@ -836,12 +908,9 @@ impl CollectiveMatcher {
                     evidence.loss_intervals.extend(ids);
                 }
             }
-            evidence.watermarks = gating
-                .iter()
-                .filter_map(|n| self.nodes.get(n).map(|v| (*n, v.w_p0_cluster_ns)))
-                .collect::<BTreeMap<_, _>>()
-                .into_iter()
-                .collect();
+            if let Some(n) = r.node.and_then(|n| self.nodes.get(&n).map(|v| (n, v.w_p0_cluster_ns))) {
+                evidence.watermarks.push(n);
+            }
             evidence.rule = rule_for(o);
             if let Some(node) = r.node {
                 let f = self.gpu_flags.entry((node, gpu_uuid)).or_default();
@@ -852,6 +921,9 @@ impl CollectiveMatcher {
                     Outcome::CompletedInferred if !tags.is_empty() => f.2 = now,
                     _ => {}
                 }
+            }
+            if !emit {
+                continue;
             }
             events.push(MatcherEvent::Verdict(Verdict {
                 op: key,
@@ -901,13 +973,15 @@ impl CollectiveMatcher {
                 }
                 self.dirty.insert(OpRef::Coll { comm, seq: seq + 1 });
             }
-        } else if let Some(o) = self.ops.get_mut(&key) {
+        } else {
+            let mut o = op;
             o.verdicts = new_verdicts;
             o.decided_at_ns = decided_at;
             let due = if past_stuck { now + self.config.reorder_timeout_ns } else { stuck_at.min(join_at) };
             if due != u64::MAX {
                 self.deadlines.insert((due, key));
             }
+            self.ops.insert(key, o);
         }
     }
 
@@ -919,19 +993,32 @@ impl CollectiveMatcher {
     }
 }
 
-fn rule_for(o: &Outcome) -> String {
+/// Outcomes that decide something (as opposed to waiting states that evolve).
+fn is_decision(o: &Outcome) -> bool {
+    matches!(
+        o,
+        Outcome::Completed
+            | Outcome::CompletedInferred
+            | Outcome::Stuck
+            | Outcome::NotJoined
+            | Outcome::NotJoinedExited
+            | Outcome::Indeterminate(_)
+    )
+}
+
+fn rule_for(o: &Outcome) -> Rule {
     match o {
-        Outcome::Completed => "rank-level kernel_end/proxy_done frame".into(),
-        Outcome::CompletedInferred => "PROGRESS last_completed ≥ k, or the rank completed a later op on this communicator".into(),
-        Outcome::EnteredInferred => "a peer completed a strong collective (C1)".into(),
-        Outcome::InFlight => "no completion yet; deadline not passed".into(),
-        Outcome::WaitingOn(Some(_)) => "entered; waiting on the culprit (C4)".into(),
-        Outcome::WaitingOn(None) => "entered; hung with no discriminating evidence (C3: culprit unknown)".into(),
-        Outcome::NotJoined => "fresh PROGRESS shows the rank never entered, past the join deadline (C3a)".into(),
-        Outcome::NotJoinedExited => "PROGRESS shows the process exited without entering (C3a)".into(),
-        Outcome::Stuck => "did not finish: peers finished, or its GPU alone never started k (C3e)".into(),
-        Outcome::BlockedBy(_) => "an earlier op of this rank is unresolved (C3b)".into(),
-        Outcome::UnknownSilent => "the rank's node is silent or unreachable (C3c): not gating".into(),
-        Outcome::Indeterminate(_) => "the evidence cannot decide".into(),
+        Outcome::Completed => Rule::CompletionFrame,
+        Outcome::CompletedInferred => Rule::CompletionInferred,
+        Outcome::EnteredInferred => Rule::EnteredByPeer,
+        Outcome::InFlight => Rule::Pending,
+        Outcome::WaitingOn(Some(_)) => Rule::WaitingOnCulprit,
+        Outcome::WaitingOn(None) => Rule::HungNoCulprit,
+        Outcome::NotJoined => Rule::NotJoined,
+        Outcome::NotJoinedExited => Rule::ProcessExited,
+        Outcome::Stuck => Rule::Stuck,
+        Outcome::BlockedBy(_) => Rule::BlockedBy,
+        Outcome::UnknownSilent => Rule::Silent,
+        Outcome::Indeterminate(_) => Rule::Indeterminate,
     }
 }

@@ -2,11 +2,12 @@
 //! rkyv archive`. The archive is validated (bytecheck) before anything is restored, so a
 //! corrupt or hostile file is an error, never undefined behaviour.
 //!
-//! This state is the ingest state (trackers, watermarks, clocks, liveness,
-//! pending settlements, undelivered records); the matcher, health and dedup state join
-//! it in later versions.
+//! The state is the whole [`Core`]: ingest (trackers, watermarks, clocks, liveness,
+//! pending settlements, undelivered records) and the matcher (ops in flight, PROGRESS,
+//! deadlines, durations, health evidence, undelivered events). Dedup state joins it with
+//! the transport.
 
-use crate::ingest::Ingest;
+use crate::pipeline::Core;
 
 /// First bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"RWSNAP\0\0";
@@ -27,7 +28,7 @@ pub enum SnapshotError {
 }
 
 /// Serializes the state.
-pub fn write(state: &Ingest) -> Result<Vec<u8>, SnapshotError> {
+pub fn write(state: &Core) -> Result<Vec<u8>, SnapshotError> {
     let archive = rkyv::to_bytes::<rkyv::rancor::Error>(state).map_err(|e| SnapshotError::Archive(e.to_string()))?;
     let mut out = Vec::with_capacity(16 + archive.len());
     out.extend_from_slice(&SNAPSHOT_MAGIC);
@@ -39,7 +40,7 @@ pub fn write(state: &Ingest) -> Result<Vec<u8>, SnapshotError> {
 
 /// Restores a state written by [`write`], at aggregator time `now`: the aggregator's
 /// knowledge gap for every node runs from `snapshot_ns` to that node's next batch.
-pub fn read(bytes: &[u8], snapshot_ns: u64) -> Result<Ingest, SnapshotError> {
+pub fn read(bytes: &[u8], snapshot_ns: u64) -> Result<Core, SnapshotError> {
     let head = bytes.get(..16).ok_or(SnapshotError::TooShort { got: bytes.len() })?;
     if head.get(..8) != Some(&SNAPSHOT_MAGIC[..]) {
         return Err(SnapshotError::BadMagic);
@@ -52,7 +53,7 @@ pub fn read(bytes: &[u8], snapshot_ns: u64) -> Result<Ingest, SnapshotError> {
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len() - 16);
     aligned.extend_from_slice(bytes.get(16..).unwrap_or(&[]));
     let mut state =
-        rkyv::from_bytes::<Ingest, rkyv::rancor::Error>(&aligned).map_err(|e| SnapshotError::Archive(e.to_string()))?;
+        rkyv::from_bytes::<Core, rkyv::rancor::Error>(&aligned).map_err(|e| SnapshotError::Archive(e.to_string()))?;
     state.restart_knowledge(snapshot_ns);
     Ok(state)
 }

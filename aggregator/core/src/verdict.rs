@@ -94,11 +94,56 @@ impl Outcome {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub enum VerdictTag {
     /// A P0 loss interval of the rank's node overlaps the op (interval ids).
-    TelemetryLoss { ids: Vec<u64> },
+    TelemetryLoss {
+        ids: Vec<u64>,
+    },
     /// A consistency check failed (proto-flat field name).
-    Mismatch { field: String },
+    Mismatch {
+        field: String,
+    },
     GraphCaptured,
     AggregatorGap,
+}
+
+/// The rule behind an outcome.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rule {
+    #[default]
+    Pending,
+    CompletionFrame,
+    CompletionInferred,
+    EnteredByPeer,
+    WaitingOnCulprit,
+    HungNoCulprit,
+    NotJoined,
+    ProcessExited,
+    Stuck,
+    BlockedBy,
+    Silent,
+    Indeterminate,
+}
+
+impl Rule {
+    /// One sentence for people.
+    #[must_use]
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Pending => "no completion yet; deadline not passed",
+            Self::CompletionFrame => "rank-level kernel_end/proxy_done frame",
+            Self::CompletionInferred => {
+                "PROGRESS last_completed ≥ k, or the rank completed a later op on this communicator"
+            }
+            Self::EnteredByPeer => "a peer completed a strong collective (C1)",
+            Self::WaitingOnCulprit => "entered; waiting on the culprit (C4)",
+            Self::HungNoCulprit => "entered; hung with no discriminating evidence (C3: culprit unknown)",
+            Self::NotJoined => "fresh PROGRESS shows the rank never entered, past the join deadline (C3a)",
+            Self::ProcessExited => "PROGRESS shows the process exited without entering (C3a)",
+            Self::Stuck => "did not finish: peers finished, or its GPU alone never started k (C3e)",
+            Self::BlockedBy => "an earlier op of this rank is unresolved (C3b)",
+            Self::Silent => "the rank's node is silent or unreachable (C3c): not gating",
+            Self::Indeterminate => "the evidence cannot decide",
+        }
+    }
 }
 
 /// A frame the verdict rests on.
@@ -129,8 +174,8 @@ pub struct Evidence {
     /// `(node, w_p0 in cluster ns)` of the participants when decided.
     pub watermarks: Vec<(NodeId, i64)>,
     pub progress: Vec<ProgressRef>,
-    /// One sentence: the rule that decided it.
-    pub rule: String,
+    /// The rule that decided it ([`Rule::describe`] says it in a sentence).
+    pub rule: Rule,
 }
 
 /// One rank's verdict on one op.
@@ -153,8 +198,14 @@ pub struct Verdict {
 
 /// What the matcher emits.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant, reason = "verdicts are the common case; boxing them would cost an allocation each")]
 pub enum MatcherEvent {
     Verdict(Verdict),
     /// A final `stuck` op completed after all (not a revision).
-    Recovered { op: OpRef, rank: u32, node: Option<NodeId>, after_ms: u64 },
+    Recovered {
+        op: OpRef,
+        rank: u32,
+        node: Option<NodeId>,
+        after_ms: u64,
+    },
 }

@@ -17,9 +17,7 @@ struct Judged {
     truth: GroundTruth,
     /// Last verdict per (op, rank).
     verdicts: BTreeMap<(OpRef, u32), Verdict>,
-    recovered: Vec<MatcherEvent>,
     matcher: CollectiveMatcher,
-    end_ns: u64,
     /// Node health when the run ended (before the shippers fell silent).
     health_at_end: BTreeMap<NodeId, Health>,
 }
@@ -37,14 +35,13 @@ fn judge(s: &Scenario, scale: f64, net: Net) -> Judged {
     let truth = r.sim.ground_truth();
     let mut m = CollectiveMatcher::new(config(s));
     let mut verdicts = BTreeMap::new();
-    let mut recovered = Vec::new();
     let mut collect = |m: &mut CollectiveMatcher| {
         while let Some(e) = m.poll_event() {
             match e {
                 MatcherEvent::Verdict(v) => {
                     verdicts.insert((v.op, v.rank), v);
                 }
-                other => recovered.push(other),
+                MatcherEvent::Recovered { .. } => {}
             }
         }
     };
@@ -71,11 +68,7 @@ fn judge(s: &Scenario, scale: f64, net: Net) -> Judged {
         collect(&mut m);
     }
     let health_at_end = health_at_end.unwrap_or_else(|| m.node_health(run_end, DEGRADED_CLEAR_NS));
-    Judged { end_ns: r.end_ns, run: r, truth, verdicts, recovered, matcher: m, health_at_end }
-}
-
-fn comm_of(j: &Judged, hash: u64) -> String {
-    j.truth.collectives.iter().find(|c| c.comm_hash == hash).map(|c| c.comm.clone()).unwrap_or_default()
+    Judged { run: r, truth, verdicts, matcher: m, health_at_end }
 }
 
 /// Verdict outcome names per truth outcome (for the confusion table).
@@ -132,11 +125,15 @@ fn seed_case_is_completed_inferred_with_telemetry_loss() {
     assert!(inferred.iter().all(|v| v.node == Some(node_id(3))));
     let untagged: Vec<_> =
         inferred.iter().filter(|v| !v.tags.iter().any(|t| matches!(t, VerdictTag::TelemetryLoss { .. }))).collect();
-    let brief: Vec<_> = untagged.iter().map(|v| (v.op, v.rank, v.decided_at_ns, v.evidence.watermarks.clone())).collect();
+    let brief: Vec<_> =
+        untagged.iter().map(|v| (v.op, v.rank, v.decided_at_ns, v.evidence.watermarks.clone())).collect();
     assert!(untagged.is_empty(), "{brief:?}");
-    assert!(inferred.iter().all(|v| !v.evidence.loss_intervals.is_empty() && !v.evidence.rule.is_empty()));
+    assert!(inferred.iter().all(|v| !v.evidence.loss_intervals.is_empty() && !v.evidence.rule.describe().is_empty()));
     assert_eq!(health_of(&j, 3), Health::HealthyLossy);
-    assert!(j.verdicts.values().filter(|v| matches!(v.op, OpRef::Coll { .. })).all(|v| v.is_final), "all final by the end");
+    assert!(
+        j.verdicts.values().filter(|v| matches!(v.op, OpRef::Coll { .. })).all(|v| v.is_final),
+        "all final by the end"
+    );
 }
 
 #[test]
@@ -169,7 +166,9 @@ fn exited_process_is_not_joined_and_only_suspect() {
 fn late_join_completes_without_revisions_or_blame() {
     let j = judge(&scenario("late-join"), 1e-5, Net::default());
     assert!(degraded(&j).is_empty());
-    assert!(outcomes(&j).all(|v| matches!(v.outcome, Outcome::Completed | Outcome::CompletedInferred | Outcome::InFlight)));
+    assert!(
+        outcomes(&j).all(|v| matches!(v.outcome, Outcome::Completed | Outcome::CompletedInferred | Outcome::InFlight))
+    );
     assert_eq!(j.matcher.stats().revisions_after_final, 0);
 }
 
@@ -188,7 +187,11 @@ fn dead_node_is_unknown_silent_and_peers_wait_on_it() {
     let j = judge(&scenario("dead-node"), 1e-5, Net::default());
     print_confusion("dead-node", &confusion(&j));
     assert!(outcomes(&j).any(|v| v.outcome == Outcome::UnknownSilent && v.node == Some(node_id(5))));
-    assert!(outcomes(&j).filter(|v| v.node != Some(node_id(5))).all(|v| !matches!(v.outcome, Outcome::Stuck | Outcome::NotJoined)));
+    assert!(
+        outcomes(&j)
+            .filter(|v| v.node != Some(node_id(5)))
+            .all(|v| !matches!(v.outcome, Outcome::Stuck | Outcome::NotJoined))
+    );
     assert!(degraded(&j).is_empty());
     assert!(matches!(health_of(&j, 5), Health::Silent | Health::Unreachable), "{:?}", j.health_at_end);
 }
@@ -232,7 +235,7 @@ fn key_collision_and_uninstrumented_rank() {
 fn frames_arriving_late_give_the_same_verdicts() {
     let s = scenario("seed-case");
     let on_time = judge(&s, 1e-5, Net::default());
-    let late = judge(&s, 1e-5, Net { max_delay_ms: 450, seed: 3, ..Net::default() });
+    let late = judge(&s, 1e-5, Net { max_delay_ms: 3_000, seed: 3, ..Net::default() });
     let names = |j: &Judged| -> BTreeMap<(OpRef, u32), String> {
         j.verdicts.iter().filter(|(_, v)| v.is_final).map(|(k, v)| (*k, v.outcome.name())).collect()
     };
@@ -247,7 +250,11 @@ fn frames_arriving_late_give_the_same_verdicts() {
             x.trim_end_matches("_inferred") != y.trim_end_matches("_inferred")
         })
         .collect();
-    assert!(differ.is_empty(), "late frames changed final verdicts: {:?}", differ.iter().take(3).map(|k| (&a[k], &b[k])).collect::<Vec<_>>());
+    assert!(
+        differ.is_empty(),
+        "late frames changed final verdicts: {:?}",
+        differ.iter().take(3).map(|k| (&a[k], &b[k])).collect::<Vec<_>>()
+    );
 }
 
 /// The acceptance run: ≥ 2,000 collectives with heavy P0 and bulk loss and no real
@@ -283,70 +290,25 @@ fn heavy_loss_without_faults_never_degrades() {
     assert!(lost > 0);
     assert!(degraded(&j).is_empty(), "zero degraded without real faults");
     assert!(outcomes(&j).all(|v| !matches!(v.outcome, Outcome::Stuck | Outcome::NotJoined | Outcome::NotJoinedExited)));
-    let _ = comm_of(&j, 0);
 }
 
 #[test]
-#[ignore = "debugging aid"]
-fn debug_counter_case() {
-    let s = scenario(&std::env::var("DBG_SCENARIO").unwrap_or_else(|_| "counter-case".into()));
-    let r = run(&s, None, 1e-5, Net::default(), &[]);
-    let mut m = CollectiveMatcher::new(config(&s));
-    let mut last = 0;
-    for (t, rec) in &r.timed {
-        if *t >= last + 50_000_000 {
-            m.handle_timeout(*t);
-            last = *t;
-            while let Some(e) = m.poll_event() {
-                if let MatcherEvent::Verdict(v) = e {
-                    if let OpRef::Coll { seq, .. } = v.op {
-                        let lo: u64 = std::env::var("DBG_LO").ok().and_then(|x| x.parse().ok()).unwrap_or(19);
-                        if (lo..=lo + 3).contains(&seq) && v.rank % 4 == 0 || v.outcome == Outcome::Stuck {
-                            println!("t={:.2}s seq={seq} rank={} {} final={}", *t as f64 / 1e9, v.rank, v.outcome.name(), v.is_final);
-                        }
-                    }
-                }
-            }
-        }
-        m.handle_record(*t, rec);
-        if (24_000_000_000..24_050_000_000).contains(t) {
-            println!("t={t} next timeout {:?}", m.poll_timeout());
-        }
+fn heavy_bulk_loss_with_a_real_hang_is_still_stuck() {
+    let mut s = scenario("counter-case");
+    s.faults.retain(|f| f.kind() == "gpu_hang");
+    for node in 0..8 {
+        s.faults.push(loadgen_sim::Fault::RingOverflow {
+            node,
+            ring: loadgen_sim::scenario::RingKind::Bulk,
+            from_ms: 0,
+            until_ms: 27_000,
+            fraction: 0.7,
+        });
     }
-    println!("in flight {} stats {:?} next {:?}", m.in_flight(), m.stats(), m.poll_timeout());
-}
-
-#[test]
-#[ignore = "debugging aid"]
-fn debug_seed_losses() {
-    let s = scenario(&std::env::var("DBG_SCENARIO").unwrap_or_else(|_| "seed-case".into()));
-    let node: u32 = std::env::var("DBG_NODE").ok().and_then(|x| x.parse().ok()).unwrap_or(3);
-    let r = run(&s, None, 1e-5, Net::default(), &[]);
-    for (t, rec) in &r.timed {
-        if rec.node() != node_id(node) {
-            continue;
-        }
-        if let ringwatch_core::Record::Liveness(l) = rec {
-            println!("t={t} LIVENESS {:?}", l.state);
-        }
-        if !(3_900_000_000..6_000_000_000).contains(t) {
-            continue;
-        }
-        match rec {
-            ringwatch_core::Record::Loss(l) => println!("t={t} LOSS stream={:#x} {}..={} from={} to={}", l.stream.stream_id, l.first_seq, l.last_seq, l.from_node_ns, l.to_node_ns),
-            ringwatch_core::Record::Watermark(w) if w.class == 0 => println!("t={t} WM node_ns={} cluster={}", w.node_ns, w.cluster_ns),
-            _ => {}
-        }
-    }
-}
-
-#[test]
-#[ignore = "debugging aid"]
-fn debug_sent_after_death() {
-    let s = scenario("dead-node");
-    let r = run(&s, None, 1e-5, Net::default(), &[]);
-    for sent in r.model.sent.iter().filter(|x| x.node == 5 && x.at_ns > 4_500_000_000) {
-        let v = proto_flat::batch::BatchView::parse(&sent.bytes).unwrap();
-        println!("at={} lane={} frames={}", sent.at_ns, v.header.lane, v.header.frame_count.get());
-    }
+    let j = judge(&s, 1e-4, Net::default());
+    let bulk_lost: u64 =
+        j.run.ingest.trackers(node_id(2)).filter(|t| t.key.stream_id >> 24 == 2).map(|t| t.counts().lost_total()).sum();
+    assert!(bulk_lost > 1000, "heavy bulk loss: {bulk_lost}");
+    assert!(outcomes(&j).any(|v| v.outcome == Outcome::Stuck && v.node == Some(node_id(3)) && v.is_final));
+    assert_eq!(degraded(&j), vec![node_id(3)]);
 }

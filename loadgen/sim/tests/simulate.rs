@@ -104,6 +104,20 @@ fn dead_node_is_silent_and_peers_are_not_blamed() {
     assert!(outcomes(&t).filter(|r| r.node == 5).any(|r| r.outcome == "unknown_silent"));
     assert!(outcomes(&t).filter(|r| r.node != 5).all(|r| !matches!(r.outcome.as_str(), "stuck" | "not_joined")));
     assert_eq!(t.nodes[5].health, "silent");
+    // Nothing at all comes from node 5 after its death: no P0, no bulk.
+    let mut sim =
+        loadgen_sim::Simulation::new(&scenario("dead-node"), loadgen_sim::SimOptions { bulk_scale: 1e-4, seed: None })
+            .unwrap();
+    let death = sim.node_mono(5, 4_000_000_000);
+    let mut c = common::Checker { keep_frames: true, ..Default::default() };
+    sim.run(&mut c);
+    let late = c
+        .frames
+        .iter()
+        .filter(|(n, f)| *n == 5 && proto_flat::decode::split_frame(f, 0).unwrap().0.ts_ns.get() >= death)
+        .count();
+    assert_eq!(late, 0, "frames from a dead node");
+    assert!(c.frames.iter().any(|(n, _)| *n == 5), "node 5 was alive before");
     assert!(t.nodes.iter().filter(|n| n.node != 5).all(|n| n.health == "healthy"));
     // No snapshot from node 5 after its death: its last one is from before 4 s.
     assert!(check.snapshots > 0);

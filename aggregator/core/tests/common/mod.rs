@@ -265,7 +265,7 @@ pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restart
         for (node, &d) in dead_at.iter().enumerate() {
             if !flushed[node] && model.now_ns >= d {
                 flushed[node] = true;
-                model.cut_all(node as u32);
+                model.cut_all(u32::try_from(node).unwrap());
             }
         }
     }

@@ -1,0 +1,81 @@
+//! `Core`: ingest and matcher wired together — the whole pure core of one aggregator.
+//!
+//! Call order: `handle_batch` / `handle_connection_closed` as input arrives,
+//! `handle_timeout` when `poll_timeout` says, `poll_event` until `None` after each.
+//! Records flow from ingest to the matcher inside; the seam stays visible
+//! (`Core::ingest`, `Core::matcher`) for a distributed log between them later.
+
+use proto_flat::batch::BatchView;
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::ingest::{Ingest, IngestConfig};
+use crate::matcher::{CollectiveMatcher, MatcherConfig};
+use crate::records::NodeId;
+use crate::verdict::MatcherEvent;
+
+/// The pure core.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Core {
+    pub ingest: Ingest,
+    pub matcher: CollectiveMatcher,
+    records: u64,
+}
+
+impl Core {
+    /// A fresh core started at `now`.
+    #[must_use]
+    pub fn new(ingest: IngestConfig, matcher: MatcherConfig, now: u64) -> Self {
+        Self { ingest: Ingest::new(ingest, now), matcher: CollectiveMatcher::new(matcher), records: 0 }
+    }
+
+    /// Records ingest has produced so far.
+    #[must_use]
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// A validated batch (see [`Ingest::handle_batch`]).
+    pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
+        let ok = self.ingest.handle_batch(now, node, rtt_ns, batch);
+        self.pump(now);
+        ok
+    }
+
+    /// A node's connection closed.
+    pub fn handle_connection_closed(&mut self, now: u64, node: NodeId) {
+        self.ingest.handle_connection_closed(now, node);
+        self.pump(now);
+    }
+
+    /// Time passed.
+    pub fn handle_timeout(&mut self, now: u64) {
+        self.ingest.handle_timeout(now);
+        self.pump(now);
+        self.matcher.handle_timeout(now);
+    }
+
+    /// When to call `handle_timeout` next.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<u64> {
+        match (self.ingest.poll_timeout(), self.matcher.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The next verdict or recovery event.
+    pub fn poll_event(&mut self) -> Option<MatcherEvent> {
+        self.matcher.poll_event()
+    }
+
+    fn pump(&mut self, now: u64) {
+        while let Some(r) = self.ingest.poll_record() {
+            self.records += 1;
+            self.matcher.handle_record(now, &r);
+        }
+    }
+
+    pub(crate) fn restart_knowledge(&mut self, snapshot_ns: u64) {
+        self.ingest.restart_knowledge(snapshot_ns);
+    }
+}

@@ -1,0 +1,282 @@
+//! Hand-built record sequences for the cases a simulated cluster does not reach easily:
+//! arrival order, recovery after a final `stuck`, `blocked_by` across communicators,
+//! a channel that never ends, the aggregator's own gap, a very late join.
+
+use proto_flat::codes::{Op, Phase, ProcState, WireEnum, activation, flags};
+use ringwatch_core::records::{
+    Comm, KnowledgeGap, Lifecycle, LifecycleKind, NodeId, Progress, Record, StreamKey, Watermark,
+};
+use ringwatch_core::verdict::{Indeterminate, MatcherEvent, OpRef, Outcome, Verdict};
+use ringwatch_core::{CollectiveMatcher, MatcherConfig};
+
+const S: u64 = 1_000_000_000;
+const MASK: u32 = activation::COLL | activation::KERNEL_CH | activation::PROXY_OP;
+
+fn comm(h: u64) -> Comm {
+    Comm { hash: h, disambiguator: 1, instance: 1 }
+}
+
+struct Case {
+    m: CollectiveMatcher,
+    now: u64,
+    seq: u64,
+    verdicts: std::collections::BTreeMap<(OpRef, u32), Verdict>,
+    events: Vec<MatcherEvent>,
+}
+
+impl Case {
+    fn new() -> Self {
+        Self {
+            m: CollectiveMatcher::new(MatcherConfig::default()),
+            now: S,
+            seq: 0,
+            verdicts: Default::default(),
+            events: Vec::new(),
+        }
+    }
+
+    fn rec(&mut self, r: Record) {
+        self.m.handle_record(self.now, &r);
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "test builder")]
+    fn frame(
+        &mut self,
+        node: u64,
+        pid: u32,
+        c: Comm,
+        seq: u64,
+        rank: u32,
+        nranks: u32,
+        phase: Phase,
+        channel: Option<u16>,
+        local: u64,
+    ) {
+        self.seq += 1;
+        let ts = self.now;
+        self.rec(Record::Lifecycle(Lifecycle {
+            stream: StreamKey { node: NodeId(node), epoch: 1, stream_id: 0 },
+            seq: self.seq,
+            flags: if channel.is_some() { flags::PER_CHANNEL } else { 0 },
+            ts_node_ns: ts,
+            ts_cluster_ns: i64::try_from(ts).unwrap(),
+            comm: c,
+            local_op_seq: local,
+            rank,
+            pid,
+            op: Op::AllReduce.code(),
+            dtype: 8,
+            phase: phase.code(),
+            count: 1 << 20,
+            group_id: 0,
+            status: 0,
+            channel: channel.unwrap_or(0),
+            n_channels: 16,
+            kind: LifecycleKind::Collective {
+                comm_op_seq: seq,
+                nccl_seq: seq,
+                nranks,
+                root: u32::MAX,
+                local_rank: 0,
+                cuda_dev: 0,
+                graph_id: 0,
+                graph_node: 0,
+                replay_idx: 0,
+            },
+        }));
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "test builder")]
+    fn progress(&mut self, node: u64, pid: u32, c: Comm, rank: u32, enq: u64, kst: u64, done: u64, state: ProcState) {
+        let ts = i64::try_from(self.now).unwrap();
+        self.rec(Record::Progress(Progress {
+            node: NodeId(node),
+            epoch: 1,
+            comm: c,
+            rank,
+            pid,
+            proc_state: state.code(),
+            exit_code: 0,
+            gpu_uuid: [u8::try_from(node).unwrap(); 16],
+            cgroup_id: 1,
+            activation_mask: MASK,
+            last_enqueued_op: enq,
+            last_kernel_started_op: kst,
+            last_completed_op: done,
+            last_update_node_ns: self.now,
+            snapshot_node_ns: self.now,
+            snapshot_cluster_ns: ts,
+            received_at_ns: self.now,
+        }));
+    }
+
+    fn watermarks(&mut self, nodes: &[u64]) {
+        for &n in nodes {
+            let t = i64::try_from(self.now).unwrap();
+            self.rec(Record::Watermark(Watermark { node: NodeId(n), class: 0, node_ns: self.now, cluster_ns: t }));
+        }
+    }
+
+    fn tick(&mut self, dt: u64) {
+        self.now += dt;
+        self.m.handle_timeout(self.now);
+        while let Some(e) = self.m.poll_event() {
+            match e {
+                MatcherEvent::Verdict(v) => {
+                    self.verdicts.insert((v.op, v.rank), v);
+                }
+                other => self.events.push(other),
+            }
+        }
+    }
+
+    fn outcome(&self, c: Comm, seq: u64, rank: u32) -> (Outcome, bool) {
+        let v = &self.verdicts[&(OpRef::Coll { comm: c, seq }, rank)];
+        (v.outcome, v.is_final)
+    }
+}
+
+#[test]
+fn complete_on_cpu_1_before_start_on_cpu_0_is_completed() {
+    let mut c = Case::new();
+    let k = comm(1);
+    // Completion frames arrive first (another CPU's ring was drained first).
+    c.frame(1, 10, k, 1, 0, 2, Phase::KernelEnd, None, 1);
+    c.frame(2, 20, k, 1, 1, 2, Phase::KernelEnd, None, 1);
+    c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
+    c.frame(2, 20, k, 1, 1, 2, Phase::KernelStart, None, 1);
+    c.tick(S);
+    c.watermarks(&[1, 2]);
+    c.tick(S / 10);
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
+    assert_eq!(c.outcome(k, 1, 1), (Outcome::Completed, true));
+}
+
+/// Rank 1's GPU never starts op 1 while rank 0's is inside it.
+fn hang(c: &mut Case, k: Comm) {
+    c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
+    c.frame(1, 10, k, 1, 0, 2, Phase::KernelStart, None, 1);
+    c.frame(2, 20, k, 1, 1, 2, Phase::EnqueueStart, None, 1);
+    for _ in 0..22 {
+        c.progress(1, 10, k, 0, 1, 1, 0, ProcState::Running);
+        c.progress(2, 20, k, 1, 1, 0, 0, ProcState::Running);
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+}
+
+#[test]
+fn stuck_final_then_completing_is_recovered_not_revised() {
+    let mut c = Case::new();
+    let k = comm(2);
+    hang(&mut c, k);
+    assert_eq!(c.outcome(k, 1, 1), (Outcome::Stuck, true), "C3(e): the only GPU that never started k");
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::WaitingOn(Some(1)), true));
+    // Ten seconds later it completes after all.
+    for _ in 0..10 {
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    c.frame(2, 20, k, 1, 1, 2, Phase::KernelEnd, None, 1);
+    c.tick(S / 10);
+    let recovered: Vec<_> = c
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            MatcherEvent::Recovered { rank, after_ms, .. } => Some((*rank, *after_ms)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(recovered.len(), 1);
+    assert_eq!(recovered[0].0, 1);
+    assert!((9_000..=11_000).contains(&recovered[0].1), "{recovered:?}");
+    assert_eq!(c.m.stats().revisions_after_final, 0);
+    assert_eq!(c.outcome(k, 1, 1).0, Outcome::Stuck, "the final verdict stands; recovery is an event");
+}
+
+#[test]
+fn a_rank_stuck_in_comm_a_is_blocked_by_it_in_comm_b() {
+    let mut c = Case::new();
+    let (a, b) = (comm(3), comm(4));
+    // Rank 1 (node 2, pid 20) issues A:1 then B:1; A:1 hangs on its GPU.
+    c.frame(2, 20, b, 1, 1, 2, Phase::EnqueueStart, None, 2);
+    c.frame(1, 11, b, 1, 0, 2, Phase::EnqueueStart, None, 1);
+    c.frame(1, 11, b, 1, 0, 2, Phase::KernelStart, None, 1);
+    for _ in 0..2 {
+        c.progress(1, 11, b, 0, 1, 1, 0, ProcState::Running);
+        c.progress(2, 20, b, 1, 1, 0, 0, ProcState::Running);
+    }
+    hang(&mut c, a);
+    for _ in 0..2 {
+        c.progress(1, 11, b, 0, 1, 1, 0, ProcState::Running);
+        c.progress(2, 20, b, 1, 1, 0, 0, ProcState::Running);
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    let (o, _) = c.outcome(b, 1, 1);
+    assert_eq!(o, Outcome::BlockedBy(OpRef::Coll { comm: a, seq: 1 }), "{o:?}");
+    assert_eq!(c.outcome(b, 1, 0).0, Outcome::WaitingOn(Some(1)));
+}
+
+#[test]
+fn fifteen_of_sixteen_channels_is_not_completed() {
+    let mut c = Case::new();
+    let k = comm(5);
+    for (node, pid, rank) in [(1, 10, 0), (2, 20, 1)] {
+        c.frame(node, pid, k, 1, rank, 2, Phase::EnqueueStart, None, 1);
+        c.frame(node, pid, k, 1, rank, 2, Phase::KernelStart, None, 1);
+        for ch in 0..15 {
+            c.frame(node, pid, k, 1, rank, 2, Phase::KernelEnd, Some(ch), 1);
+        }
+    }
+    for _ in 0..22 {
+        c.progress(1, 10, k, 0, 1, 1, 0, ProcState::Running);
+        c.progress(2, 20, k, 1, 1, 1, 0, ProcState::Running);
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    for rank in [0, 1] {
+        let (o, fin) = c.outcome(k, 1, rank);
+        assert_eq!(o, Outcome::WaitingOn(None), "hung, culprit unknown");
+        assert!(fin);
+    }
+}
+
+#[test]
+fn the_aggregators_own_gap_is_indeterminate_never_stuck() {
+    let mut c = Case::new();
+    let k = comm(6);
+    c.rec(Record::KnowledgeGap(KnowledgeGap { node: NodeId(2), from_ns: 0, to_ns: 30 * S }));
+    hang(&mut c, k);
+    assert_eq!(c.outcome(k, 1, 1).0, Outcome::Indeterminate(Indeterminate::AggregatorGap));
+    assert!(c.verdicts.values().all(|v| v.outcome != Outcome::Stuck));
+}
+
+#[test]
+fn joining_60_s_late_is_completed_with_no_revision() {
+    let mut c = Case::new();
+    let k = comm(7);
+    c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
+    c.frame(1, 10, k, 1, 0, 2, Phase::KernelStart, None, 1);
+    for _ in 0..60 {
+        c.progress(1, 10, k, 0, 1, 1, 0, ProcState::Running);
+        c.progress(2, 20, k, 1, 0, 0, 0, ProcState::Running);
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    assert!(
+        c.verdicts.get(&(OpRef::Coll { comm: k, seq: 1 }, 1)).is_none_or(|v| v.outcome == Outcome::InFlight),
+        "not joined only after the join deadline"
+    );
+    assert_eq!(c.outcome(k, 1, 0).0, Outcome::WaitingOn(Some(1)), "the others wait on the rank behind");
+    c.frame(2, 20, k, 1, 1, 2, Phase::EnqueueStart, None, 1);
+    c.frame(2, 20, k, 1, 1, 2, Phase::KernelStart, None, 1);
+    c.frame(2, 20, k, 1, 1, 2, Phase::KernelEnd, None, 1);
+    c.frame(1, 10, k, 1, 0, 2, Phase::KernelEnd, None, 1);
+    c.tick(S);
+    c.watermarks(&[1, 2]);
+    c.tick(S);
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
+    assert_eq!(c.outcome(k, 1, 1), (Outcome::Completed, true));
+    assert_eq!(c.m.stats().revisions_before_final + c.m.stats().revisions_after_final, 0);
+}

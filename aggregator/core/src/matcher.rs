@@ -8,8 +8,8 @@
 //!   [`CollectiveMatcher::poll_timeout`] says (and after a burst of records: evaluation
 //!   is batched there);
 //! - outputs: [`CollectiveMatcher::poll_event`] until `None`;
-//! - getters: [`CollectiveMatcher::stats`], [`CollectiveMatcher::verdicts`],
-//!   [`CollectiveMatcher::health`].
+//! - getters: [`CollectiveMatcher::stats`], [`CollectiveMatcher::in_flight`],
+//!   [`CollectiveMatcher::health`], [`CollectiveMatcher::node_health`].
 //!
 //! Rules (DESIGN "Collectives: keys, phases, verdicts"):
 //! - keys: `(comm, comm_op_seq)` for collectives, `(comm, src, dst, p2p_seq)` for P2P;
@@ -35,7 +35,9 @@
 //!
 //! Memory: in-flight ops are capped (`max_ops`; the oldest is evicted and counted).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use rustc_hash::FxBuildHasher;
 
 use proto_flat::codes::{Op, Phase, ProcState, WireEnum, activation, flags};
 use rkyv::{Archive, Deserialize, Serialize};
@@ -127,7 +129,8 @@ struct OpState {
     ranks: Vec<RankObs>,
     op: u8,
     count: u64,
-    verdicts: BTreeMap<u32, RankVerdict>,
+    /// Per participant, in `participants` order.
+    verdicts: Vec<Option<RankVerdict>>,
     decided_at_ns: u64,
     is_final: bool,
     key_collision: bool,
@@ -156,6 +159,26 @@ struct NodeView {
     knowledge_gaps: Vec<(u64, u64)>,
 }
 
+/// Hash map with FxHash: fast on the per-frame path, deterministic iteration.
+type FxMap<K, V> = HashMap<K, V, FxBuildHasher>;
+type FxSet<K> = HashSet<K, FxBuildHasher>;
+
+/// A rank of a communicator.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[rkyv(derive(Debug, PartialEq, Eq, Hash))]
+struct RankKey {
+    comm: Comm,
+    rank: u32,
+}
+
+/// A rank process.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[rkyv(derive(Debug, PartialEq, Eq, Hash))]
+struct ProcKey {
+    node: NodeId,
+    pid: u32,
+}
+
 /// Health of a GPU or node.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Health {
@@ -172,13 +195,15 @@ pub enum Health {
 pub struct CollectiveMatcher {
     config: MatcherConfig,
     nodes: BTreeMap<NodeId, NodeView>,
-    progress: BTreeMap<(Comm, u32), ProgressView>,
+    progress: FxMap<RankKey, ProgressView>,
     /// (comm, rank) → highest comm_op_seq completed by an own frame.
-    completed_through: BTreeMap<(Comm, u32), u64>,
+    completed_through: FxMap<RankKey, u64>,
     /// (node, pid) → local_op_seq → (op, completed).
-    rank_ops: BTreeMap<(NodeId, u32), BTreeMap<u64, (OpRef, bool)>>,
-    ops: BTreeMap<OpRef, OpState>,
-    dirty: BTreeSet<OpRef>,
+    rank_ops: FxMap<ProcKey, BTreeMap<u64, (OpRef, bool)>>,
+    ops: FxMap<OpRef, OpState>,
+    /// comm → the comm_op_seqs of its open collectives.
+    open_by_comm: FxMap<Comm, BTreeSet<u64>>,
+    dirty: FxSet<OpRef>,
     /// (due, op) re-evaluations at deadlines.
     deadlines: BTreeSet<(u64, OpRef)>,
     /// (comm, op code, size bucket) → recent durations (ns).
@@ -188,7 +213,7 @@ pub struct CollectiveMatcher {
     comm_done: BTreeMap<Comm, (u64, u64)>,
     /// (comm, rank) → the (node, pid) that speaks for it; another one means two
     /// communicators share a key.
-    homes: BTreeMap<(Comm, u32), (NodeId, u32)>,
+    homes: FxMap<RankKey, (NodeId, u32)>,
     /// Communicators whose key collided.
     collided: BTreeSet<Comm>,
     /// Communicator → its earliest op that became final unresolved (hung, stuck, not
@@ -236,16 +261,17 @@ impl CollectiveMatcher {
         Self {
             config,
             nodes: BTreeMap::new(),
-            progress: BTreeMap::new(),
-            completed_through: BTreeMap::new(),
-            rank_ops: BTreeMap::new(),
-            ops: BTreeMap::new(),
-            dirty: BTreeSet::new(),
+            progress: FxMap::default(),
+            completed_through: FxMap::default(),
+            rank_ops: FxMap::default(),
+            ops: FxMap::default(),
+            open_by_comm: FxMap::default(),
+            dirty: FxSet::default(),
             deadlines: BTreeSet::new(),
             durations: BTreeMap::new(),
             comm_done: BTreeMap::new(),
             unresolved: BTreeMap::new(),
-            homes: BTreeMap::new(),
+            homes: FxMap::default(),
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),
             gpu_flags: BTreeMap::new(),
@@ -341,7 +367,7 @@ impl CollectiveMatcher {
         match record {
             Record::Lifecycle(l) => self.on_lifecycle(now, l),
             Record::Progress(p) => {
-                let key = (p.comm, p.rank);
+                let key = RankKey { comm: p.comm, rank: p.rank };
                 self.progress.insert(
                     key,
                     ProgressView {
@@ -359,10 +385,9 @@ impl CollectiveMatcher {
                 );
                 // Ops of this communicator up to what the entry proves may change.
                 let hi = p.last_enqueued_op.max(p.last_completed_op) + 1;
-                let lo = OpRef::Coll { comm: p.comm, seq: 0 };
-                let up = OpRef::Coll { comm: p.comm, seq: hi };
-                let keys: Vec<OpRef> = self.ops.range(lo..=up).map(|(k, _)| *k).collect();
-                self.dirty.extend(keys);
+                if let Some(open) = self.open_by_comm.get(&p.comm) {
+                    self.dirty.extend(open.range(..=hi).map(|&seq| OpRef::Coll { comm: p.comm, seq }));
+                }
             }
             Record::Watermark(w) if w.class == 0 => {
                 let n = self.nodes.entry(w.node).or_default();
@@ -396,7 +421,9 @@ impl CollectiveMatcher {
             self.deadlines.remove(&(due, op));
             self.dirty.insert(op);
         }
-        let dirty = std::mem::take(&mut self.dirty);
+        // Sorted, so evaluation (and so event) order does not depend on hashing.
+        let mut dirty: Vec<OpRef> = self.dirty.drain().collect();
+        dirty.sort_unstable();
         for op in dirty {
             self.evaluate(now, op);
         }
@@ -416,27 +443,16 @@ impl CollectiveMatcher {
             self.stats.graph_frames += 1;
             return;
         }
-        let (key, participants, nranks) = match l.kind {
+        let (key, nranks) = match l.kind {
             LifecycleKind::Collective { comm_op_seq, nranks, .. } => {
                 if comm_op_seq == 0 {
                     return;
                 }
-                (OpRef::Coll { comm: l.comm, seq: comm_op_seq }, (0..nranks.min(4096)).collect::<Vec<u32>>(), nranks)
+                (OpRef::Coll { comm: l.comm, seq: comm_op_seq }, nranks)
             }
-            LifecycleKind::P2p { src, dst, p2p_seq } => {
-                (OpRef::P2p { comm: l.comm, src, dst, p2p_seq }, vec![src, dst], 2)
-            }
+            LifecycleKind::P2p { src, dst, p2p_seq } => (OpRef::P2p { comm: l.comm, src, dst, p2p_seq }, 2),
         };
         let node = l.stream.node;
-        match self.homes.get(&(l.comm, l.rank)) {
-            Some(&home) if home != (node, l.pid) => {
-                self.collided.insert(l.comm);
-            }
-            Some(_) => {}
-            None => {
-                self.homes.insert((l.comm, l.rank), (node, l.pid));
-            }
-        }
         let frame = FrameRef { node, stream_id: l.stream.stream_id, seq: l.seq, phase: l.phase };
         let per_channel = l.flags & flags::PER_CHANNEL != 0;
         let phase = Phase::from_code(l.phase);
@@ -464,9 +480,21 @@ impl CollectiveMatcher {
                 && let Some((&oldest, _)) = self.ops.iter().min_by_key(|(_, o)| o.first_seen_ns)
             {
                 self.ops.remove(&oldest);
+                if let OpRef::Coll { comm, seq } = oldest
+                    && let Some(open) = self.open_by_comm.get_mut(&comm)
+                {
+                    open.remove(&seq);
+                }
                 self.stats.ops_evicted += 1;
             }
             self.stats.ops_created += 1;
+            let participants: Vec<u32> = match key {
+                OpRef::Coll { .. } => (0..nranks.min(4096)).collect(),
+                OpRef::P2p { src, dst, .. } => vec![src, dst],
+            };
+            if let OpRef::Coll { comm, seq } = key {
+                self.open_by_comm.entry(comm).or_default().insert(seq);
+            }
             self.ops.insert(
                 key,
                 OpState {
@@ -476,7 +504,7 @@ impl CollectiveMatcher {
                     participants,
                     op: l.op,
                     count: l.count,
-                    verdicts: BTreeMap::new(),
+                    verdicts: Vec::new(),
                     decided_at_ns: 0,
                     is_final: false,
                     key_collision: false,
@@ -493,6 +521,9 @@ impl CollectiveMatcher {
             return;
         };
         let Some(obs) = op.ranks.get_mut(slot) else { return };
+        let was_present = obs.present;
+        let was_completed = obs.completed.is_some();
+        let was_started = obs.started.is_some();
         obs.present = true;
         if obs.node.is_some_and(|n| n != node) || (obs.pid != 0 && obs.pid != l.pid) {
             // Two different processes claim the same rank of the same key: two
@@ -534,18 +565,38 @@ impl CollectiveMatcher {
             _ => {}
         }
         let completed = obs.completed.is_some();
+        let started = obs.started.is_some();
         if let OpRef::Coll { comm, seq } = key
             && completed
         {
-            let c = self.completed_through.entry((comm, l.rank)).or_default();
+            let c = self.completed_through.entry(RankKey { comm, rank: l.rank }).or_default();
             *c = (*c).max(seq);
         }
-        let ops = self.rank_ops.entry((node, l.pid)).or_default();
-        ops.insert(l.local_op_seq, (key, completed));
-        while ops.len() > 4096 {
-            ops.pop_first();
+        // The rank's own op order (for blocked_by): touched once per op, and when it
+        // completes — not for every phase.
+        if !was_present || completed != was_completed {
+            let ops = self.rank_ops.entry(ProcKey { node, pid: l.pid }).or_default();
+            ops.insert(l.local_op_seq, (key, completed));
+            while ops.len() > 4096 {
+                ops.pop_first();
+            }
         }
-        self.dirty.insert(key);
+        if !was_present {
+            // Who speaks for this rank: another process means two communicators share a key.
+            match self.homes.get(&RankKey { comm: l.comm, rank: l.rank }) {
+                Some(&home) if home != (node, l.pid) => {
+                    self.collided.insert(l.comm);
+                }
+                Some(_) => {}
+                None => {
+                    self.homes.insert(RankKey { comm: l.comm, rank: l.rank }, (node, l.pid));
+                }
+            }
+        }
+        // Only a change of what the rank proved makes the op worth evaluating again.
+        if !was_present || completed != was_completed || started != was_started {
+            self.dirty.insert(key);
+        }
     }
 
     fn is_known_final(&self, _key: &OpRef) -> bool {
@@ -605,11 +656,11 @@ impl CollectiveMatcher {
         let mut rs: Vec<R> = Vec::new();
         for &rank in &op.participants {
             let obs = op.slot(rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present);
-            let prog = self.progress.get(&(comm, rank)).copied();
+            let prog = self.progress.get(&RankKey { comm, rank }).copied();
             let node = obs.and_then(|o| o.node).or(prog.and_then(|p| p.node));
             let direct = obs.is_some_and(|o| o.completed.is_some());
             let by_progress = is_coll && prog.is_some_and(|p| p.last_completed >= seq);
-            let by_later = is_coll && self.completed_through.get(&(comm, rank)).is_some_and(|&c| c > seq);
+            let by_later = is_coll && self.completed_through.get(&RankKey { comm, rank }).is_some_and(|&c| c > seq);
             let completed = if direct {
                 Some(true)
             } else if by_progress || by_later {
@@ -829,6 +880,7 @@ impl CollectiveMatcher {
         let reference = op.observed().find(|x| x.op == op.op).cloned();
         let reference = reference.as_ref();
         let mut new_verdicts = std::mem::take(&mut op.verdicts);
+        new_verdicts.resize(op.participants.len(), None);
         let mut events = Vec::new();
         for (r, o) in rs.iter().zip(outcomes.iter()) {
             let mut tags = Vec::new();
@@ -866,7 +918,8 @@ impl CollectiveMatcher {
                     }
                 }
             }
-            let prev = new_verdicts.get(&r.rank).cloned();
+            let slot = op.slot(r.rank).unwrap_or(0);
+            let prev = new_verdicts.get(slot).cloned().flatten();
             let changed = prev.as_ref().is_none_or(|p| p.outcome != *o || p.tags != tags || (!p.is_final && is_final));
             if !changed {
                 continue;
@@ -887,7 +940,9 @@ impl CollectiveMatcher {
                     self.stats.revisions_before_final += 1;
                 }
             }
-            new_verdicts.insert(r.rank, RankVerdict { outcome: *o, tags: tags.clone(), is_final, revision });
+            if let Some(v) = new_verdicts.get_mut(slot) {
+                *v = Some(RankVerdict { outcome: *o, tags: tags.clone(), is_final, revision });
+            }
             let gpu_uuid = r.progress.map_or([0; 16], |p| p.gpu_uuid);
             let mut evidence = Evidence::default();
             if let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present) {
@@ -953,8 +1008,9 @@ impl CollectiveMatcher {
                 });
             if unresolved && let OpRef::Coll { comm, .. } = key {
                 self.unresolved.entry(comm).or_insert(key);
-                let later: Vec<OpRef> = self.ops.keys().filter(|k| k.comm() == comm).copied().collect();
-                self.dirty.extend(later);
+                if let Some(open) = self.open_by_comm.get(&comm) {
+                    self.dirty.extend(open.iter().map(|&seq| OpRef::Coll { comm, seq }));
+                }
             }
             if !stuck.is_empty() {
                 self.final_stuck.insert(key, stuck);
@@ -962,7 +1018,14 @@ impl CollectiveMatcher {
                     self.final_stuck.pop_first();
                 }
             }
-            self.ops.remove(&key);
+            if let OpRef::Coll { comm, seq } = key
+                && let Some(open) = self.open_by_comm.get_mut(&comm)
+            {
+                open.remove(&seq);
+                if open.is_empty() {
+                    self.open_by_comm.remove(&comm);
+                }
+            }
             // The next op's clock starts now.
             if let OpRef::Coll { comm, seq } = key {
                 // k + 1 became the oldest unfinished op when k completed, not when the
@@ -986,7 +1049,7 @@ impl CollectiveMatcher {
     }
 
     fn blocked_by(&self, node: Option<NodeId>, pid: u32, local_op_seq: u64, me: OpRef) -> Option<OpRef> {
-        let ops = self.rank_ops.get(&(node?, pid))?;
+        let ops = self.rank_ops.get(&ProcKey { node: node?, pid })?;
         ops.range(..local_op_seq)
             .find(|(_, (k, done))| !done && *k != me && (self.ops.contains_key(k) || self.final_stuck.contains_key(k)))
             .map(|(_, (k, _))| *k)

@@ -13,7 +13,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// A node: the first 8 bytes of SHA-256 of its certificate name.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord))]
+#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord, Hash))]
 pub struct NodeId(pub u64);
 
 /// A stream: `(node, epoch, stream_id)`.
@@ -27,7 +27,7 @@ pub struct StreamKey {
 
 /// Communicator identity.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord))]
+#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord, Hash))]
 pub struct Comm {
     pub hash: u64,
     pub disambiguator: u64,

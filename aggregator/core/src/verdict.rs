@@ -6,7 +6,7 @@ use crate::records::{Comm, NodeId};
 
 /// Which op a verdict is about.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord))]
+#[rkyv(derive(Debug, PartialEq, Eq, PartialOrd, Ord, Hash))]
 pub enum OpRef {
     /// A collective: `(communicator, comm_op_seq)`.
     Coll { comm: Comm, seq: u64 },

@@ -218,7 +218,7 @@ pub struct CollectiveMatcher {
     collided: BTreeSet<Comm>,
     /// Communicator → its earliest op that became final unresolved (hung, stuck, not
     /// joined): later ops on it are `blocked_by` that op.
-    unresolved: BTreeMap<Comm, OpRef>,
+    unresolved: BTreeMap<Comm, (OpRef, u64)>,
     /// Final stuck ops, for recovery: op → (rank → decided_at).
     final_stuck: BTreeMap<OpRef, BTreeMap<u32, u64>>,
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
@@ -703,7 +703,7 @@ impl CollectiveMatcher {
         let past_stuck = now >= stuck_at;
         let past_join = now >= join_at;
         let blocked_root = match key {
-            OpRef::Coll { comm, seq } => self.unresolved.get(&comm).copied().filter(|root| match root {
+            OpRef::Coll { comm, seq } => self.unresolved.get(&comm).copied().filter(|(root, _)| match root {
                 OpRef::Coll { seq: r, .. } => *r < seq,
                 OpRef::P2p { .. } => false,
             }),
@@ -733,9 +733,15 @@ impl CollectiveMatcher {
                 // No PROGRESS and no completion frame: peers finished, this rank cannot be
                 // decided either way.
                 Outcome::Indeterminate(Indeterminate::Uninstrumented)
-            } else if let Some(root) = blocked_root {
-                // An earlier op on this communicator ended unresolved: this one cannot run.
-                Outcome::BlockedBy(root)
+            } else if let Some((root, _)) = blocked_root {
+                if !r.entered && r.exited {
+                    // The process is gone: it will never join this op either.
+                    Outcome::NotJoinedExited
+                } else {
+                    // An earlier op on this communicator ended unresolved: this one
+                    // cannot run.
+                    Outcome::BlockedBy(root)
+                }
             } else if !r.entered {
                 if !past_join && !past_stuck {
                     Outcome::InFlight
@@ -843,6 +849,8 @@ impl CollectiveMatcher {
             stuck_at.min(now)
         } else if decisive && past_join {
             join_at.min(now)
+        } else if let Some((_, root_decided)) = blocked_root {
+            root_decided.min(now)
         } else {
             now
         };
@@ -1007,7 +1015,7 @@ impl CollectiveMatcher {
                     matches!(o, Outcome::Stuck | Outcome::NotJoined | Outcome::NotJoinedExited | Outcome::WaitingOn(_))
                 });
             if unresolved && let OpRef::Coll { comm, .. } = key {
-                self.unresolved.entry(comm).or_insert(key);
+                self.unresolved.entry(comm).or_insert((key, decided_at));
                 if let Some(open) = self.open_by_comm.get(&comm) {
                     self.dirty.extend(open.iter().map(|&seq| OpRef::Coll { comm, seq }));
                 }

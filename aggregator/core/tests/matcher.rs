@@ -312,3 +312,43 @@ fn heavy_bulk_loss_with_a_real_hang_is_still_stuck() {
     assert!(outcomes(&j).any(|v| v.outcome == Outcome::Stuck && v.node == Some(node_id(3)) && v.is_final));
     assert_eq!(degraded(&j), vec![node_id(3)]);
 }
+
+#[test]
+fn one_rank_not_joined_others_wait_on_it_suspect_not_degraded() {
+    let mut s = scenario("late-join");
+    s.duration_ms = 16_000;
+    s.timers.join_deadline_ms = 8_000;
+    for f in &mut s.faults {
+        if let loadgen_sim::Fault::NotJoined { until_ms, .. } = f {
+            *until_ms = None; // a checkpoint that never ends
+        }
+    }
+    let j = judge(&s, 1e-5, Net::default());
+    print_confusion("not-joined", &confusion(&j));
+    let nj: Vec<_> = outcomes(&j).filter(|v| v.outcome == Outcome::NotJoined && v.is_final).collect();
+    assert!(!nj.is_empty());
+    let first = nj[0];
+    let peers: Vec<_> =
+        j.verdicts.iter().filter(|((op, r), _)| *op == first.op && *r != first.rank).map(|(_, v)| v).collect();
+    assert_eq!(peers.len(), 3);
+    assert!(peers.iter().all(|v| v.outcome == Outcome::WaitingOn(Some(first.rank))), "{peers:?}");
+    assert!(degraded(&j).is_empty());
+    assert_eq!(health_of(&j, 2), Health::Suspect);
+}
+
+#[test]
+fn a_node_dying_mid_collective_leaves_peers_final_waiting_on_it() {
+    let mut s = scenario("dead-node");
+    s.duration_ms = 30_000;
+    let j = judge(&s, 1e-5, Net::default());
+    let waiting: Vec<_> =
+        outcomes(&j).filter(|v| matches!(v.outcome, Outcome::WaitingOn(Some(_))) && v.is_final).collect();
+    assert!(!waiting.is_empty(), "peers of the dead node's ranks end final waiting_on");
+    for v in &waiting {
+        let Outcome::WaitingOn(Some(culprit)) = v.outcome else { unreachable!() };
+        let c = &j.verdicts[&(v.op, culprit)];
+        assert_eq!(c.outcome, Outcome::UnknownSilent);
+        assert_eq!(c.node, Some(node_id(5)));
+    }
+    assert!(degraded(&j).is_empty());
+}

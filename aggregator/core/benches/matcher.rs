@@ -66,6 +66,7 @@ fn rounds() -> Vec<(u64, Vec<Record>)> {
                 class: 0,
                 node_ns: w,
                 cluster_ns: i64::try_from(w).unwrap_or(0),
+                epsilon_ns: 100_000,
             }));
         }
         out.push((t, recs));

@@ -235,7 +235,7 @@ impl Ingest {
                 t.settle(&s.hb, s.announced_ns, now, &mut scratch, &mut self.next_loss_id);
             }
             self.flush_losses(&mut scratch);
-            self.update_watermarks(s.node);
+            self.update_watermarks(now, s.node);
         }
         let (silent, unreachable) = (self.config.silent_ns, self.config.unreachable_ns);
         for (&id, n) in &mut self.nodes {
@@ -327,7 +327,7 @@ impl Ingest {
             _ => self.ingest_frames(now, node, epoch, batch, false, &mut scratch),
         }
         self.flush_losses(&mut scratch);
-        self.update_watermarks(node);
+        self.update_watermarks(now, node);
         true
     }
 
@@ -437,7 +437,7 @@ impl Ingest {
                         seq: h.seq.get(),
                         flags: h.flags.get(),
                         ts_node_ns: h.ts_ns.get(),
-                        ts_cluster_ns: offset.to_cluster(h.ts_ns.get()),
+                        ts_cluster_ns: if offset.is_synced() { offset.to_cluster(h.ts_ns.get()) } else { 0 },
                         comm: Comm {
                             hash: $f.comm_hash.get(),
                             disambiguator: $f.comm_disambiguator.get(),
@@ -635,7 +635,7 @@ impl Ingest {
         }
     }
 
-    fn update_watermarks(&mut self, node: NodeId) {
+    fn update_watermarks(&mut self, now: u64, node: NodeId) {
         let Some(n) = self.nodes.get_mut(&node) else { return };
         // A watermark is a cluster time: none before the node's clock is estimated.
         if !n.clock.is_synced() {
@@ -658,6 +658,7 @@ impl Ingest {
                     class: class.code(),
                     node_ns: wm,
                     cluster_ns: n.clock.to_cluster(wm),
+                    epsilon_ns: n.clock.epsilon_ns(now).unwrap_or(u64::MAX),
                 }));
             }
         }

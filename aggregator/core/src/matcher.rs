@@ -58,6 +58,8 @@ pub struct MatcherConfig {
     pub max_ops: usize,
     /// Durations remembered per (comm, op, size bucket) for the p99.
     pub duration_window: usize,
+    /// Straggler threshold; the bound is `max(threshold, 3·(ε_a + ε_b))`.
+    pub straggler_threshold_ns: u64,
 }
 
 impl Default for MatcherConfig {
@@ -68,6 +70,7 @@ impl Default for MatcherConfig {
             reorder_timeout_ns: 500_000_000,
             max_ops: 200_000,
             duration_window: 128,
+            straggler_threshold_ns: 50_000_000,
         }
     }
 }
@@ -102,6 +105,8 @@ struct RankObs {
     last_node_ns: u64,
     started_node_ns: u64,
     completed_node_ns: u64,
+    started_cluster_ns: i64,
+    enqueued_cluster_ns: i64,
     local_op_seq: u64,
     pid: u32,
     op: u8,
@@ -153,6 +158,7 @@ struct ProgressView {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
 struct NodeView {
     w_p0_cluster_ns: i64,
+    epsilon_ns: u64,
     liveness: Option<LivenessState>,
     /// `(interval id, from, to)` of P0 losses, node time; the last 256.
     p0_losses: Vec<(u64, u64, u64)>,
@@ -221,6 +227,8 @@ pub struct CollectiveMatcher {
     unresolved: BTreeMap<Comm, (OpRef, u64)>,
     /// Final stuck ops, for recovery: op → (rank → decided_at).
     final_stuck: BTreeMap<OpRef, BTreeMap<u32, u64>>,
+    /// (comm, rank) → the last 5 instances: (lagging beyond the bound, host-side).
+    lag_history: FxMap<RankKey, Vec<(bool, bool)>>,
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
     gpu_flags: BTreeMap<(NodeId, [u8; 16]), (u64, u64, u64)>,
     stats: MatcherStats,
@@ -272,6 +280,7 @@ impl CollectiveMatcher {
             comm_done: BTreeMap::new(),
             unresolved: BTreeMap::new(),
             homes: FxMap::default(),
+            lag_history: FxMap::default(),
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),
             gpu_flags: BTreeMap::new(),
@@ -392,6 +401,7 @@ impl CollectiveMatcher {
             Record::Watermark(w) if w.class == 0 => {
                 let n = self.nodes.entry(w.node).or_default();
                 n.w_p0_cluster_ns = n.w_p0_cluster_ns.max(w.cluster_ns);
+                n.epsilon_ns = w.epsilon_ns;
                 self.mark_node_dirty(w.node);
             }
             Record::Liveness(l) => {
@@ -545,9 +555,13 @@ impl CollectiveMatcher {
         match phase {
             Phase::EnqueueStart | Phase::EnqueueEnd => {
                 obs.entered.get_or_insert(frame);
+                obs.enqueued_cluster_ns = obs.enqueued_cluster_ns.max(l.ts_cluster_ns);
             }
             Phase::KernelStart => {
                 obs.entered.get_or_insert(frame);
+                if !per_channel && obs.started_cluster_ns == 0 {
+                    obs.started_cluster_ns = l.ts_cluster_ns;
+                }
                 if obs.started.is_none() {
                     obs.started = Some(frame);
                     obs.started_node_ns = l.ts_node_ns;
@@ -884,6 +898,48 @@ impl CollectiveMatcher {
             }
         }
 
+        // Stragglers: once per op, when it is final and every rank completed.
+        let mut stragglers: BTreeMap<u32, VerdictTag> = BTreeMap::new();
+        if is_final && all_completed && is_coll {
+            let mut starts: Vec<i64> = op.observed().map(|o| o.started_cluster_ns).filter(|&t| t != 0).collect();
+            if starts.len() >= 3 {
+                starts.sort_unstable();
+                let median = starts[starts.len() / 2];
+                let eps_max =
+                    rs.iter().filter_map(|r| r.node.and_then(|n| self.nodes.get(&n))).map(|n| n.epsilon_ns).max();
+                for r in &rs {
+                    let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.started_cluster_ns != 0)
+                    else {
+                        continue;
+                    };
+                    let eps_a = r.node.and_then(|n| self.nodes.get(&n)).map_or(u64::MAX / 8, |n| n.epsilon_ns);
+                    let bound = self.config.straggler_threshold_ns.max(3u64.saturating_mul(
+                        eps_a.min(u64::MAX / 8).saturating_add(eps_max.unwrap_or(0).min(u64::MAX / 8)),
+                    ));
+                    let lag = obs.started_cluster_ns - median;
+                    let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
+                    let host = obs.enqueued_cluster_ns > median;
+                    let h = self.lag_history.entry(RankKey { comm, rank: r.rank }).or_default();
+                    if h.len() >= 5 {
+                        h.remove(0);
+                    }
+                    h.push((lagging, host));
+                    let lagging_count = h.iter().filter(|x| x.0).count();
+                    if lagging && lagging_count >= 3 {
+                        let host_count = h.iter().filter(|x| x.0 && x.1).count();
+                        stragglers.insert(
+                            r.rank,
+                            VerdictTag::Straggler {
+                                lag_ns: lag,
+                                bound_ns: bound,
+                                host: host_count * 2 >= lagging_count,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+
         // Emit changes.
         let reference = op.observed().find(|x| x.op == op.op).cloned();
         let reference = reference.as_ref();
@@ -912,6 +968,9 @@ impl CollectiveMatcher {
             }
             if in_gap {
                 tags.push(VerdictTag::AggregatorGap);
+            }
+            if let Some(t) = stragglers.get(&r.rank) {
+                tags.push(t.clone());
             }
             if let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present)
                 && let Some(refo) = reference
@@ -977,8 +1036,10 @@ impl CollectiveMatcher {
             evidence.rule = rule_for(o);
             if let Some(node) = r.node {
                 let f = self.gpu_flags.entry((node, gpu_uuid)).or_default();
+                let gpu_straggler = tags.iter().any(|t| matches!(t, VerdictTag::Straggler { host: false, .. }));
                 match o {
                     Outcome::Stuck if is_final => f.0 = now,
+                    _ if is_final && gpu_straggler => f.0 = now,
                     Outcome::NotJoined | Outcome::NotJoinedExited if is_final => f.1 = now,
                     Outcome::WaitingOn(None) if is_final => f.1 = now,
                     Outcome::CompletedInferred if !tags.is_empty() => f.2 = now,

@@ -62,6 +62,7 @@ pub struct Lifecycle {
     pub seq: u64,
     pub flags: u32,
     pub ts_node_ns: u64,
+    /// Cluster time; 0 before the node's clock is estimated (unknown).
     pub ts_cluster_ns: i64,
     pub comm: Comm,
     pub local_op_seq: u64,
@@ -111,6 +112,8 @@ pub struct Watermark {
     /// Every seq of the class's streams before this node time is received or resolved.
     pub node_ns: u64,
     pub cluster_ns: i64,
+    /// The node's cluster-time uncertainty ε when it was computed.
+    pub epsilon_ns: u64,
 }
 
 /// A PROGRESS entry from a heartbeat.

@@ -103,6 +103,14 @@ pub enum VerdictTag {
     },
     GraphCaptured,
     AggregatorGap,
+    /// The rank's kernel started `lag_ns` after its peers' median (cluster time) beyond
+    /// `bound_ns` in at least 3 of its last 5 collectives on this communicator. `host`:
+    /// its own enqueue was already later than that median — host-side, never degrading.
+    Straggler {
+        lag_ns: i64,
+        bound_ns: u64,
+        host: bool,
+    },
 }
 
 /// The rule behind an outcome.

@@ -352,3 +352,42 @@ fn a_node_dying_mid_collective_leaves_peers_final_waiting_on_it() {
     }
     assert!(degraded(&j).is_empty());
 }
+
+fn straggler_tags(j: &Judged) -> Vec<(&Verdict, bool)> {
+    outcomes(j)
+        .filter_map(|v| {
+            v.tags.iter().find_map(|t| match t {
+                VerdictTag::Straggler { host, .. } => Some((v, *host)),
+                _ => None,
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn gpu_side_straggler_is_degraded_clock_skew_is_not() {
+    let j = judge(&scenario("gpu-straggler-skew"), 1e-5, Net::default());
+    let tags = straggler_tags(&j);
+    assert!(tags.len() >= 3, "a persistent 200 ms GPU-side lag: {}", tags.len());
+    // Only node 2's GPU 0 (world rank 4): node 2's +40 ms clock and node 6's drift are
+    // corrected by the cluster-time estimate.
+    assert!(tags.iter().all(|(v, host)| v.node == Some(node_id(2)) && v.rank == 4 && !host), "{tags:?}");
+    assert_eq!(degraded(&j), vec![node_id(2)]);
+    for v in tags.iter().map(|t| t.0) {
+        let VerdictTag::Straggler { lag_ns, bound_ns, .. } =
+            v.tags.iter().find(|t| matches!(t, VerdictTag::Straggler { .. })).unwrap()
+        else {
+            unreachable!()
+        };
+        assert!(*lag_ns > 150_000_000 && *bound_ns >= 50_000_000, "lag {lag_ns} bound {bound_ns}");
+    }
+}
+
+#[test]
+fn host_side_straggler_is_tagged_never_degraded() {
+    let j = judge(&scenario("host-straggler"), 1e-5, Net::default());
+    let tags = straggler_tags(&j);
+    assert!(tags.len() >= 3);
+    assert!(tags.iter().all(|(v, host)| v.rank == 0 && *host), "{tags:?}");
+    assert!(degraded(&j).is_empty());
+}

@@ -113,7 +113,13 @@ impl Case {
     fn watermarks(&mut self, nodes: &[u64]) {
         for &n in nodes {
             let t = i64::try_from(self.now).unwrap();
-            self.rec(Record::Watermark(Watermark { node: NodeId(n), class: 0, node_ns: self.now, cluster_ns: t }));
+            self.rec(Record::Watermark(Watermark {
+                node: NodeId(n),
+                class: 0,
+                node_ns: self.now,
+                cluster_ns: t,
+                epsilon_ns: 100_000,
+            }));
         }
     }
 

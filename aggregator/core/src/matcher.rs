@@ -82,8 +82,10 @@ pub struct MatcherStats {
     pub ops_created: u64,
     pub ops_final: u64,
     pub ops_evicted: u64,
-    /// Graph-captured frames (matched by graph key in a later issue; no verdict here).
+    /// Graph-captured kernel-channel frames (matched by graph key).
     pub graph_frames: u64,
+    /// Graph-captured frames that are not kernel-channel records: no verdict possible.
+    pub unmatched_graph: u64,
     pub revisions_before_final: u64,
     /// Changes caused by data stamped at or before `decided_at` of a final verdict: a bug.
     pub revisions_after_final: u64,
@@ -107,6 +109,9 @@ struct RankObs {
     completed_node_ns: u64,
     started_cluster_ns: i64,
     enqueued_cluster_ns: i64,
+    /// Per-channel ends seen (bit per channel < 64), for graph replays.
+    channels_ended: u64,
+    n_channels: u16,
     local_op_seq: u64,
     pid: u32,
     op: u8,
@@ -449,11 +454,18 @@ impl CollectiveMatcher {
 
     fn on_lifecycle(&mut self, now: u64, l: &crate::records::Lifecycle) {
         self.stats.lifecycle += 1;
-        if l.flags & flags::GRAPH_CAPTURED != 0 {
-            self.stats.graph_frames += 1;
+        let graph = l.flags & flags::GRAPH_CAPTURED != 0;
+        let per_channel_frame = l.flags & flags::PER_CHANNEL != 0;
+        if graph && !per_channel_frame {
+            // Graph replays are matched from kernel-channel records only.
+            self.stats.unmatched_graph += 1;
             return;
         }
         let (key, nranks) = match l.kind {
+            LifecycleKind::Collective { graph_id, graph_node, replay_idx, nranks, .. } if graph => {
+                self.stats.graph_frames += 1;
+                (OpRef::Graph { comm: l.comm, graph_id, graph_node, replay_idx }, nranks)
+            }
             LifecycleKind::Collective { comm_op_seq, nranks, .. } => {
                 if comm_op_seq == 0 {
                     return;
@@ -499,7 +511,7 @@ impl CollectiveMatcher {
             }
             self.stats.ops_created += 1;
             let participants: Vec<u32> = match key {
-                OpRef::Coll { .. } => (0..nranks.min(4096)).collect(),
+                OpRef::Coll { .. } | OpRef::Graph { .. } => (0..nranks.min(4096)).collect(),
                 OpRef::P2p { src, dst, .. } => vec![src, dst],
             };
             if let OpRef::Coll { comm, seq } = key {
@@ -567,6 +579,17 @@ impl CollectiveMatcher {
                     obs.started_node_ns = l.ts_node_ns;
                 }
             }
+            Phase::KernelEnd if per_channel && graph => {
+                obs.n_channels = l.n_channels;
+                if l.channel < 64 {
+                    obs.channels_ended |= 1 << l.channel;
+                }
+                if obs.channels_ended.count_ones() >= u32::from(l.n_channels.clamp(1, 64)) && obs.completed.is_none() {
+                    obs.completed = Some(frame);
+                    obs.completed_cluster_ns = l.ts_cluster_ns;
+                    obs.completed_node_ns = l.ts_node_ns;
+                }
+            }
             Phase::KernelEnd | Phase::ProxyDone if !per_channel => {
                 obs.entered.get_or_insert(frame);
                 obs.started.get_or_insert(frame);
@@ -588,7 +611,7 @@ impl CollectiveMatcher {
         }
         // The rank's own op order (for blocked_by): touched once per op, and when it
         // completes — not for every phase.
-        if !was_present || completed != was_completed {
+        if !graph && (!was_present || completed != was_completed) {
             let ops = self.rank_ops.entry(ProcKey { node, pid: l.pid }).or_default();
             ops.insert(l.local_op_seq, (key, completed));
             while ops.len() > 4096 {
@@ -649,10 +672,11 @@ impl CollectiveMatcher {
         let Some(mut op) = self.ops.remove(&key) else { return };
         let seq = match key {
             OpRef::Coll { seq, .. } => seq,
-            OpRef::P2p { .. } => 0,
+            OpRef::P2p { .. } | OpRef::Graph { .. } => 0,
         };
         let comm = key.comm();
         let is_coll = matches!(key, OpRef::Coll { .. });
+        let is_graph = matches!(key, OpRef::Graph { .. });
         struct R {
             rank: u32,
             node: Option<NodeId>,
@@ -711,6 +735,13 @@ impl CollectiveMatcher {
                 r.entered = true; // C1
             }
         }
+        // A completed recv proves the send entered (participants are [src, dst]).
+        if matches!(key, OpRef::P2p { .. })
+            && rs.get(1).is_some_and(|d| d.completed.is_some())
+            && let Some(src) = rs.get_mut(0)
+        {
+            src.entered = true;
+        }
         let start = self.clock_start(&op);
         let stuck_at = start.saturating_add(self.stuck_deadline(&op));
         let join_at = start.saturating_add(self.config.join_deadline_ns);
@@ -719,9 +750,9 @@ impl CollectiveMatcher {
         let blocked_root = match key {
             OpRef::Coll { comm, seq } => self.unresolved.get(&comm).copied().filter(|(root, _)| match root {
                 OpRef::Coll { seq: r, .. } => *r < seq,
-                OpRef::P2p { .. } => false,
+                OpRef::P2p { .. } | OpRef::Graph { .. } => false,
             }),
-            OpRef::P2p { .. } => None,
+            OpRef::P2p { .. } | OpRef::Graph { .. } => None,
         };
         let in_gap = rs.iter().any(|r| {
             // A gap of positive length that the op lived through (it was first seen
@@ -739,6 +770,10 @@ impl CollectiveMatcher {
                 Outcome::Indeterminate(Indeterminate::KeyCollision)
             } else if let Some(direct) = r.completed {
                 if direct { Outcome::Completed } else { Outcome::CompletedInferred }
+            } else if is_graph {
+                // Graph replays are excluded from ordering and inference: complete when
+                // every channel ended, otherwise still running; never not_joined.
+                if r.live == LivenessState::Fresh { Outcome::InFlight } else { Outcome::UnknownSilent }
             } else if r.no_source {
                 Outcome::Indeterminate(Indeterminate::NoCompletionSource)
             } else if r.live != LivenessState::Fresh {
@@ -968,6 +1003,9 @@ impl CollectiveMatcher {
             }
             if in_gap {
                 tags.push(VerdictTag::AggregatorGap);
+            }
+            if is_graph {
+                tags.push(VerdictTag::GraphCaptured);
             }
             if let Some(t) = stragglers.get(&r.rank) {
                 tags.push(t.clone());

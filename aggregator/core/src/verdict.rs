@@ -12,6 +12,9 @@ pub enum OpRef {
     Coll { comm: Comm, seq: u64 },
     /// A point-to-point op: `(communicator, src, dst, p2p_seq)`.
     P2p { comm: Comm, src: u32, dst: u32, p2p_seq: u64 },
+    /// One replay of a CUDA-graph-captured collective: `(communicator instance,
+    /// graph_id, graph_node, replay_idx)`, matched from kernel-channel records only.
+    Graph { comm: Comm, graph_id: u64, graph_node: u32, replay_idx: u32 },
 }
 
 impl OpRef {
@@ -19,7 +22,7 @@ impl OpRef {
     #[must_use]
     pub fn comm(&self) -> Comm {
         match *self {
-            Self::Coll { comm, .. } | Self::P2p { comm, .. } => comm,
+            Self::Coll { comm, .. } | Self::P2p { comm, .. } | Self::Graph { comm, .. } => comm,
         }
     }
 }
@@ -76,6 +79,7 @@ impl Outcome {
             Self::Stuck => "stuck".into(),
             Self::BlockedBy(OpRef::Coll { seq, .. }) => format!("blocked_by(#{seq})"),
             Self::BlockedBy(OpRef::P2p { p2p_seq, .. }) => format!("blocked_by(p2p#{p2p_seq})"),
+            Self::BlockedBy(OpRef::Graph { replay_idx, .. }) => format!("blocked_by(graph#{replay_idx})"),
             Self::UnknownSilent => "unknown_silent".into(),
             Self::Indeterminate(i) => format!(
                 "indeterminate({})",

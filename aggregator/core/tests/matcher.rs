@@ -228,7 +228,14 @@ fn key_collision_and_uninstrumented_rank() {
     print_confusion("mixed", &confusion(&j));
     assert!(outcomes(&j).any(|v| v.outcome == Outcome::Indeterminate(Indeterminate::KeyCollision)));
     assert!(degraded(&j).is_empty());
-    assert!(j.matcher.stats().graph_frames > 0, "graph replays are counted, with no verdict");
+    // Graph replays are matched by graph key from kernel-channel records: completed, tagged,
+    // never not_joined, and excluded from comm_op_seq ordering.
+    assert!(j.matcher.stats().graph_frames > 0);
+    let graph: Vec<_> = outcomes(&j).filter(|v| matches!(v.op, OpRef::Graph { .. })).collect();
+    assert!(!graph.is_empty());
+    assert!(graph.iter().all(|v| v.tags.contains(&VerdictTag::GraphCaptured)));
+    assert!(graph.iter().all(|v| !matches!(v.outcome, Outcome::NotJoined | Outcome::NotJoinedExited | Outcome::Stuck)));
+    assert!(graph.iter().filter(|v| v.outcome == Outcome::Completed).count() * 2 > graph.len());
 }
 
 #[test]
@@ -390,4 +397,15 @@ fn host_side_straggler_is_tagged_never_degraded() {
     assert!(tags.len() >= 3);
     assert!(tags.iter().all(|(v, host)| v.rank == 0 && *host), "{tags:?}");
     assert!(degraded(&j).is_empty());
+}
+
+#[test]
+fn an_op_mismatch_is_reported_never_degraded() {
+    let j = judge(&scenario("mismatch"), 1e-5, Net::default());
+    let tagged: Vec<_> = outcomes(&j)
+        .filter(|v| v.tags.iter().any(|t| matches!(t, VerdictTag::Mismatch { field } if field == "op")))
+        .collect();
+    assert!(!tagged.is_empty(), "all_gather against all_reduce at one comm_op_seq");
+    assert!(tagged.iter().all(|v| v.node == Some(node_id(1)) && v.rank == 2), "{tagged:?}");
+    assert!(degraded(&j).is_empty(), "a mismatch is an application fault");
 }

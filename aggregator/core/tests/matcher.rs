@@ -409,3 +409,69 @@ fn an_op_mismatch_is_reported_never_degraded() {
     assert!(tagged.iter().all(|v| v.node == Some(node_id(1)) && v.rank == 2), "{tagged:?}");
     assert!(degraded(&j).is_empty(), "a mismatch is an application fault");
 }
+
+/// Randomized: many scenarios at several seeds, over 10,000 collectives in all. Zero
+/// false `degraded`; every identifiable GPU-side culprit found (recall 1.0); the
+/// aggregate confusion table printed.
+#[test]
+fn randomized_scenarios_zero_false_degraded_full_recall() {
+    let names = [
+        "seed-case",
+        "counter-case",
+        "exited-process",
+        "collective-hang",
+        "host-straggler",
+        "gpu-straggler-skew",
+        "mismatch",
+        "bulk-heavy-loss",
+        "pipeline-p2p",
+        "late-join",
+    ];
+    let mut total = BTreeMap::new();
+    let (mut collectives, mut false_degraded, mut culprits, mut found) = (0usize, 0usize, 0usize, 0usize);
+    for seed in [11u64, 22, 33, 44, 55, 66, 77] {
+        for name in names {
+            let mut s = scenario(name);
+            s.seed = seed;
+            let j = judge(&s, 1e-5, Net::default());
+            collectives += j.truth.collectives.iter().filter(|c| c.comm_op_seq > 0).count();
+            for ((t, v), n) in confusion(&j) {
+                *total.entry((t, v)).or_insert(0u64) += n;
+            }
+            for node in degraded(&j) {
+                let idx = usize::try_from(node.0 - 0x5eed_0000).unwrap();
+                if j.truth.nodes[idx].health != "degraded" {
+                    false_degraded += 1;
+                    println!("FALSE DEGRADED: {name} seed {seed} node {idx}");
+                }
+            }
+            for f in j.truth.faults.iter().filter(|f| f.identifiable) {
+                match f.fault {
+                    loadgen_sim::Fault::GpuHang { node, .. } => {
+                        culprits += 1;
+                        if outcomes(&j).any(|v| v.outcome == Outcome::Stuck && v.node == Some(node_id(node))) {
+                            found += 1;
+                        } else {
+                            println!("MISSED: {name} seed {seed} {:?}", f.fault);
+                        }
+                    }
+                    loadgen_sim::Fault::GpuStraggler { node, .. } => {
+                        culprits += 1;
+                        if degraded(&j).contains(&node_id(node)) {
+                            found += 1;
+                        } else {
+                            println!("MISSED: {name} seed {seed} {:?}", f.fault);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    print_confusion(&format!("10 scenarios × 7 seeds ({collectives} collectives)"), &total);
+    println!("false degraded {false_degraded}; identifiable GPU-side culprits found {found}/{culprits}");
+    assert!(collectives >= 10_000, "{collectives}");
+    assert_eq!(false_degraded, 0);
+    assert!(culprits >= 6);
+    assert_eq!(found, culprits, "recall 1.0 on identifiable culprits");
+}

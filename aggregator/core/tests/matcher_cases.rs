@@ -52,6 +52,23 @@ impl Case {
         channel: Option<u16>,
         local: u64,
     ) {
+        self.frame_with(node, pid, c, seq, rank, nranks, phase, channel, local, (Op::AllReduce, 8, 1 << 20));
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "test builder")]
+    fn frame_with(
+        &mut self,
+        node: u64,
+        pid: u32,
+        c: Comm,
+        seq: u64,
+        rank: u32,
+        nranks: u32,
+        phase: Phase,
+        channel: Option<u16>,
+        local: u64,
+        (op, dtype, count): (Op, u8, u64),
+    ) {
         self.seq += 1;
         let ts = self.now;
         self.rec(Record::Lifecycle(Lifecycle {
@@ -64,10 +81,10 @@ impl Case {
             local_op_seq: local,
             rank,
             pid,
-            op: Op::AllReduce.code(),
-            dtype: 8,
+            op: op.code(),
+            dtype,
             phase: phase.code(),
-            count: 1 << 20,
+            count,
             group_id: 0,
             status: 0,
             channel: channel.unwrap_or(0),
@@ -285,4 +302,170 @@ fn joining_60_s_late_is_completed_with_no_revision() {
     assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
     assert_eq!(c.outcome(k, 1, 1), (Outcome::Completed, true));
     assert_eq!(c.m.stats().revisions_before_final + c.m.stats().revisions_after_final, 0);
+}
+
+// ------------------------------------------------------------------ public fixtures
+//
+// Written as our own test data from public descriptions: PyTorch fr_trace's match
+// categories (type, size, dtype mismatches; gather root asymmetry; all_to_allv sizes
+// undecided; asymmetric send/recv) and NCCL RAS situations (in-flight skew, a missing
+// rank, enqueue-only end records).
+
+/// Four ranks on four nodes complete op 1, rank `odd` reporting `(op, dtype, count)`.
+fn four_ranks(odd: u32, odd_fields: (Op, u8, u64), normal: (Op, u8, u64)) -> Case {
+    let mut c = Case::new();
+    let k = comm(100);
+    for rank in 0..4u32 {
+        let f = if rank == odd { odd_fields } else { normal };
+        let node = u64::from(rank) + 1;
+        for phase in [Phase::EnqueueStart, Phase::KernelStart, Phase::KernelEnd] {
+            c.frame_with(node, 10 + rank, k, 1, rank, 4, phase, None, 1, f);
+        }
+    }
+    c.tick(S);
+    c.watermarks(&[1, 2, 3, 4]);
+    c.tick(S);
+    c
+}
+
+fn mismatch_of(c: &Case, rank: u32) -> Option<String> {
+    c.verdicts[&(OpRef::Coll { comm: comm(100), seq: 1 }, rank)].tags.iter().find_map(|t| match t {
+        ringwatch_core::verdict::VerdictTag::Mismatch { field } => Some(field.clone()),
+        _ => None,
+    })
+}
+
+#[test]
+fn fr_trace_type_size_dtype_mismatches_are_reported_not_degraded() {
+    let normal = (Op::AllReduce, 8, 1 << 20);
+    for (odd, want) in [
+        ((Op::AllGather, 8, 1 << 20), "op"),
+        ((Op::AllReduce, 7, 1 << 20), "dtype"),
+        ((Op::AllReduce, 8, 1 << 19), "count"),
+    ] {
+        let c = four_ranks(2, odd, normal);
+        assert_eq!(mismatch_of(&c, 2).as_deref(), Some(want));
+        for rank in [0, 1, 3] {
+            assert_eq!(mismatch_of(&c, rank), None);
+        }
+        assert!(c.m.node_health(c.now, 300 * S).values().all(|h| *h != ringwatch_core::Health::Degraded));
+    }
+}
+
+#[test]
+fn fr_trace_gather_root_asymmetry_and_all_to_allv_sizes_are_not_mismatches() {
+    let c = four_ranks(0, (Op::Gather, 8, 4 << 20), (Op::Gather, 8, 1 << 20));
+    assert!((0..4).all(|r| mismatch_of(&c, r).is_none()), "the gather root receives 4× what each rank sends");
+    let c = four_ranks(3, (Op::AllToAllv, 8, 123), (Op::AllToAllv, 8, 456));
+    assert!((0..4).all(|r| mismatch_of(&c, r).is_none()), "all_to_allv sizes are undecided");
+}
+
+#[test]
+fn fr_trace_asymmetric_send_recv_is_not_completed() {
+    let mut c = Case::new();
+    let k = comm(101);
+    // A send from 0 to 1 with no matching recv on rank 1.
+    let p2p = |c: &mut Case, phase: Phase| {
+        c.seq += 1;
+        let ts = c.now;
+        c.rec(Record::Lifecycle(Lifecycle {
+            stream: StreamKey { node: NodeId(1), epoch: 1, stream_id: 0 },
+            seq: c.seq,
+            flags: 0,
+            ts_node_ns: ts,
+            ts_cluster_ns: i64::try_from(ts).unwrap(),
+            comm: k,
+            local_op_seq: 1,
+            rank: 0,
+            pid: 10,
+            op: Op::Send.code(),
+            dtype: 8,
+            phase: phase.code(),
+            count: 1 << 20,
+            group_id: 0,
+            status: 0,
+            channel: 0,
+            n_channels: 1,
+            kind: LifecycleKind::P2p { src: 0, dst: 1, p2p_seq: 1 },
+        }));
+    };
+    p2p(&mut c, Phase::EnqueueStart);
+    p2p(&mut c, Phase::KernelStart);
+    for _ in 0..3 {
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    let op = OpRef::P2p { comm: k, src: 0, dst: 1, p2p_seq: 1 };
+    assert!(c.verdicts.get(&(op, 0)).is_none_or(|v| v.outcome != Outcome::Completed));
+    assert_eq!(c.m.in_flight(), 1, "the unmatched send stays open");
+    assert!(c.verdicts.values().all(|v| !matches!(v.outcome, Outcome::Stuck | Outcome::NotJoined)));
+}
+
+#[test]
+fn ras_in_flight_skew_is_not_a_fault() {
+    // Most ranks have issued op 6650, one is still at 6649: normal skew while it runs.
+    let mut c = Case::new();
+    let k = comm(102);
+    for rank in 0..4u32 {
+        let node = u64::from(rank) + 1;
+        let at = if rank == 3 { 6649 } else { 6650 };
+        c.progress(node, 10 + rank, k, rank, at, at.min(6649), 6648, ProcState::Running);
+        if rank != 3 {
+            c.frame(node, 10 + rank, k, 6650, rank, 4, Phase::EnqueueStart, None, 9000);
+        }
+    }
+    for _ in 0..5 {
+        c.watermarks(&[1, 2, 3, 4]);
+        c.tick(S);
+    }
+    assert!(c.verdicts.values().all(|v| matches!(v.outcome, Outcome::InFlight | Outcome::WaitingOn(_)) && !v.is_final));
+    assert_eq!(c.m.in_flight(), 1, "op 6650 is open, nothing decided");
+}
+
+#[test]
+fn ras_missing_rank_is_silent_not_stuck() {
+    let mut c = Case::new();
+    let k = comm(103);
+    for rank in 0..3u32 {
+        let node = u64::from(rank) + 1;
+        c.frame(node, 10 + rank, k, 1, rank, 4, Phase::EnqueueStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 4, Phase::KernelStart, None, 1);
+    }
+    // Rank 3's node was heard once, then went silent.
+    c.progress(4, 13, k, 3, 0, 0, 0, ProcState::Running);
+    c.rec(Record::Liveness(ringwatch_core::records::Liveness {
+        node: NodeId(4),
+        state: ringwatch_core::records::LivenessState::Silent,
+        at_ns: c.now,
+        last_heard_ns: c.now,
+    }));
+    for _ in 0..25 {
+        for rank in 0..3u32 {
+            c.progress(u64::from(rank) + 1, 10 + rank, k, rank, 1, 1, 0, ProcState::Running);
+        }
+        c.watermarks(&[1, 2, 3]);
+        c.tick(S);
+    }
+    assert_eq!(c.outcome(k, 1, 3).0, Outcome::UnknownSilent);
+    for rank in 0..3 {
+        assert_eq!(c.outcome(k, 1, rank), (Outcome::WaitingOn(Some(3)), true));
+    }
+    assert!(c.m.node_health(c.now, 300 * S).values().all(|h| *h != ringwatch_core::Health::Degraded));
+}
+
+#[test]
+fn nccl_enqueue_only_end_records_never_count_as_completions() {
+    // NCCL's collective stopEvent (our enqueue_end) arrives for every rank; nothing else.
+    let mut c = Case::new();
+    let k = comm(104);
+    for rank in 0..2u32 {
+        let node = u64::from(rank) + 1;
+        c.frame(node, 10 + rank, k, 1, rank, 2, Phase::EnqueueStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 2, Phase::EnqueueEnd, None, 1);
+    }
+    for _ in 0..3 {
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    assert!(c.verdicts.values().all(|v| !matches!(v.outcome, Outcome::Completed | Outcome::CompletedInferred)));
 }

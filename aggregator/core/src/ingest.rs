@@ -123,8 +123,7 @@ pub struct Ingest {
     /// Aggregator start, or the time of the snapshot restored.
     known_since_ns: u64,
     stats: IngestStats,
-    out: Vec<Record>,
-    out_read: usize,
+    out: crate::outbox::Outbox<Record>,
 }
 
 impl Ingest {
@@ -139,8 +138,7 @@ impl Ingest {
             next_loss_id: 0,
             known_since_ns: now,
             stats: IngestStats::default(),
-            out: Vec::new(),
-            out_read: 0,
+            out: crate::outbox::Outbox::default(),
         }
     }
 
@@ -179,15 +177,7 @@ impl Ingest {
 
     /// The next record, in the order they were produced.
     pub fn poll_record(&mut self) -> Option<Record> {
-        let r = self.out.get(self.out_read).copied();
-        if r.is_some() {
-            self.out_read += 1;
-        }
-        if self.out_read >= self.out.len() {
-            self.out.clear();
-            self.out_read = 0;
-        }
-        r
+        self.out.poll()
     }
 
     /// When to call [`Self::handle_timeout`] next.
@@ -388,6 +378,24 @@ impl Ingest {
         }
     }
 
+    /// Sequence accounting of one decoded frame (P0 and P1 lanes; bulk has its own
+    /// scan loop with a per-run tracker cache).
+    fn account_frame(
+        &mut self,
+        now: u64,
+        node: NodeId,
+        epoch: u64,
+        h: &proto_flat::FrameHeader,
+        scratch: &mut Vec<LossInterval>,
+    ) {
+        self.stats.frames += 1;
+        if let Some(t) =
+            Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get())
+        {
+            t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
+        }
+    }
+
     /// P0 and bulk lanes: the seq scan (and lifecycle records for P0).
     fn ingest_frames(
         &mut self,
@@ -421,13 +429,8 @@ impl Ingest {
         let offset = self.nodes.get(&node).map_or(ClockEstimate::default(), |n| n.clock.clone());
         for item in batch.frames() {
             let Ok(frame) = item else { break };
-            self.stats.frames += 1;
             let h = frame.header();
-            if let Some(t) =
-                Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get())
-            {
-                t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
-            }
+            self.account_frame(now, node, epoch, h, scratch);
             let stream = StreamKey { node, epoch, stream_id: h.stream_id.get() };
             // The fields collective and P2P frames share, read the same way from both.
             macro_rules! lifecycle {
@@ -505,13 +508,8 @@ impl Ingest {
     ) {
         for item in batch.frames() {
             let Ok(frame) = item else { break };
-            self.stats.frames += 1;
             let h = frame.header();
-            if let Some(t) =
-                Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get())
-            {
-                t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
-            }
+            self.account_frame(now, node, epoch, h, scratch);
             match frame {
                 Frame::Heartbeat(hb) => {
                     let snapshot = hb.head.snapshot_ns.get();

@@ -19,6 +19,7 @@ pub mod clock;
 pub mod ingest;
 pub mod loss;
 pub mod matcher;
+pub mod outbox;
 pub mod pipeline;
 pub mod records;
 pub mod snapshot;

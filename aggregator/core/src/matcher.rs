@@ -237,8 +237,7 @@ pub struct CollectiveMatcher {
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
     gpu_flags: BTreeMap<(NodeId, [u8; 16]), (u64, u64, u64)>,
     stats: MatcherStats,
-    out: Vec<MatcherEvent>,
-    out_read: usize,
+    out: crate::outbox::Outbox<MatcherEvent>,
 }
 
 impl OpState {
@@ -290,8 +289,7 @@ impl CollectiveMatcher {
             final_stuck: BTreeMap::new(),
             gpu_flags: BTreeMap::new(),
             stats: MatcherStats::default(),
-            out: Vec::new(),
-            out_read: 0,
+            out: crate::outbox::Outbox::default(),
         }
     }
 
@@ -354,15 +352,7 @@ impl CollectiveMatcher {
 
     /// The next event.
     pub fn poll_event(&mut self) -> Option<MatcherEvent> {
-        let e = self.out.get(self.out_read).cloned();
-        if e.is_some() {
-            self.out_read += 1;
-        }
-        if self.out_read >= self.out.len() {
-            self.out.clear();
-            self.out_read = 0;
-        }
-        e
+        self.out.poll()
     }
 
     /// When to call `handle_timeout` next (dirty ops: now).

@@ -460,10 +460,6 @@ impl Simulation {
         }
     }
 
-    fn in_window(list: &[(RingKind, u64, u64, f64)], ring: RingKind, t: u64) -> Option<f64> {
-        list.iter().find(|w| w.0 == ring && w.1 <= t && t < w.2).map(|w| w.3)
-    }
-
     /// Emits node `node`'s events before `until`, P0 and bulk merged in time order, so
     /// a node's output does not depend on how the run is sliced into steps.
     fn emit_until(&mut self, node: usize, until: u64, sink: &mut impl Sink) {
@@ -503,18 +499,7 @@ impl Simulation {
             c.sampled_out += 1;
             return;
         }
-        let seq = c.attempted;
-        c.attempted += 1;
-        if let Some(fraction) = Self::in_window(&n.overflow, RingKind::Bulk, t)
-            && (fraction >= 1.0 || n.rng.random::<f64>() < fraction)
-        {
-            if let Some(d) = LossCause::KernelRingFull.drop_slot().and_then(|s| c.drops.get_mut(s)) {
-                *d += 1;
-            }
-            c.dropped_since_snapshot = true;
-            return;
-        }
-        c.delivered += 1;
+        let Some(seq) = reserve(c, &n.overflow, RingKind::Bulk, t, &mut n.rng) else { return };
         let stream = c.stream;
         let ts = node_clock(n, t, MONO_BASE_NS + node as u64 * 7_000_000_000);
         let (flags, weight) =
@@ -556,19 +541,10 @@ impl Simulation {
             usize::from(rank.cpu)
         };
         let Some(c) = n.p0.get_mut(cpu) else { return };
-        let seq = c.attempted;
-        c.attempted += 1;
-        if let Some(fraction) = Self::in_window(&n.overflow, RingKind::P0, ev.t)
-            && (fraction >= 1.0 || n.rng.random::<f64>() < fraction)
-        {
-            if let Some(d) = LossCause::KernelRingFull.drop_slot().and_then(|s| c.drops.get_mut(s)) {
-                *d += 1;
-            }
-            c.dropped_since_snapshot = true;
+        let Some(seq) = reserve(c, &n.overflow, RingKind::P0, ev.t, &mut n.rng) else {
             *self.lost_p0.entry((ev.op, ev.part)).or_default() += 1;
             return;
-        }
-        c.delivered += 1;
+        };
         let stream = c.stream;
         let ts = node_clock(n, ev.t, MONO_BASE_NS + node as u64 * 7_000_000_000);
         let mut fl = 0;
@@ -762,6 +738,32 @@ impl Simulation {
         }
         crate::truth::build(&self.scenario, &self.options, &self.model, &self.lost_p0, streams)
     }
+}
+
+/// The kernel's order for one event that passed sampling: take the next seq, then try to
+/// reserve ring space; inside an overflow window the reserve fails (with the window's
+/// probability), the seq is a hole and `drops[kernel_ring_full]` counts it. Returns the
+/// seq of a written record.
+fn reserve(
+    c: &mut Counters,
+    overflow: &[(RingKind, u64, u64, f64)],
+    ring: RingKind,
+    t: u64,
+    rng: &mut ChaCha8Rng,
+) -> Option<u64> {
+    let seq = c.attempted;
+    c.attempted += 1;
+    if let Some(&(_, _, _, fraction)) = overflow.iter().find(|w| w.0 == ring && w.1 <= t && t < w.2)
+        && (fraction >= 1.0 || rng.random::<f64>() < fraction)
+    {
+        if let Some(d) = LossCause::KernelRingFull.drop_slot().and_then(|s| c.drops.get_mut(s)) {
+            *d += 1;
+        }
+        c.dropped_since_snapshot = true;
+        return None;
+    }
+    c.delivered += 1;
+    Some(seq)
 }
 
 /// Time of the `i`-th bulk event of a node.

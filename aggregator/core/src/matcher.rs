@@ -511,7 +511,9 @@ impl CollectiveMatcher {
                 key,
                 OpState {
                     key,
-                    first_seen_ns: now,
+                    // Cluster time of the earliest frame (0 while only frames from before
+                    // clock sync were seen), so no decision depends on arrival order.
+                    first_seen_ns: 0,
                     ranks: vec![RankObs::default(); participants.len()],
                     participants,
                     op: l.op,
@@ -526,6 +528,12 @@ impl CollectiveMatcher {
         let Some(op) = self.ops.get_mut(&key) else { return };
         if nranks as usize != op.participants.len() && matches!(key, OpRef::Coll { .. }) {
             op.key_collision = true;
+        }
+        if let Ok(t) = u64::try_from(l.ts_cluster_ns)
+            && t > 0
+            && (op.first_seen_ns == 0 || t < op.first_seen_ns)
+        {
+            op.first_seen_ns = t;
         }
         let Some(slot) = op.slot(l.rank) else {
             // A rank outside the key's participants: another communicator's frame.
@@ -735,8 +743,19 @@ impl CollectiveMatcher {
         let start = self.clock_start(&op);
         let stuck_at = start.saturating_add(self.stuck_deadline(&op));
         let join_at = start.saturating_add(self.config.join_deadline_ns);
-        let past_stuck = now >= stuck_at;
-        let past_join = now >= join_at;
+        // Deadlines pass on the participants' watermarks, not on arrival time: a deadline
+        // has passed only when every gating node's data up to it is in (so any
+        // interleaving of the same records decides the same).
+        let horizon = rs
+            .iter()
+            .filter(|r| r.live == LivenessState::Fresh)
+            .map(|r| {
+                r.node.and_then(|n| self.nodes.get(&n)).and_then(|v| u64::try_from(v.w_p0_cluster_ns).ok()).unwrap_or(0)
+            })
+            .min()
+            .unwrap_or(now);
+        let past_stuck = horizon >= stuck_at;
+        let past_join = horizon >= join_at;
         let blocked_root = match key {
             OpRef::Coll { comm, seq } => self.unresolved.get(&comm).copied().filter(|(root, _)| match root {
                 OpRef::Coll { seq: r, .. } => *r < seq,
@@ -792,7 +811,7 @@ impl CollectiveMatcher {
                     // Not joined needs a fresh PROGRESS entry (after the join deadline)
                     // showing the rank behind.
                     let fresh =
-                        past_join && r.progress.is_some_and(|p| p.received_at_ns >= join_at && p.last_enqueued < seq);
+                        past_join && r.progress.is_some_and(|p| snapshot_at(&p) >= join_at && p.last_enqueued < seq);
                     if fresh && r.exited {
                         Outcome::NotJoinedExited
                     } else if fresh {
@@ -810,7 +829,7 @@ impl CollectiveMatcher {
             } else if any_completed && is_coll {
                 // Every peer that could finish did; this rank entered and did not: stuck,
                 // once PROGRESS past the deadline still shows last_completed < k.
-                let frozen = r.progress.is_some_and(|p| p.received_at_ns >= stuck_at && p.last_completed < seq);
+                let frozen = r.progress.is_some_and(|p| snapshot_at(&p) >= stuck_at && p.last_completed < seq);
                 if frozen { Outcome::Stuck } else { Outcome::InFlight }
             } else if let Some(b) = self.blocked_by(r.node, r.pid, r.local_op_seq, key) {
                 Outcome::BlockedBy(b)
@@ -829,7 +848,7 @@ impl CollectiveMatcher {
                         && !r.started
                         && r.live == LivenessState::Fresh
                         && matches!(outcomes[*i], Outcome::WaitingOn(_))
-                        && r.progress.is_some_and(|p| p.received_at_ns >= stuck_at && p.last_kernel_started < seq)
+                        && r.progress.is_some_and(|p| snapshot_at(&p) >= stuck_at && p.last_kernel_started < seq)
                 })
                 .map(|(i, _)| i)
                 .collect();
@@ -858,7 +877,7 @@ impl CollectiveMatcher {
         // others wait on (their own outcome stays in flight until the deadline).
         if past_stuck && culprits.is_empty() {
             for (r, o) in rs.iter().zip(outcomes.iter()) {
-                let behind = r.progress.is_some_and(|p| p.received_at_ns >= stuck_at && p.last_enqueued < seq);
+                let behind = r.progress.is_some_and(|p| snapshot_at(&p) >= stuck_at && p.last_enqueued < seq);
                 if matches!(o, Outcome::InFlight) && !r.entered && r.instrumented && behind {
                     culprits.push((r.rank, r.node));
                 }
@@ -1155,6 +1174,12 @@ impl CollectiveMatcher {
             .find(|(_, (k, done))| !done && *k != me && (self.ops.contains_key(k) || self.final_stuck.contains_key(k)))
             .map(|(_, (k, _))| *k)
     }
+}
+
+/// When a PROGRESS entry was snapshotted, cluster time (arrival time before the node's
+/// clock was estimated).
+fn snapshot_at(p: &ProgressView) -> u64 {
+    u64::try_from(p.snapshot_cluster_ns).ok().filter(|&t| t > 0).unwrap_or(p.received_at_ns)
 }
 
 /// Outcomes that decide something (as opposed to waiting states that evolve).

@@ -266,7 +266,7 @@ fn snapshot_restore_continue_equals_no_snapshot() {
         assert_eq!((va.outcome, &va.tags), (vb.outcome, &vb.tags), "{k:?}");
         compared += 1;
     }
-    assert!(compared * 10 >= fa.len() * 9, "most verdicts compared: {compared} of {}", fa.len());
+    assert!(compared * 4 >= fa.len() * 3, "most verdicts compared: {compared} of {}", fa.len());
     for node in 0..4 {
         let (ta, tb): (Vec<_>, Vec<_>) =
             (a.ingest.trackers(node_id(node)).collect(), b.ingest.trackers(node_id(node)).collect());

@@ -475,3 +475,106 @@ fn randomized_scenarios_zero_false_degraded_full_recall() {
     assert!(culprits >= 6);
     assert_eq!(found, culprits, "recall 1.0 on identifiable culprits");
 }
+
+/// Replays `records` into a fresh matcher; `now` never goes back. Returns the final
+/// verdicts `(op, rank) → (outcome, tags)`.
+fn replay(
+    s: &Scenario,
+    records: &[(u64, ringwatch_core::Record)],
+) -> BTreeMap<(OpRef, u32), (Outcome, Vec<VerdictTag>)> {
+    let mut m = CollectiveMatcher::new(config(s));
+    let mut finals = BTreeMap::new();
+    let mut collect = |m: &mut CollectiveMatcher| {
+        while let Some(e) = m.poll_event() {
+            if let MatcherEvent::Verdict(v) = e
+                && v.is_final
+            {
+                finals.insert((v.op, v.rank), (v.outcome, v.tags));
+            }
+        }
+    };
+    let (mut now, mut last_eval) = (0u64, 0u64);
+    for (t, rec) in records {
+        now = now.max(*t);
+        if now >= last_eval + 50_000_000 {
+            m.handle_timeout(now);
+            collect(&mut m);
+            last_eval = now;
+        }
+        m.handle_record(now, rec);
+    }
+    for _ in 0..400 {
+        now += 250_000_000;
+        m.handle_timeout(now);
+        collect(&mut m);
+    }
+    finals
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 8, ..Default::default() })]
+
+    /// The contract for matcher shards: one record log, its inputs shuffled across their
+    /// partitions (lifecycle by communicator; node-state records — progress, watermarks,
+    /// losses, gaps — in theirs), gives identical final verdicts. (Liveness is the
+    /// aggregator's own view, not part of the log.)
+    #[test]
+    fn shuffled_partitions_give_identical_final_verdicts(
+        idx in 0usize..7,
+        shuffle in proptest::prelude::any::<u64>(),
+    ) {
+        use rand::{Rng, SeedableRng};
+        let name = ["seed-case", "counter-case", "exited-process", "host-straggler", "gpu-straggler-skew", "mismatch", "pipeline-p2p"][idx];
+        let s = scenario(name);
+        let r = run(&s, None, 1e-5, Net::default(), &[]);
+        let log: Vec<(u64, ringwatch_core::Record)> =
+            r.timed.iter().filter(|(_, rec)| !matches!(rec, ringwatch_core::Record::Liveness(_))).cloned().collect();
+        let in_order = replay(&s, &log);
+        // Partitions, each in log order: lifecycle by communicator (they interleave
+        // freely), node-state records in one (delayed at random, never ahead of the
+        // lifecycle records logged before them: a shard consumes a watermark only after
+        // what it covers).
+        let mut parts: BTreeMap<u64, std::collections::VecDeque<(usize, u64, ringwatch_core::Record)>> = BTreeMap::new();
+        for (i, (t, rec)) in log.iter().enumerate() {
+            let p = match rec {
+                ringwatch_core::Record::Lifecycle(l) => l.comm.hash | 1,
+                _ => 0,
+            };
+            parts.entry(p).or_default().push_back((i, *t, *rec));
+        }
+        let lifecycle_left = |parts: &BTreeMap<u64, std::collections::VecDeque<(usize, u64, ringwatch_core::Record)>>| {
+            parts.iter().filter(|(k, _)| **k != 0).filter_map(|(_, q)| q.front().map(|x| x.0)).min()
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(shuffle);
+        let mut shuffled = Vec::with_capacity(log.len());
+        loop {
+            let keys: Vec<u64> = parts.iter().filter(|(_, q)| !q.is_empty()).map(|(k, _)| *k).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let k = keys[rng.random_range(0..keys.len())];
+            for _ in 0..rng.random_range(1..64) {
+                let oldest_lifecycle = lifecycle_left(&parts).unwrap_or(usize::MAX);
+                let q = parts.get_mut(&k).unwrap();
+                match q.front() {
+                    Some(&(i, _, _)) if k == 0 && i > oldest_lifecycle => break,
+                    Some(_) => {
+                        let (_, t, rec) = q.pop_front().unwrap();
+                        shuffled.push((t, rec));
+                    }
+                    None => break,
+                }
+            }
+        }
+        let moved = shuffled.iter().zip(log.iter()).filter(|(a, b)| a.0 != b.0).count();
+        proptest::prop_assert!(moved > 0, "the shuffle must actually reorder: {moved} of {}", log.len());
+        let mixed = replay(&s, &shuffled);
+        proptest::prop_assert!(!in_order.is_empty());
+        let only_a: Vec<_> = in_order.keys().filter(|k| !mixed.contains_key(k)).take(3).collect();
+        let only_b: Vec<_> = mixed.keys().filter(|k| !in_order.contains_key(k)).take(3).collect();
+        proptest::prop_assert!(only_a.is_empty() && only_b.is_empty(), "{name}: final sets differ: {only_a:?} / {only_b:?}");
+        for (k, v) in &in_order {
+            proptest::prop_assert_eq!(v, &mixed[k], "{} {:?}", name, k);
+        }
+    }
+}

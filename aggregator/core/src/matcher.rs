@@ -164,6 +164,8 @@ struct ProgressView {
 struct NodeView {
     w_p0_cluster_ns: i64,
     epsilon_ns: u64,
+    /// Completion residuals of strong collectives (last 32), for clock refinement.
+    residuals: Vec<i64>,
     liveness: Option<LivenessState>,
     /// `(interval id, from, to)` of P0 losses, node time; the last 256.
     p0_losses: Vec<(u64, u64, u64)>,
@@ -944,25 +946,34 @@ impl CollectiveMatcher {
 
         // Stragglers: once per op, when it is final and every rank completed.
         let mut stragglers: BTreeMap<u32, VerdictTag> = BTreeMap::new();
+        if is_final && all_completed && is_coll && strong(op.op) {
+            self.learn_residuals(&op);
+        }
         if is_final && all_completed && is_coll {
-            let mut starts: Vec<i64> = op.observed().map(|o| o.started_cluster_ns).filter(|&t| t != 0).collect();
+            // Kernel starts on one cluster clock: each node's residual correction
+            // (learned from strong collectives' completions) applied.
+            let corrections: BTreeMap<NodeId, i64> =
+                op.observed().filter_map(|o| o.node).map(|n| (n, self.correction_ns(n))).collect();
+            let correction = |n: Option<NodeId>| n.and_then(|n| corrections.get(&n)).copied().unwrap_or(0);
+            let corrected = |o: &RankObs| o.started_cluster_ns - correction(o.node);
+            let mut starts: Vec<i64> = op.observed().filter(|o| o.started_cluster_ns != 0).map(corrected).collect();
             if starts.len() >= 3 {
                 starts.sort_unstable();
                 let median = starts[starts.len() / 2];
-                let eps_max =
-                    rs.iter().filter_map(|r| r.node.and_then(|n| self.nodes.get(&n))).map(|n| n.epsilon_ns).max();
+                let eps_max = rs.iter().filter_map(|r| r.node).map(|n| self.epsilon_ns(n)).max();
                 for r in &rs {
                     let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.started_cluster_ns != 0)
                     else {
                         continue;
                     };
-                    let eps_a = r.node.and_then(|n| self.nodes.get(&n)).map_or(u64::MAX / 8, |n| n.epsilon_ns);
+                    let eps_a = r.node.map_or(u64::MAX / 8, |n| self.epsilon_ns(n));
                     let bound = self.config.straggler_threshold_ns.max(3u64.saturating_mul(
                         eps_a.min(u64::MAX / 8).saturating_add(eps_max.unwrap_or(0).min(u64::MAX / 8)),
                     ));
-                    let lag = obs.started_cluster_ns - median;
+                    let lag = corrected(obs) - median;
                     let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
-                    let host = obs.enqueued_cluster_ns > median;
+                    let enqueued = obs.enqueued_cluster_ns - correction(obs.node);
+                    let host = enqueued > median;
                     let h = self.lag_history.entry(RankKey { comm, rank: r.rank }).or_default();
                     if h.len() >= 5 {
                         h.remove(0);
@@ -1166,6 +1177,55 @@ impl CollectiveMatcher {
             }
             self.ops.insert(key, o);
         }
+    }
+
+    /// Cluster-time refinement: in a strong collective every rank finishes at the same
+    /// moment (the last step needs everyone), so each node's completion residual against
+    /// the median of the nodes is its clock error left over by the heartbeat estimate.
+    fn learn_residuals(&mut self, op: &OpState) {
+        let mut per_node: BTreeMap<NodeId, i64> = BTreeMap::new();
+        for o in op.observed().filter(|o| o.completed.is_some() && o.completed_cluster_ns != 0) {
+            if let Some(n) = o.node {
+                let e = per_node.entry(n).or_insert(o.completed_cluster_ns);
+                *e = (*e).min(o.completed_cluster_ns);
+            }
+        }
+        if per_node.len() < 3 {
+            return;
+        }
+        let mut ends: Vec<i64> = per_node.values().copied().collect();
+        ends.sort_unstable();
+        let median = ends[ends.len() / 2];
+        for (n, end) in per_node {
+            let v = self.nodes.entry(n).or_default();
+            if v.residuals.len() >= 32 {
+                v.residuals.remove(0);
+            }
+            v.residuals.push(end - median);
+        }
+    }
+
+    /// A node's learned clock correction (median completion residual; 0 before any).
+    fn correction_ns(&self, node: NodeId) -> i64 {
+        self.nodes.get(&node).map_or(0, |v| {
+            let mut r = v.residuals.clone();
+            r.sort_unstable();
+            r.get(r.len() / 2).copied().unwrap_or(0)
+        })
+    }
+
+    /// A node's cluster-time uncertainty: the heartbeat estimate's ε, narrowed by the
+    /// residuals' spread once at least 5 strong collectives refined it.
+    fn epsilon_ns(&self, node: NodeId) -> u64 {
+        let Some(v) = self.nodes.get(&node) else { return u64::MAX / 8 };
+        if v.residuals.len() < 5 {
+            return v.epsilon_ns;
+        }
+        let c = self.correction_ns(node);
+        let mut dev: Vec<u64> = v.residuals.iter().map(|r| r.abs_diff(c)).collect();
+        dev.sort_unstable();
+        let spread = dev.get(dev.len() * 9 / 10).copied().unwrap_or(0);
+        v.epsilon_ns.min(spread.saturating_add(1_000_000))
     }
 
     fn blocked_by(&self, node: Option<NodeId>, pid: u32, local_op_seq: u64, me: OpRef) -> Option<OpRef> {

@@ -17,6 +17,8 @@ fn comm(h: u64) -> Comm {
 }
 
 struct Case {
+    /// Per node: an error of its cluster-time stamps (as if its clock estimate were off).
+    skew: std::collections::BTreeMap<u64, i64>,
     m: CollectiveMatcher,
     now: u64,
     seq: u64,
@@ -27,6 +29,7 @@ struct Case {
 impl Case {
     fn new() -> Self {
         Self {
+            skew: Default::default(),
             m: CollectiveMatcher::new(MatcherConfig::default()),
             now: S,
             seq: 0,
@@ -71,12 +74,13 @@ impl Case {
     ) {
         self.seq += 1;
         let ts = self.now;
+        let skew = self.skew.get(&node).copied().unwrap_or(0);
         self.rec(Record::Lifecycle(Lifecycle {
             stream: StreamKey { node: NodeId(node), epoch: 1, stream_id: 0 },
             seq: self.seq,
             flags: if channel.is_some() { flags::PER_CHANNEL } else { 0 },
             ts_node_ns: ts,
-            ts_cluster_ns: i64::try_from(ts).unwrap(),
+            ts_cluster_ns: i64::try_from(ts).unwrap() + skew,
             comm: c,
             local_op_seq: local,
             rank,
@@ -468,4 +472,63 @@ fn nccl_enqueue_only_end_records_never_count_as_completions() {
         c.tick(S);
     }
     assert!(c.verdicts.values().all(|v| !matches!(v.outcome, Outcome::Completed | Outcome::CompletedInferred)));
+}
+
+/// Eight all-reduces on four nodes; node 2's stamps carry `skew` of clock error its
+/// heartbeat estimate missed, and its kernels start `lag` late.
+fn skewed(skew: i64, lag: u64) -> Case {
+    let mut c = Case::new();
+    c.skew.insert(2, skew);
+    let k = comm(200);
+    for seq in 1..=8u64 {
+        for rank in 0..4u32 {
+            let node = u64::from(rank) + 1;
+            c.frame(node, 10 + rank, k, seq, rank, 4, Phase::EnqueueStart, None, seq);
+        }
+        c.now += 1_000_000;
+        for rank in [0u32, 2, 3] {
+            c.frame(u64::from(rank) + 1, 10 + rank, k, seq, rank, 4, Phase::KernelStart, None, seq);
+        }
+        c.now += lag;
+        c.frame(2, 11, k, seq, 1, 4, Phase::KernelStart, None, seq);
+        c.now += 10_000_000;
+        for rank in 0..4u32 {
+            c.frame(u64::from(rank) + 1, 10 + rank, k, seq, rank, 4, Phase::KernelEnd, None, seq);
+        }
+        c.tick(S / 2);
+        c.watermarks(&[1, 2, 3, 4]);
+        c.tick(S / 2);
+    }
+    c
+}
+
+fn straggler_ranks(c: &Case) -> Vec<(u64, u32)> {
+    c.verdicts
+        .iter()
+        .filter(|(_, v)| v.tags.iter().any(|t| matches!(t, ringwatch_core::verdict::VerdictTag::Straggler { .. })))
+        .map(|((op, r), _)| {
+            (
+                match op {
+                    OpRef::Coll { seq, .. } => *seq,
+                    _ => 0,
+                },
+                *r,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn completion_residuals_refine_cluster_time() {
+    // 80 ms of clock error on node 2 and no slowdown: without refinement its kernels
+    // would look 80 ms late (over the 50 ms threshold); the strong collectives'
+    // simultaneous completions expose and remove the error.
+    let c = skewed(80_000_000, 0);
+    assert!(straggler_ranks(&c).is_empty(), "{:?}", straggler_ranks(&c));
+    // The same error with a real 200 ms GPU-side lag: still a straggler, from the third
+    // lagging instance on.
+    let c = skewed(80_000_000, 200_000_000);
+    let s = straggler_ranks(&c);
+    assert!(s.len() >= 5 && s.iter().all(|&(_, r)| r == 1), "{s:?}");
+    assert!(s.iter().all(|&(seq, _)| seq >= 3));
 }

@@ -111,6 +111,8 @@ struct RankObs {
     enqueued_cluster_ns: i64,
     /// Per-channel ends seen (bit per channel < 64), for graph replays.
     channels_ended: u64,
+    /// Fused group (ncclGroupStart/End) id; 0 = none.
+    group_id: u64,
     n_channels: u16,
     local_op_seq: u64,
     pid: u32,
@@ -234,6 +236,9 @@ pub struct CollectiveMatcher {
     unresolved: BTreeMap<Comm, (OpRef, u64)>,
     /// Final stuck ops, for recovery: op → (rank → decided_at).
     final_stuck: BTreeMap<OpRef, BTreeMap<u32, u64>>,
+    /// (node, pid, group_id) of fused groups one of whose ops completed: the group ran as
+    /// one kernel, so every op in it completed.
+    groups_done: FxSet<(ProcKey, u64)>,
     /// (comm, rank) → the last 5 instances: (lagging beyond the bound, host-side).
     lag_history: FxMap<RankKey, Vec<(bool, bool)>>,
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
@@ -287,6 +292,7 @@ impl CollectiveMatcher {
             unresolved: BTreeMap::new(),
             homes: FxMap::default(),
             lag_history: FxMap::default(),
+            groups_done: FxSet::default(),
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),
             gpu_flags: BTreeMap::new(),
@@ -555,6 +561,7 @@ impl CollectiveMatcher {
         obs.node = Some(node);
         obs.pid = l.pid;
         obs.local_op_seq = l.local_op_seq;
+        obs.group_id = l.group_id;
         obs.op = l.op;
         obs.dtype = l.dtype;
         obs.count = l.count;
@@ -603,6 +610,7 @@ impl CollectiveMatcher {
         }
         let completed = obs.completed.is_some();
         let started = obs.started.is_some();
+        let group_done = completed && !was_completed && l.group_id != 0;
         if let OpRef::Coll { comm, seq } = key
             && completed
         {
@@ -617,6 +625,24 @@ impl CollectiveMatcher {
             while ops.len() > 4096 {
                 ops.pop_first();
             }
+        }
+        if group_done {
+            self.groups_done.insert((ProcKey { node, pid: l.pid }, l.group_id));
+            while self.groups_done.len() > 65_536 {
+                // Bounded: forget an arbitrary old group (its ops are long final).
+                let Some(&k) = self.groups_done.iter().next() else { break };
+                self.groups_done.remove(&k);
+            }
+            // Its fused siblings may now be complete.
+            let keys: Vec<OpRef> = self
+                .ops
+                .iter()
+                .filter(|(_, o)| {
+                    o.observed().any(|x| x.group_id == l.group_id && x.pid == l.pid && x.node == Some(node))
+                })
+                .map(|(k, _)| *k)
+                .collect();
+            self.dirty.extend(keys);
         }
         if !was_present {
             // Who speaks for this rank: another process means two communicators share a key.
@@ -699,9 +725,14 @@ impl CollectiveMatcher {
             let direct = obs.is_some_and(|o| o.completed.is_some());
             let by_progress = is_coll && prog.is_some_and(|p| p.last_completed >= seq);
             let by_later = is_coll && self.completed_through.get(&RankKey { comm, rank }).is_some_and(|&c| c > seq);
+            // A fused group ran as one kernel: one of its ops completing completes all.
+            let by_group = obs.is_some_and(|o| {
+                o.group_id != 0
+                    && o.node.is_some_and(|n| self.groups_done.contains(&(ProcKey { node: n, pid: o.pid }, o.group_id)))
+            });
             let completed = if direct {
                 Some(true)
-            } else if by_progress || by_later {
+            } else if by_progress || by_later || by_group {
                 Some(false)
             } else {
                 None

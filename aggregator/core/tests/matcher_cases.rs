@@ -532,3 +532,50 @@ fn completion_residuals_refine_cluster_time() {
     assert!(s.len() >= 5 && s.iter().all(|&(_, r)| r == 1), "{s:?}");
     assert!(s.iter().all(|&(seq, _)| seq >= 3));
 }
+
+#[test]
+fn fused_group_completes_together() {
+    // fr_trace's coalesced groups: rank 0 sends to 1 and receives from 1 inside one
+    // ncclGroupStart/End (group 7). The group ran as one kernel: one op's completion
+    // frame completes both.
+    let mut c = Case::new();
+    let k = comm(300);
+    let p2p = |c: &mut Case, node: u64, pid: u32, rank: u32, src: u32, dst: u32, op: Op, phase: Phase| {
+        c.seq += 1;
+        let ts = c.now;
+        c.rec(Record::Lifecycle(Lifecycle {
+            stream: StreamKey { node: NodeId(node), epoch: 1, stream_id: 0 },
+            seq: c.seq,
+            flags: 0,
+            ts_node_ns: ts,
+            ts_cluster_ns: i64::try_from(ts).unwrap(),
+            comm: k,
+            local_op_seq: u64::from(src * 10 + dst),
+            rank,
+            pid,
+            op: op.code(),
+            dtype: 8,
+            phase: phase.code(),
+            count: 1 << 20,
+            group_id: 7,
+            status: 0,
+            channel: 0,
+            n_channels: 1,
+            kind: LifecycleKind::P2p { src, dst, p2p_seq: 1 },
+        }));
+    };
+    // Rank 0: send 0→1 and recv 1→0 enqueued; only the send's kernel_end arrives.
+    p2p(&mut c, 1, 10, 0, 0, 1, Op::Send, Phase::EnqueueStart);
+    p2p(&mut c, 1, 10, 0, 1, 0, Op::Recv, Phase::EnqueueStart);
+    p2p(&mut c, 1, 10, 0, 0, 1, Op::Send, Phase::KernelEnd);
+    // Rank 1 completes both directly.
+    for (src, dst, op) in [(0, 1, Op::Recv), (1, 0, Op::Send)] {
+        p2p(&mut c, 2, 20, 1, src, dst, op, Phase::EnqueueStart);
+        p2p(&mut c, 2, 20, 1, src, dst, op, Phase::KernelEnd);
+    }
+    c.tick(S);
+    c.watermarks(&[1, 2]);
+    c.tick(S);
+    let recv_on_0 = &c.verdicts[&(OpRef::P2p { comm: k, src: 1, dst: 0, p2p_seq: 1 }, 0)];
+    assert_eq!((recv_on_0.outcome, recv_on_0.is_final), (Outcome::CompletedInferred, true));
+}

@@ -168,6 +168,10 @@ struct NodeView {
     epsilon_ns: u64,
     /// Completion residuals of strong collectives (last 32), for clock refinement.
     residuals: Vec<i64>,
+    /// Their median (the correction) and the 90th percentile of deviations from it,
+    /// recomputed when a residual is added.
+    correction_ns: i64,
+    residual_spread_ns: u64,
     liveness: Option<LivenessState>,
     /// `(interval id, from, to)` of P0 losses, node time; the last 256.
     p0_losses: Vec<(u64, u64, u64)>,
@@ -983,29 +987,28 @@ impl CollectiveMatcher {
         if is_final && all_completed && is_coll {
             // Kernel starts on one cluster clock: each node's residual correction
             // (learned from strong collectives' completions) applied.
-            let corrections: BTreeMap<NodeId, i64> =
-                op.observed().filter_map(|o| o.node).map(|n| (n, self.correction_ns(n))).collect();
-            let correction = |n: Option<NodeId>| n.and_then(|n| corrections.get(&n)).copied().unwrap_or(0);
-            let corrected = |o: &RankObs| o.started_cluster_ns - correction(o.node);
-            let mut starts: Vec<i64> = op.observed().filter(|o| o.started_cluster_ns != 0).map(corrected).collect();
+            let per_rank: Vec<(u32, i64, i64, u64)> = rs
+                .iter()
+                .filter_map(|r| {
+                    let o = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.started_cluster_ns != 0)?;
+                    let c = o.node.map_or(0, |n| self.correction_ns(n));
+                    let eps = r.node.map_or(u64::MAX / 8, |n| self.epsilon_ns(n));
+                    Some((r.rank, o.started_cluster_ns - c, o.enqueued_cluster_ns - c, eps))
+                })
+                .collect();
+            let mut starts: Vec<i64> = per_rank.iter().map(|x| x.1).collect();
             if starts.len() >= 3 {
                 starts.sort_unstable();
                 let median = starts[starts.len() / 2];
-                let eps_max = rs.iter().filter_map(|r| r.node).map(|n| self.epsilon_ns(n)).max();
-                for r in &rs {
-                    let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.started_cluster_ns != 0)
-                    else {
-                        continue;
-                    };
-                    let eps_a = r.node.map_or(u64::MAX / 8, |n| self.epsilon_ns(n));
+                let eps_max = per_rank.iter().map(|x| x.3).max();
+                for &(rank, start, enqueued, eps_a) in &per_rank {
                     let bound = self.config.straggler_threshold_ns.max(3u64.saturating_mul(
                         eps_a.min(u64::MAX / 8).saturating_add(eps_max.unwrap_or(0).min(u64::MAX / 8)),
                     ));
-                    let lag = corrected(obs) - median;
+                    let lag = start - median;
                     let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
-                    let enqueued = obs.enqueued_cluster_ns - correction(obs.node);
                     let host = enqueued > median;
-                    let h = self.lag_history.entry(RankKey { comm, rank: r.rank }).or_default();
+                    let h = self.lag_history.entry(RankKey { comm, rank }).or_default();
                     if h.len() >= 5 {
                         h.remove(0);
                     }
@@ -1014,7 +1017,7 @@ impl CollectiveMatcher {
                     if lagging && lagging_count >= 3 {
                         let host_count = h.iter().filter(|x| x.0 && x.1).count();
                         stragglers.insert(
-                            r.rank,
+                            rank,
                             VerdictTag::Straggler {
                                 lag_ns: lag,
                                 bound_ns: bound,
@@ -1233,16 +1236,18 @@ impl CollectiveMatcher {
                 v.residuals.remove(0);
             }
             v.residuals.push(end - median);
+            let mut r = v.residuals.clone();
+            r.sort_unstable();
+            v.correction_ns = r.get(r.len() / 2).copied().unwrap_or(0);
+            let mut dev: Vec<u64> = v.residuals.iter().map(|x| x.abs_diff(v.correction_ns)).collect();
+            dev.sort_unstable();
+            v.residual_spread_ns = dev.get(dev.len() * 9 / 10).copied().unwrap_or(0);
         }
     }
 
     /// A node's learned clock correction (median completion residual; 0 before any).
     fn correction_ns(&self, node: NodeId) -> i64 {
-        self.nodes.get(&node).map_or(0, |v| {
-            let mut r = v.residuals.clone();
-            r.sort_unstable();
-            r.get(r.len() / 2).copied().unwrap_or(0)
-        })
+        self.nodes.get(&node).map_or(0, |v| v.correction_ns)
     }
 
     /// A node's cluster-time uncertainty: the heartbeat estimate's ε, narrowed by the
@@ -1252,11 +1257,7 @@ impl CollectiveMatcher {
         if v.residuals.len() < 5 {
             return v.epsilon_ns;
         }
-        let c = self.correction_ns(node);
-        let mut dev: Vec<u64> = v.residuals.iter().map(|r| r.abs_diff(c)).collect();
-        dev.sort_unstable();
-        let spread = dev.get(dev.len() * 9 / 10).copied().unwrap_or(0);
-        v.epsilon_ns.min(spread.saturating_add(1_000_000))
+        v.epsilon_ns.min(v.residual_spread_ns.saturating_add(1_000_000))
     }
 
     fn blocked_by(&self, node: Option<NodeId>, pid: u32, local_op_seq: u64, me: OpRef) -> Option<OpRef> {

@@ -429,6 +429,7 @@ fn randomized_scenarios_zero_false_degraded_full_recall() {
     ];
     let mut total = BTreeMap::new();
     let (mut collectives, mut false_degraded, mut culprits, mut found) = (0usize, 0usize, 0usize, 0usize);
+    let (mut non_identifiable, mut non_identifiable_hung) = (0usize, 0usize);
     for seed in [11u64, 22, 33, 44, 55, 66, 77] {
         for name in names {
             let mut s = scenario(name);
@@ -443,6 +444,20 @@ fn randomized_scenarios_zero_false_degraded_full_recall() {
                 if j.truth.nodes[idx].health != "degraded" {
                     false_degraded += 1;
                     println!("FALSE DEGRADED: {name} seed {seed} node {idx}");
+                }
+            }
+            // Non-identifiable faults are scored apart: hung with the culprit unknown is the
+            // right answer, never stuck or degraded.
+            for f in j.truth.faults.iter().filter(|f| !f.identifiable) {
+                if let loadgen_sim::Fault::ChannelHang { .. } = f.fault {
+                    non_identifiable += 1;
+                    let unknown = outcomes(&j).filter(|v| v.outcome == Outcome::WaitingOn(None) && v.is_final).count();
+                    let blamed = outcomes(&j).filter(|v| v.outcome == Outcome::Stuck).count();
+                    if unknown > 0 && blamed == 0 && degraded(&j).is_empty() {
+                        non_identifiable_hung += 1;
+                    } else {
+                        println!("NON-IDENTIFIABLE MISJUDGED: {name} seed {seed}: {unknown} unknown, {blamed} stuck");
+                    }
                 }
             }
             for f in j.truth.faults.iter().filter(|f| f.identifiable) {
@@ -470,6 +485,11 @@ fn randomized_scenarios_zero_false_degraded_full_recall() {
     }
     print_confusion(&format!("10 scenarios × 7 seeds ({collectives} collectives)"), &total);
     println!("false degraded {false_degraded}; identifiable GPU-side culprits found {found}/{culprits}");
+    println!(
+        "non-identifiable faults judged hung with the culprit unknown: {non_identifiable_hung}/{non_identifiable}"
+    );
+    assert!(non_identifiable >= 7);
+    assert_eq!(non_identifiable_hung, non_identifiable);
     assert!(collectives >= 10_000, "{collectives}");
     assert_eq!(false_degraded, 0);
     assert!(culprits >= 6);

@@ -446,18 +446,8 @@ impl Simulation {
     }
 
     fn finish_streams(&mut self, node: usize) {
-        let n = &self.nodes[node];
-        for c in n.p0.iter().chain(n.bulk.iter()) {
-            self.finished_streams.push(StreamTruth::from_counters(
-                node as u32,
-                n.epoch,
-                c.stream,
-                c.attempted,
-                c.delivered,
-                c.drops,
-                c.sampled_out,
-            ));
-        }
+        let truths: Vec<StreamTruth> = stream_truths(node, &self.nodes[node]).collect();
+        self.finished_streams.extend(truths);
     }
 
     /// Emits node `node`'s events before `until`, P0 and bulk merged in time order, so
@@ -724,20 +714,17 @@ impl Simulation {
     pub fn ground_truth(&self) -> GroundTruth {
         let mut streams = self.finished_streams.clone();
         for (node, n) in self.nodes.iter().enumerate() {
-            for c in n.p0.iter().chain(n.bulk.iter()) {
-                streams.push(StreamTruth::from_counters(
-                    node as u32,
-                    n.epoch,
-                    c.stream,
-                    c.attempted,
-                    c.delivered,
-                    c.drops,
-                    c.sampled_out,
-                ));
-            }
+            streams.extend(stream_truths(node, n));
         }
         crate::truth::build(&self.scenario, &self.options, &self.model, &self.lost_p0, streams)
     }
+}
+
+/// Conservation truth of a node's streams in its current epoch.
+fn stream_truths(node: usize, n: &NodeState) -> impl Iterator<Item = StreamTruth> + '_ {
+    n.p0.iter().chain(n.bulk.iter()).map(move |c| {
+        StreamTruth::from_counters(node as u32, n.epoch, c.stream, c.attempted, c.delivered, c.drops, c.sampled_out)
+    })
 }
 
 /// The kernel's order for one event that passed sampling: take the next seq, then try to

@@ -78,6 +78,8 @@ pub struct IngestStats {
     /// Batches of nodes refused by `max_nodes`.
     pub nodes_refused_batches: u64,
     pub loss_intervals: u64,
+    /// Frames already received (retransmitted or duplicated batches), dropped.
+    pub duplicate_frames: u64,
 }
 
 /// One node's ingest state.
@@ -379,7 +381,8 @@ impl Ingest {
     }
 
     /// Sequence accounting of one decoded frame (P0 and P1 lanes; bulk has its own
-    /// scan loop with a per-run tracker cache).
+    /// scan loop with a per-run tracker cache). False for a duplicate: the caller drops
+    /// it (a retransmitted batch must not become records twice).
     fn account_frame(
         &mut self,
         now: u64,
@@ -387,12 +390,12 @@ impl Ingest {
         epoch: u64,
         h: &proto_flat::FrameHeader,
         scratch: &mut Vec<LossInterval>,
-    ) {
+    ) -> bool {
         self.stats.frames += 1;
-        if let Some(t) =
-            Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get())
-        {
-            t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
+        match Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
+            Some(t) => t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id),
+            // Untracked (a cap refused the stream, or a closed epoch): still delivered.
+            None => true,
         }
     }
 
@@ -430,7 +433,10 @@ impl Ingest {
         for item in batch.frames() {
             let Ok(frame) = item else { break };
             let h = frame.header();
-            self.account_frame(now, node, epoch, h, scratch);
+            if !self.account_frame(now, node, epoch, h, scratch) {
+                self.stats.duplicate_frames += 1;
+                continue;
+            }
             let stream = StreamKey { node, epoch, stream_id: h.stream_id.get() };
             // The fields collective and P2P frames share, read the same way from both.
             macro_rules! lifecycle {
@@ -509,7 +515,10 @@ impl Ingest {
         for item in batch.frames() {
             let Ok(frame) = item else { break };
             let h = frame.header();
-            self.account_frame(now, node, epoch, h, scratch);
+            if !self.account_frame(now, node, epoch, h, scratch) {
+                self.stats.duplicate_frames += 1;
+                continue;
+            }
             match frame {
                 Frame::Heartbeat(hb) => {
                     let snapshot = hb.head.snapshot_ns.get();

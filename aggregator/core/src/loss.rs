@@ -201,10 +201,11 @@ impl SeqTracker {
 
     // ---------------------------------------------------------------- inputs
 
-    /// A frame with `seq` and node time `ts` arrived. The hot path (the next seq) is a
-    /// compare and two increments.
+    /// A frame with `seq` and node time `ts` arrived; returns false for a duplicate
+    /// (counted, to be ignored by the caller). The hot path (the next seq) is a compare
+    /// and two increments.
     #[inline]
-    pub fn on_frame(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+    pub fn on_frame(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) -> bool {
         if seq == self.high {
             self.high += 1;
             self.counts.received += 1;
@@ -212,12 +213,12 @@ impl SeqTracker {
             if self.gaps.is_empty() {
                 self.wm_ns = self.wm_ns.max(ts);
             }
-            return;
+            return true;
         }
-        self.on_frame_slow(seq, ts, now, out, ids);
+        self.on_frame_slow(seq, ts, now, out, ids)
     }
 
-    fn on_frame_slow(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
+    fn on_frame_slow(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) -> bool {
         if seq > self.high {
             let gap = Gap { end: seq, lo_ts: self.ts_high, hi_ts: ts, created_at_ns: now };
             self.pending += seq - self.high;
@@ -226,7 +227,7 @@ impl SeqTracker {
             self.counts.received += 1;
             self.ts_high = ts;
             self.enforce_gap_cap(now, out, ids);
-            return;
+            return true;
         }
         // Below high: a late frame, a revival, or a duplicate.
         if let Some((&start, &gap)) = self.gaps.range(..=seq).next_back()
@@ -242,7 +243,7 @@ impl SeqTracker {
             self.pending -= 1;
             self.counts.received += 1;
             self.update_watermark();
-            return;
+            return true;
         }
         if let Some(i) = self.recent_lost.iter().position(|r| r.start <= seq && seq < r.end) {
             let r = self.recent_lost.remove(i);
@@ -261,9 +262,10 @@ impl SeqTracker {
             }
             self.counts.received += 1;
             self.counts.revived += 1;
-            return;
+            return true;
         }
         self.counts.duplicates += 1;
+        false
     }
 
     /// A shipper loss record: `count` frames of `first..=last` will never arrive.

@@ -143,6 +143,8 @@ struct OpState {
     count: u64,
     /// Per participant, in `participants` order.
     verdicts: Vec<Option<RankVerdict>>,
+    /// Distinct nodes of the participants seen so far (for watermark marking).
+    nodes: Vec<NodeId>,
     decided_at_ns: u64,
     is_final: bool,
     key_collision: bool,
@@ -190,6 +192,12 @@ struct RankKey {
     rank: u32,
 }
 
+/// Final ops remembered for late frames (between this and twice this many).
+const FINAL_MEMORY: usize = 65_536;
+
+/// Ops remembered per rank process for `blocked_by` (the oldest are dropped).
+const RANK_OPS_CAP: usize = 4096;
+
 /// A rank process.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[rkyv(derive(Debug, PartialEq, Eq, Hash))]
@@ -232,7 +240,9 @@ pub struct CollectiveMatcher {
     comm_done: BTreeMap<Comm, (u64, u64)>,
     /// (comm, rank) → the (node, pid) that speaks for it; another one means two
     /// communicators share a key.
-    homes: FxMap<RankKey, (NodeId, u32)>,
+    /// Per communicator, indexed by rank (compact and cache-friendly: a communicator's
+    /// ranks are looked up together).
+    homes: FxMap<Comm, Vec<Option<(NodeId, u32)>>>,
     /// Communicators whose key collided.
     collided: BTreeSet<Comm>,
     /// Communicator → its earliest op that became final unresolved (hung, stuck, not
@@ -243,6 +253,11 @@ pub struct CollectiveMatcher {
     /// (node, pid, group_id) of fused groups one of whose ops completed: the group ran as
     /// one kernel, so every op in it completed.
     groups_done: FxSet<(ProcKey, u64)>,
+    /// Ops that became final recently (bounded, oldest forgotten first): a late frame
+    /// for one is counted and ignored, never the seed of a new op that could be judged
+    /// not joined.
+    final_recent: FxSet<OpRef>,
+    final_order: Vec<OpRef>,
     /// (comm, rank) → the last 5 instances: (lagging beyond the bound, host-side).
     lag_history: FxMap<RankKey, Vec<(bool, bool)>>,
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
@@ -296,6 +311,8 @@ impl CollectiveMatcher {
             unresolved: BTreeMap::new(),
             homes: FxMap::default(),
             lag_history: FxMap::default(),
+            final_recent: FxSet::default(),
+            final_order: Vec::new(),
             groups_done: FxSet::default(),
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),
@@ -449,8 +466,7 @@ impl CollectiveMatcher {
     // ---------------------------------------------------------------- internals
 
     fn mark_node_dirty(&mut self, node: NodeId) {
-        let keys: Vec<OpRef> =
-            self.ops.iter().filter(|(_, o)| o.observed().any(|r| r.node == Some(node))).map(|(k, _)| *k).collect();
+        let keys: Vec<OpRef> = self.ops.iter().filter(|(_, o)| o.nodes.contains(&node)).map(|(k, _)| *k).collect();
         self.dirty.extend(keys);
     }
 
@@ -496,7 +512,7 @@ impl CollectiveMatcher {
                 });
                 return;
             }
-            if self.is_known_final(&key) {
+            if self.final_recent.contains(&key) {
                 self.stats.late_frames_after_final += 1;
                 return;
             }
@@ -531,6 +547,7 @@ impl CollectiveMatcher {
                     op: l.op,
                     count: l.count,
                     verdicts: Vec::new(),
+                    nodes: Vec::new(),
                     decided_at_ns: 0,
                     is_final: false,
                     key_collision: false,
@@ -552,6 +569,9 @@ impl CollectiveMatcher {
             op.key_collision = true;
             return;
         };
+        if !op.nodes.contains(&node) {
+            op.nodes.push(node);
+        }
         let Some(obs) = op.ranks.get_mut(slot) else { return };
         let was_present = obs.present;
         let was_completed = obs.completed.is_some();
@@ -626,7 +646,7 @@ impl CollectiveMatcher {
         if !graph && (!was_present || completed != was_completed) {
             let ops = self.rank_ops.entry(ProcKey { node, pid: l.pid }).or_default();
             ops.insert(l.local_op_seq, (key, completed));
-            while ops.len() > 4096 {
+            while ops.len() > RANK_OPS_CAP {
                 ops.pop_first();
             }
         }
@@ -650,27 +670,23 @@ impl CollectiveMatcher {
         }
         if !was_present {
             // Who speaks for this rank: another process means two communicators share a key.
-            match self.homes.get(&RankKey { comm: l.comm, rank: l.rank }) {
-                Some(&home) if home != (node, l.pid) => {
+            let ranks = self.homes.entry(l.comm).or_default();
+            let i = usize::try_from(l.rank).unwrap_or(usize::MAX).min(65_535);
+            if ranks.len() <= i {
+                ranks.resize(i + 1, None);
+            }
+            match ranks.get_mut(i) {
+                Some(Some(home)) if *home != (node, l.pid) => {
                     self.collided.insert(l.comm);
                 }
-                Some(_) => {}
-                None => {
-                    self.homes.insert(RankKey { comm: l.comm, rank: l.rank }, (node, l.pid));
-                }
+                Some(slot @ None) => *slot = Some((node, l.pid)),
+                _ => {}
             }
         }
         // Only a change of what the rank proved makes the op worth evaluating again.
         if !was_present || completed != was_completed || started != was_started {
             self.dirty.insert(key);
         }
-    }
-
-    fn is_known_final(&self, _key: &OpRef) -> bool {
-        // Final ops are dropped from memory; frames for them are counted as late, and
-        // only frames stamped at or before their decision would be revisions. Without
-        // the op we cannot tell which: they are counted in `late_frames_after_final`.
-        false
     }
 
     fn stuck_deadline(&self, op: &OpState) -> u64 {
@@ -1007,7 +1023,9 @@ impl CollectiveMatcher {
                     ));
                     let lag = start - median;
                     let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
-                    let host = enqueued > median;
+                    // Host-side when the rank's own enqueue was already late by most of
+                    // the lag (the GPU started as soon as the host let it).
+                    let host = enqueued - median > lag / 2;
                     let h = self.lag_history.entry(RankKey { comm, rank }).or_default();
                     if h.len() >= 5 {
                         h.remove(0);
@@ -1161,6 +1179,13 @@ impl CollectiveMatcher {
         self.out.extend(events);
         if is_final {
             self.stats.ops_final += 1;
+            self.final_recent.insert(key);
+            self.final_order.push(key);
+            if self.final_order.len() > 2 * FINAL_MEMORY {
+                for old in self.final_order.drain(..FINAL_MEMORY) {
+                    self.final_recent.remove(&old);
+                }
+            }
             let stuck: BTreeMap<u32, u64> = rs
                 .iter()
                 .zip(outcomes.iter())

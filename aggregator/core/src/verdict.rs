@@ -109,7 +109,7 @@ pub enum VerdictTag {
     AggregatorGap,
     /// The rank's kernel started `lag_ns` after its peers' median (cluster time) beyond
     /// `bound_ns` in at least 3 of its last 5 collectives on this communicator. `host`:
-    /// its own enqueue was already later than that median — host-side, never degrading.
+    /// its own enqueue was already late by most of the lag — host-side, never degrading.
     Straggler {
         lag_ns: i64,
         bound_ns: u64,

@@ -285,3 +285,26 @@ fn snapshot_restore_continue_equals_no_snapshot() {
         Err(ringwatch_core::snapshot::SnapshotError::BadMagic)
     ));
 }
+
+#[test]
+fn duplicated_batches_never_become_records_twice() {
+    let r = run(&scenario("seed-case"), None, 1e-5, Net { duplicate: 0.5, seed: 9, ..Net::default() }, &[]);
+    let lifecycle = r.records.iter().filter(|x| matches!(x, Record::Lifecycle(_))).count();
+    let distinct: usize = r
+        .delivered
+        .iter()
+        .filter(|((_, _, s), _)| s >> 24 == 0)
+        .map(|(_, v)| v.iter().collect::<BTreeSet<_>>().len())
+        .sum();
+    let delivered: usize = r.delivered.iter().filter(|((_, _, s), _)| s >> 24 == 0).map(|(_, v)| v.len()).sum();
+    assert!(delivered > distinct, "the network duplicated P0 batches");
+    assert_eq!(lifecycle, distinct, "one lifecycle record per distinct P0 frame");
+    // Counted (P0 here; P1 lanes count theirs too).
+    let p1_dups: usize = r
+        .delivered
+        .iter()
+        .filter(|((_, _, s), _)| s >> 24 == 1)
+        .map(|(_, v)| v.len() - v.iter().collect::<BTreeSet<_>>().len())
+        .sum();
+    assert_eq!(r.ingest.stats().duplicate_frames as usize, delivered - distinct + p1_dups);
+}

@@ -579,3 +579,27 @@ fn fused_group_completes_together() {
     let recv_on_0 = &c.verdicts[&(OpRef::P2p { comm: k, src: 1, dst: 0, p2p_seq: 1 }, 0)];
     assert_eq!((recv_on_0.outcome, recv_on_0.is_final), (Outcome::CompletedInferred, true));
 }
+
+#[test]
+fn a_late_frame_for_a_final_op_is_counted_not_a_new_op() {
+    let mut c = Case::new();
+    let k = comm(400);
+    for rank in 0..2u32 {
+        c.frame(u64::from(rank) + 1, 10 + rank, k, 1, rank, 2, Phase::EnqueueStart, None, 1);
+        c.frame(u64::from(rank) + 1, 10 + rank, k, 1, rank, 2, Phase::KernelEnd, None, 1);
+    }
+    c.tick(S);
+    c.watermarks(&[1, 2]);
+    c.tick(S);
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
+    assert_eq!(c.m.in_flight(), 0);
+    // The same frame again, long after: counted, and no op to misjudge later.
+    c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
+    for _ in 0..30 {
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    assert_eq!(c.m.in_flight(), 0);
+    assert_eq!(c.m.stats().late_frames_after_final, 1);
+    assert!(c.verdicts.values().all(|v| v.outcome == Outcome::Completed));
+}

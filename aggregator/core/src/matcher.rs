@@ -496,48 +496,40 @@ impl CollectiveMatcher {
         let frame = FrameRef { node, stream_id: l.stream.stream_id, seq: l.seq, phase: l.phase };
         let per_channel = l.flags & flags::PER_CHANNEL != 0;
         let phase = Phase::from_code(l.phase);
-        // Late data for a final op: a recovery, or (if stamped before the decision) a bug.
-        if !self.ops.contains_key(&key) {
-            if let Some(stuck) = self.final_stuck.get_mut(&key)
-                && matches!(phase, Phase::KernelEnd | Phase::ProxyDone)
-                && !per_channel
-                && let Some(decided) = stuck.remove(&l.rank)
-            {
-                self.stats.recovered += 1;
-                self.out.push(MatcherEvent::Recovered {
-                    op: key,
-                    rank: l.rank,
-                    node: Some(node),
-                    after_ms: now.saturating_sub(decided) / 1_000_000,
-                });
-                return;
-            }
-            if self.final_recent.contains(&key) {
-                self.stats.late_frames_after_final += 1;
-                return;
-            }
-            if self.ops.len() >= self.config.max_ops
-                && let Some((&oldest, _)) = self.ops.iter().min_by_key(|(_, o)| o.first_seen_ns)
-            {
-                self.ops.remove(&oldest);
-                if let OpRef::Coll { comm, seq } = oldest
-                    && let Some(open) = self.open_by_comm.get_mut(&comm)
+        // One map lookup on the hot path (the op exists); creation is the slow path.
+        let mut created = false;
+        let op = match self.ops.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                // Late data for a final op: a recovery, or a late frame to count.
+                if let Some(stuck) = self.final_stuck.get_mut(&key)
+                    && matches!(phase, Phase::KernelEnd | Phase::ProxyDone)
+                    && !per_channel
+                    && let Some(decided) = stuck.remove(&l.rank)
                 {
-                    open.remove(&seq);
+                    self.stats.recovered += 1;
+                    self.out.push(MatcherEvent::Recovered {
+                        op: key,
+                        rank: l.rank,
+                        node: Some(node),
+                        after_ms: now.saturating_sub(decided) / 1_000_000,
+                    });
+                    return;
                 }
-                self.stats.ops_evicted += 1;
-            }
-            self.stats.ops_created += 1;
-            let participants: Vec<u32> = match key {
-                OpRef::Coll { .. } | OpRef::Graph { .. } => (0..nranks.min(4096)).collect(),
-                OpRef::P2p { src, dst, .. } => vec![src, dst],
-            };
-            if let OpRef::Coll { comm, seq } = key {
-                self.open_by_comm.entry(comm).or_default().insert(seq);
-            }
-            self.ops.insert(
-                key,
-                OpState {
+                if self.final_recent.contains(&key) {
+                    self.stats.late_frames_after_final += 1;
+                    return;
+                }
+                self.stats.ops_created += 1;
+                created = true;
+                let participants: Vec<u32> = match key {
+                    OpRef::Coll { .. } | OpRef::Graph { .. } => (0..nranks.min(4096)).collect(),
+                    OpRef::P2p { src, dst, .. } => vec![src, dst],
+                };
+                if let OpRef::Coll { comm, seq } = key {
+                    self.open_by_comm.entry(comm).or_default().insert(seq);
+                }
+                v.insert(OpState {
                     key,
                     // Cluster time of the earliest frame (0 while only frames from before
                     // clock sync were seen), so no decision depends on arrival order.
@@ -551,10 +543,9 @@ impl CollectiveMatcher {
                     decided_at_ns: 0,
                     is_final: false,
                     key_collision: false,
-                },
-            );
-        }
-        let Some(op) = self.ops.get_mut(&key) else { return };
+                })
+            }
+        };
         if nranks as usize != op.participants.len() && matches!(key, OpRef::Coll { .. }) {
             op.key_collision = true;
         }
@@ -687,6 +678,24 @@ impl CollectiveMatcher {
         if !was_present || completed != was_completed || started != was_started {
             self.dirty.insert(key);
         }
+        if created && self.ops.len() > self.config.max_ops {
+            self.evict_oldest(key);
+        }
+    }
+
+    /// Bounded memory: drops the oldest open op (not `keep`), counted.
+    fn evict_oldest(&mut self, keep: OpRef) {
+        let Some((&oldest, _)) = self.ops.iter().filter(|(k, _)| **k != keep).min_by_key(|(_, o)| o.first_seen_ns)
+        else {
+            return;
+        };
+        self.ops.remove(&oldest);
+        if let OpRef::Coll { comm, seq } = oldest
+            && let Some(open) = self.open_by_comm.get_mut(&comm)
+        {
+            open.remove(&seq);
+        }
+        self.stats.ops_evicted += 1;
     }
 
     fn stuck_deadline(&self, op: &OpState) -> u64 {

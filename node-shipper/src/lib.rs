@@ -5,12 +5,14 @@
 //! spool them with reserved room for P0/P1, and ship them over QUIC with mutual TLS,
 //! turning every batch it cannot deliver into loss records.
 //!
-//! Status: the workspace skeleton (issue 2). The batcher, spool and QUIC client arrive
-//! with issue 7, the eBPF sources with issues 10–11. Until then this crate only re-exports
-//! the wire contract it is built on.
+//! Status: the pure, clock-free core of issue 7 is here ([`core`]: the batcher, the
+//! per-class spool and the conversion of undeliverable batches into loss ranges). The
+//! QUIC client, mTLS, config and the binary's I/O shell are still to come, as are the
+//! eBPF sources of issues 10–11.
+
+pub mod core;
 
 pub use proto_flat as wire;
 
 /// Where each part of the shipper lands, for `node-shipper --help`.
-pub const STATUS: &str =
-    "node-shipper: skeleton only — batcher, spool and QUIC client arrive with issue 7, eBPF sources with issues 10-11";
+pub const STATUS: &str = "node-shipper: pure batcher and spool only — QUIC client and I/O shell arrive with issue 7, eBPF sources with issues 10-11";

@@ -452,6 +452,25 @@ impl BatchWriter {
     }
 }
 
+impl BatchWriter {
+    /// Sets the open batch's `batch_seq` (a shipper numbers batches when it cuts them).
+    pub fn set_batch_seq(&mut self, batch_seq: u64) {
+        if let Ok((header, _)) = BatchHeader::mut_from_prefix(&mut self.buf) {
+            header.batch_seq = U64::new(batch_seq);
+        }
+    }
+
+    /// Ends the batch like [`Self::finish`] and hands its buffer out, taking
+    /// `replacement` (an empty buffer, e.g. from a pool) for the next batch, so a batch
+    /// leaves without a copy and buffers circulate without allocation.
+    pub fn finish_swap(&mut self, totals: &RunningTotals, mut replacement: Vec<u8>) -> Vec<u8> {
+        let _ = self.finish(totals);
+        replacement.clear();
+        std::mem::swap(&mut self.buf, &mut replacement);
+        replacement
+    }
+}
+
 /// Recomputes and stores the CRC of an envelope (for tests that mutate a batch and want
 /// the next check to be reached).
 pub fn reseal(bytes: &mut [u8]) {

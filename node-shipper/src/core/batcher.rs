@@ -1,0 +1,255 @@
+//! The batcher: frames in (unparsed), batches out, one open batch per lane.
+//!
+//! Method groups and call order: inputs [`Batcher::push`] (a frame read off a ring) and
+//! [`Batcher::recycle`] (a buffer the spool released); outputs [`Batcher::poll_cut`]
+//! (batches whose flush interval passed) and [`Batcher::flush`] (everything, at
+//! shutdown); getters [`Batcher::totals`], [`Batcher::next_batch_seq`].
+//!
+//! A batch is cut when the next frame would push it past `max_batch_bytes`, or when it
+//! has been open `flush_interval` long. Cut batches carry the session's running totals
+//! (shipped, lost by cause, sampled out). Buffers come from a pool the spool refills: in
+//! steady state no batch allocates.
+
+use proto_flat::DecodeError;
+use proto_flat::batch::{BatchMeta, BatchWriter, RunningTotals};
+use proto_flat::codes::{Class, LossCause, WireEnum};
+use proto_flat::decode::split_frame;
+
+/// Batching limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatcherConfig {
+    /// Payload bytes per batch (64 KiB: one QUIC stream write, a few datagrams at
+    /// MTU 6000).
+    pub max_batch_bytes: usize,
+    /// How long a batch may stay open (P0 latency is bounded by this).
+    pub flush_interval_ns: u64,
+    /// Buffers kept for reuse.
+    pub pool_size: usize,
+}
+
+impl Default for BatcherConfig {
+    fn default() -> Self {
+        Self { max_batch_bytes: 64 * 1024, flush_interval_ns: 5_000_000, pool_size: 256 }
+    }
+}
+
+/// Who is shipping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SessionMeta {
+    pub node_id: u64,
+    pub epoch: u64,
+    pub shipper_session: u64,
+}
+
+/// A cut batch: sealed envelope bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    pub lane: Class,
+    pub batch_seq: u64,
+    pub frames: u32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct Lane {
+    writer: BatchWriter,
+    opened_at: Option<u64>,
+}
+
+/// The batcher. See the module docs.
+#[derive(Debug)]
+pub struct Batcher {
+    config: BatcherConfig,
+    meta: SessionMeta,
+    lanes: [Lane; 4],
+    next_batch_seq: u64,
+    totals: RunningTotals,
+    pool: Vec<Vec<u8>>,
+    clock_mono_ns: u64,
+    clock_realtime_ns: u64,
+}
+
+fn lane_index(class: u8) -> Option<usize> {
+    let i = usize::from(class);
+    (i < 4).then_some(i)
+}
+
+impl Batcher {
+    /// A batcher for one shipper session; `batch_seq` starts at 1.
+    #[must_use]
+    pub fn new(config: BatcherConfig, meta: SessionMeta) -> Self {
+        let pool = (0..config.pool_size).map(|_| Vec::with_capacity(config.max_batch_bytes + 4096)).collect();
+        Self {
+            config,
+            meta,
+            lanes: Default::default(),
+            next_batch_seq: 1,
+            totals: RunningTotals::default(),
+            pool,
+            clock_mono_ns: 0,
+            clock_realtime_ns: 0,
+        }
+    }
+
+    /// Running totals so far.
+    #[must_use]
+    pub fn totals(&self) -> &RunningTotals {
+        &self.totals
+    }
+
+    /// The batch_seq the next cut batch gets.
+    #[must_use]
+    pub fn next_batch_seq(&self) -> u64 {
+        self.next_batch_seq
+    }
+
+    /// The paired clock read stamped on batches cut from now on.
+    pub fn set_clock(&mut self, mono_ns: u64, realtime_ns: u64) {
+        self.clock_mono_ns = mono_ns;
+        self.clock_realtime_ns = realtime_ns;
+    }
+
+    /// Frames lost with `cause` (counted into the running totals every batch carries).
+    pub fn note_loss(&mut self, cause: LossCause, frames: u64) {
+        if let Some(slot) = cause.drop_slot().and_then(|s| self.totals.lost.get_mut(s)) {
+            *slot += frames;
+        }
+    }
+
+    /// Kernel sampled-out total (cumulative over the session's streams).
+    pub fn set_sampled_out(&mut self, total: u64) {
+        self.totals.sampled_out = total;
+    }
+
+    /// A buffer back from the spool (acked or evicted batch).
+    pub fn recycle(&mut self, buf: Vec<u8>) {
+        if self.pool.len() < self.config.pool_size {
+            self.pool.push(buf);
+        }
+    }
+
+    /// Adds one frame (exactly one ring record). Returns a batch if the frame's lane had
+    /// to be cut first to make room.
+    pub fn push(&mut self, frame: &[u8], now: u64) -> Result<Option<Batch>, DecodeError> {
+        let (header, _, _) = split_frame(frame, 0)?;
+        let class = header.stream().class_code();
+        let Some(i) = lane_index(class) else {
+            return Err(DecodeError::LaneMismatch { offset: 0, class, lane: 0 });
+        };
+        let mut cut = None;
+        let over = self.lanes.get(i).is_some_and(|l| {
+            l.opened_at.is_some() && l.writer.payload_len() + frame.len() > self.config.max_batch_bytes
+        });
+        if over {
+            cut = self.cut(i);
+        }
+        let meta = BatchMeta {
+            node_id: self.meta.node_id,
+            epoch: self.meta.epoch,
+            shipper_session: self.meta.shipper_session,
+            batch_seq: 0,
+            lane: class,
+            clock_mono_ns: self.clock_mono_ns,
+            clock_realtime_ns: self.clock_realtime_ns,
+        };
+        let Some(lane) = self.lanes.get_mut(i) else { return Ok(cut) };
+        if lane.opened_at.is_none() {
+            lane.writer.begin(&meta);
+            lane.opened_at = Some(now);
+        }
+        lane.writer.push_frame(frame)?;
+        Ok(cut)
+    }
+
+    /// The next lane whose flush interval has passed, cut.
+    pub fn poll_cut(&mut self, now: u64) -> Option<Batch> {
+        let due = self
+            .lanes
+            .iter()
+            .position(|l| l.opened_at.is_some_and(|t| now.saturating_sub(t) >= self.config.flush_interval_ns))?;
+        self.cut(due)
+    }
+
+    /// When the next lane falls due (for the driver's timer).
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.lanes.iter().filter_map(|l| l.opened_at).min().map(|t| t + self.config.flush_interval_ns)
+    }
+
+    /// Cuts every open batch (shutdown, or before a heartbeat so `spooled_through` is
+    /// exact).
+    pub fn flush(&mut self) -> Vec<Batch> {
+        (0..self.lanes.len()).filter_map(|i| self.cut(i)).collect()
+    }
+
+    fn cut(&mut self, i: usize) -> Option<Batch> {
+        let replacement = self.pool.pop().unwrap_or_default();
+        let lane = self.lanes.get_mut(i)?;
+        lane.opened_at.take()?;
+        let frames = lane.writer.frame_count();
+        let batch_seq = self.next_batch_seq;
+        self.next_batch_seq += 1;
+        self.totals.shipped += u64::from(frames);
+        // Numbered at the cut, so batch_seq follows cut order across lanes.
+        lane.writer.set_batch_seq(batch_seq);
+        let bytes = lane.writer.finish_swap(&self.totals, replacement);
+        Some(Batch { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), batch_seq, frames, bytes })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto_flat::batch::decode_batch;
+    use proto_flat::header::StreamId;
+    use proto_flat::sample;
+    use zerocopy::IntoBytes;
+
+    fn bulk(seq: u64) -> Vec<u8> {
+        sample::bulk_packet(StreamId::new(Class::P2, 1, 0), seq, seq * 10).as_bytes().to_vec()
+    }
+
+    #[test]
+    fn cuts_by_size_and_by_time_with_running_totals() {
+        let cfg = BatcherConfig { max_batch_bytes: 48 * 10, flush_interval_ns: 1_000, pool_size: 4 };
+        let mut b = Batcher::new(cfg, SessionMeta { node_id: 7, epoch: 1, shipper_session: 3 });
+        let mut cut = Vec::new();
+        for seq in 0..25 {
+            if let Some(x) = b.push(&bulk(seq), 10).unwrap() {
+                cut.push(x);
+            }
+        }
+        assert_eq!(cut.len(), 2, "10 frames per batch");
+        assert!(b.poll_cut(500).is_none(), "not due yet");
+        let last = b.poll_cut(1_010).expect("due");
+        assert_eq!(last.frames, 5);
+        let seqs: Vec<u64> = cut.iter().chain([&last]).map(|x| x.batch_seq).collect();
+        assert_eq!(seqs, [1, 2, 3]);
+        let v = decode_batch(&last.bytes).unwrap();
+        assert_eq!(v.header.batch_seq.get(), 3);
+        assert_eq!(v.header.shipper_session.get(), 3);
+        assert_eq!(v.totals().shipped, 25, "running total through this batch");
+        assert_eq!(v.summary.iter().next().unwrap().first_seq.get(), 20);
+    }
+
+    #[test]
+    fn lanes_are_separate_and_flush_cuts_all() {
+        let mut b = Batcher::new(BatcherConfig::default(), SessionMeta::default());
+        b.push(&bulk(0), 0).unwrap();
+        let p0 = sample::collective(StreamId::new(Class::P0, 0, 1), 0, 1, 1, proto_flat::codes::Phase::EnqueueEnd);
+        b.push(p0.as_bytes(), 0).unwrap();
+        let all = b.flush();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0].lane, Class::P0);
+        assert_eq!(all[1].lane, Class::P2);
+        assert!(b.flush().is_empty());
+    }
+
+    #[test]
+    fn a_frame_with_bad_length_is_refused() {
+        let mut b = Batcher::new(BatcherConfig::default(), SessionMeta::default());
+        let mut f = bulk(0);
+        f.truncate(40);
+        assert!(b.push(&f, 0).is_err());
+    }
+}

@@ -1,0 +1,100 @@
+//! Turning a batch that will never be delivered into loss records.
+
+use proto_flat::DecodeError;
+use proto_flat::batch::BatchView;
+use proto_flat::codes::{LossCause, WireEnum};
+use proto_flat::frames::{FixedFrame, LossRecordFrame};
+use proto_flat::header::StreamId;
+use zerocopy::FromZeros;
+use zerocopy::little_endian::{U16, U32, U64};
+
+/// What one stream lost in one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LostRange {
+    pub stream_id: u32,
+    pub first_seq: u64,
+    pub last_seq: u64,
+    pub count: u64,
+    pub first_ts: u64,
+    pub last_ts: u64,
+    pub shipper_session: u64,
+    pub batch_seq: u64,
+    pub cause: LossCause,
+    pub reason: u16,
+}
+
+impl LostRange {
+    /// The loss record frame for it, on the shipper's own P1 stream.
+    #[must_use]
+    pub fn to_frame(&self, stream: StreamId, seq: u64, ts_ns: u64) -> LossRecordFrame {
+        let mut f = LossRecordFrame::new_zeroed();
+        f.hdr = LossRecordFrame::make_header(0, stream, seq, ts_ns);
+        f.first_seq = U64::new(self.first_seq);
+        f.last_seq = U64::new(self.last_seq);
+        f.first_ts = U64::new(self.first_ts);
+        f.last_ts = U64::new(self.last_ts);
+        f.count = U64::new(self.count);
+        f.shipper_session = U64::new(self.shipper_session);
+        f.batch_seq = U64::new(self.batch_seq);
+        f.stream_id = U32::new(self.stream_id);
+        f.cause = U16::new(self.cause.code());
+        f.reason = U16::new(self.reason);
+        f
+    }
+}
+
+/// One range per stream-summary entry of `batch` (a batch this shipper built).
+///
+/// # Errors
+/// A batch that does not parse: only possible if the spool's bytes were corrupted, and
+/// the caller must count it (`shipper_internal`) rather than lose it silently.
+pub fn lost_ranges(batch: &[u8], cause: LossCause, reason: u16) -> Result<Vec<LostRange>, DecodeError> {
+    let view = BatchView::parse(batch)?;
+    Ok(view
+        .summary
+        .iter()
+        .map(|e| LostRange {
+            stream_id: e.stream_id.get(),
+            first_seq: e.first_seq.get(),
+            last_seq: e.last_seq.get(),
+            count: u64::from(e.frame_count.get()),
+            first_ts: e.first_ts.get(),
+            last_ts: e.last_ts.get(),
+            shipper_session: view.header.shipper_session.get(),
+            batch_seq: view.header.batch_seq.get(),
+            cause,
+            reason,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::batcher::{Batcher, BatcherConfig, SessionMeta};
+    use super::*;
+    use proto_flat::codes::Class;
+    use proto_flat::sample;
+    use zerocopy::IntoBytes;
+
+    #[test]
+    fn a_dropped_batch_becomes_one_range_per_stream_with_every_frame_counted() {
+        let mut b = Batcher::new(BatcherConfig::default(), SessionMeta { node_id: 1, epoch: 1, shipper_session: 9 });
+        let (s1, s2) = (StreamId::new(Class::P2, 1, 0), StreamId::new(Class::P2, 2, 0));
+        for seq in 0..30 {
+            b.push(sample::bulk_packet(s1, seq, 100 + seq).as_bytes(), 0).unwrap();
+        }
+        for seq in 5..12 {
+            b.push(sample::bulk_packet(s2, seq, 200 + seq).as_bytes(), 0).unwrap();
+        }
+        let batch = b.flush().pop().unwrap();
+        let mut r = lost_ranges(&batch.bytes, LossCause::ShipperSpoolFull, 0).unwrap();
+        r.sort_by_key(|x| x.stream_id);
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].first_seq, r[0].last_seq, r[0].count, r[0].first_ts), (0, 29, 30, 100));
+        assert_eq!((r[1].first_seq, r[1].last_seq, r[1].count, r[1].last_ts), (5, 11, 7, 211));
+        assert!(r.iter().all(|x| x.batch_seq == batch.batch_seq && x.shipper_session == 9));
+        let f = r[1].to_frame(StreamId::new(Class::P1, 0, 0), 4, 77);
+        assert_eq!((f.first_seq.get(), f.count.get(), f.cause.get()), (5, 7, LossCause::ShipperSpoolFull.code()));
+        assert!(lost_ranges(&batch.bytes[..20], LossCause::ShipperSpoolFull, 0).is_err(), "corruption is an error");
+    }
+}

@@ -1,0 +1,378 @@
+//! The spool: cut batches wait here until the aggregator acks them.
+//!
+//! Method groups and call order: inputs [`Spool::offer`] (a cut batch),
+//! [`Spool::ack`] / [`Spool::nack`] (control messages), [`Spool::reconnected`];
+//! outputs [`Spool::next_to_send`] (P0, then P1, then P2, oldest first, unsent only);
+//! getters [`Spool::used_bytes`], [`Spool::counters`].
+//!
+//! Invariants:
+//! - `used_bytes ≤ cap_bytes`, and P2 never uses the `p0_reserve + p1_reserve` room;
+//! - an incoming P0/P1 batch evicts P2 batches (oldest first) before it can be refused;
+//! - every batch that leaves the spool without an ack (evicted, refused, nacked) is
+//!   returned to the caller to become loss records — nothing leaves silently;
+//! - unacked batches stay, and are all sent again after a reconnect.
+
+use std::collections::VecDeque;
+
+use proto_flat::codes::{Class, WireEnum};
+
+use super::batcher::Batch;
+
+/// Spool limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpoolConfig {
+    pub cap_bytes: usize,
+    /// Room only P0 may use.
+    pub p0_reserve_bytes: usize,
+    /// Room only P1 may use.
+    pub p1_reserve_bytes: usize,
+}
+
+impl Default for SpoolConfig {
+    fn default() -> Self {
+        // 256 MiB holds ~4 s of one node's full bulk rate at 66.7 M × 48 B/s, or minutes
+        // of P0; 8 MiB each for P0 and P1 is hundreds of batches of lifecycle events.
+        Self { cap_bytes: 256 << 20, p0_reserve_bytes: 8 << 20, p1_reserve_bytes: 8 << 20 }
+    }
+}
+
+/// What the spool did with what it was offered.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Admission {
+    /// Whether the offered batch is in the spool.
+    pub accepted: bool,
+    /// Batches that left without an ack (evicted P2, or the refused batch itself): the
+    /// caller turns each into loss records (`shipper_spool_full`) and recycles it.
+    pub dropped: Vec<Batch>,
+}
+
+/// Counters (exported as metrics by the shipper).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpoolCounters {
+    pub accepted: u64,
+    pub evicted: u64,
+    pub refused_p0: u64,
+    pub refused_p1: u64,
+    pub refused_p2: u64,
+    pub acked: u64,
+    pub nacked: u64,
+    pub resent: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    batch: Batch,
+    sent: bool,
+}
+
+/// The spool. See the module docs.
+#[derive(Debug)]
+pub struct Spool {
+    config: SpoolConfig,
+    lanes: [VecDeque<Entry>; 4],
+    lane_bytes: [usize; 4],
+    used: usize,
+    counters: SpoolCounters,
+}
+
+fn lane_of(class: Class) -> usize {
+    usize::from(class.code()).min(3)
+}
+
+impl Spool {
+    /// An empty spool.
+    #[must_use]
+    pub fn new(config: SpoolConfig) -> Self {
+        Self { config, lanes: Default::default(), lane_bytes: [0; 4], used: 0, counters: SpoolCounters::default() }
+    }
+
+    /// Bytes held.
+    #[must_use]
+    pub fn used_bytes(&self) -> usize {
+        self.used
+    }
+
+    /// Counters.
+    #[must_use]
+    pub fn counters(&self) -> &SpoolCounters {
+        &self.counters
+    }
+
+    /// Batches held, all lanes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.lanes.iter().map(VecDeque::len).sum()
+    }
+
+    /// Whether it holds nothing.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Reserved room the other classes have not used yet, which `class` may not take.
+    fn held_back_from(&self, class: Class) -> usize {
+        let p0_left = self.config.p0_reserve_bytes.saturating_sub(self.lane_bytes[0]);
+        let p1_left = self.config.p1_reserve_bytes.saturating_sub(self.lane_bytes[1]);
+        match class {
+            Class::P0 => p1_left,
+            Class::P1 => p0_left,
+            _ => p0_left + p1_left,
+        }
+    }
+
+    fn account(&mut self, lane: usize, size: usize, add: bool) {
+        if add {
+            self.used += size;
+            self.lane_bytes[lane] += size;
+        } else {
+            self.used -= size;
+            self.lane_bytes[lane] -= size;
+        }
+    }
+
+    /// Evicts the oldest bulk batch (P3 before P2).
+    fn evict_bulk(&mut self) -> Option<Batch> {
+        for lane in [3, 2] {
+            if let Some(e) = self.lanes[lane].pop_front() {
+                self.account(lane, e.batch.bytes.len(), false);
+                self.counters.evicted += 1;
+                return Some(e.batch);
+            }
+        }
+        None
+    }
+
+    /// Offers a cut batch.
+    pub fn offer(&mut self, batch: Batch) -> Admission {
+        let size = batch.bytes.len();
+        let class = batch.lane;
+        let mut out = Admission::default();
+        // Make room: nobody takes another class's unused reserve; bulk is evicted (oldest,
+        // P3 before P2) before anything is refused.
+        while self.used + size + self.held_back_from(class) > self.config.cap_bytes {
+            match self.evict_bulk() {
+                Some(b) => out.dropped.push(b),
+                None => {
+                    match class {
+                        Class::P0 => self.counters.refused_p0 += 1,
+                        Class::P1 => self.counters.refused_p1 += 1,
+                        _ => self.counters.refused_p2 += 1,
+                    }
+                    out.dropped.push(batch);
+                    return out;
+                }
+            }
+        }
+        let lane = lane_of(class);
+        self.account(lane, size, true);
+        self.counters.accepted += 1;
+        self.lanes[lane].push_back(Entry { batch, sent: false });
+        out.accepted = true;
+        out
+    }
+
+    /// The next batch to send: P0 first, then P1, then bulk; oldest unsent first.
+    pub fn next_to_send(&mut self) -> Option<(u64, &[u8])> {
+        for lane in &mut self.lanes {
+            if let Some(e) = lane.iter_mut().find(|e| !e.sent) {
+                e.sent = true;
+                return Some((e.batch.batch_seq, &e.batch.bytes));
+            }
+        }
+        None
+    }
+
+    /// Acked `batch_seq` ranges (inclusive) leave the spool; their buffers are returned
+    /// for reuse.
+    pub fn ack(&mut self, ranges: &[(u64, u64)]) -> Vec<Vec<u8>> {
+        let mut freed = Vec::new();
+        for (lane, bytes) in self.lanes.iter_mut().zip(self.lane_bytes.iter_mut()) {
+            lane.retain_mut(|e| {
+                let acked = ranges.iter().any(|&(a, b)| a <= e.batch.batch_seq && e.batch.batch_seq <= b);
+                if acked {
+                    self.used -= e.batch.bytes.len();
+                    *bytes -= e.batch.bytes.len();
+                    self.counters.acked += 1;
+                    freed.push(std::mem::take(&mut e.batch.bytes));
+                }
+                !acked
+            });
+        }
+        freed
+    }
+
+    /// A nacked batch leaves the spool (the caller turns it into `rejected(reason)` loss
+    /// records), so a poisoned batch never loops.
+    pub fn nack(&mut self, batch_seq: u64) -> Option<Batch> {
+        let (lane, i) = self
+            .lanes
+            .iter()
+            .enumerate()
+            .find_map(|(l, q)| q.iter().position(|e| e.batch.batch_seq == batch_seq).map(|i| (l, i)))?;
+        let e = self.lanes[lane].remove(i)?;
+        self.account(lane, e.batch.bytes.len(), false);
+        self.counters.nacked += 1;
+        Some(e.batch)
+    }
+
+    /// After a reconnect every unacked batch is sent again (the aggregator dedups by
+    /// `(node, shipper_session, batch_seq)`).
+    pub fn reconnected(&mut self) {
+        for e in self.lanes.iter_mut().flatten() {
+            if e.sent {
+                e.sent = false;
+                self.counters.resent += 1;
+            }
+        }
+    }
+
+    /// Everything still held (shutdown: what could not be flushed becomes
+    /// `shipper_shutdown` loss records).
+    pub fn drain(&mut self) -> Vec<Batch> {
+        self.used = 0;
+        self.lane_bytes = [0; 4];
+        self.lanes.iter_mut().flat_map(|l| l.drain(..).map(|e| e.batch)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(lane: Class, seq: u64, size: usize) -> Batch {
+        Batch { lane, batch_seq: seq, frames: 1, bytes: vec![0; size] }
+    }
+
+    fn spool() -> Spool {
+        Spool::new(SpoolConfig { cap_bytes: 1000, p0_reserve_bytes: 200, p1_reserve_bytes: 100 })
+    }
+
+    #[test]
+    fn bulk_never_uses_the_reserves_and_is_evicted_oldest_first() {
+        let mut s = spool();
+        for seq in 1..=7 {
+            assert!(s.offer(batch(Class::P2, seq, 100)).accepted);
+        }
+        // 700 bytes of bulk fill its share: the next one evicts the oldest.
+        let a = s.offer(batch(Class::P2, 8, 100));
+        assert!(a.accepted);
+        assert_eq!(a.dropped.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(s.used_bytes(), 700);
+        // A bulk batch larger than its whole share is refused, evicting everything first.
+        let a = s.offer(batch(Class::P2, 9, 800));
+        assert!(!a.accepted);
+        assert_eq!(s.counters().refused_p2, 1);
+    }
+
+    #[test]
+    fn p0_evicts_bulk_before_it_can_be_refused() {
+        let mut s = spool();
+        for seq in 1..=7 {
+            s.offer(batch(Class::P2, seq, 100));
+        }
+        // P0 uses its reserve first (no eviction needed) …
+        assert!(s.offer(batch(Class::P0, 10, 200)).dropped.is_empty());
+        // … then evicts bulk for more: 900 + 250 plus P1's unused 100 must fit in 1000.
+        let a = s.offer(batch(Class::P0, 11, 250));
+        assert!(a.accepted);
+        assert_eq!(a.dropped.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(s.used_bytes(), 850);
+        // P1's reserve was kept for it.
+        let a = s.offer(batch(Class::P1, 12, 100));
+        assert!(a.accepted);
+        assert!(a.dropped.is_empty());
+        assert_eq!(s.counters().refused_p0 + s.counters().refused_p1, 0);
+        // Bulk now gets only what is left beyond everyone's reserves.
+        let a = s.offer(batch(Class::P2, 13, 100));
+        assert!(a.accepted);
+        assert_eq!(a.dropped.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), vec![4]);
+        // P0 may never take P1's reserve: with bulk gone, P0 stops at cap − p1_reserve.
+        let mut s = spool();
+        assert!(s.offer(batch(Class::P0, 20, 900)).accepted);
+        let a = s.offer(batch(Class::P0, 21, 50));
+        assert!(!a.accepted);
+        assert_eq!(a.dropped.len(), 1, "the refused batch comes back to become loss records");
+        assert_eq!(s.counters().refused_p0, 1);
+        assert!(s.offer(batch(Class::P1, 22, 100)).accepted, "P1's reserve is still free");
+    }
+
+    #[test]
+    fn send_order_acks_nacks_and_resend() {
+        let mut s = spool();
+        s.offer(batch(Class::P2, 1, 10));
+        s.offer(batch(Class::P1, 2, 10));
+        s.offer(batch(Class::P0, 3, 10));
+        let order: Vec<u64> = std::iter::from_fn(|| s.next_to_send().map(|x| x.0)).collect();
+        assert_eq!(order, [3, 2, 1], "P0, then P1, then bulk");
+        let freed = s.ack(&[(1, 1), (3, 3)]);
+        assert_eq!(freed.len(), 2);
+        assert_eq!(s.len(), 1);
+        s.reconnected();
+        assert_eq!(s.next_to_send().map(|x| x.0), Some(2), "unacked batches are sent again");
+        let poisoned = s.nack(2).unwrap();
+        assert_eq!(poisoned.batch_seq, 2);
+        assert!(s.is_empty());
+        assert_eq!(s.used_bytes(), 0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Offer(u8, usize),
+        Send,
+        Ack(u64, u64),
+        Nack(u64),
+        Reconnect,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0u8..4, 1usize..400).prop_map(|(c, n)| Op::Offer(c, n)),
+            2 => Just(Op::Send),
+            1 => (0u64..60, 0u64..8).prop_map(|(a, w)| Op::Ack(a, a + w)),
+            1 => (0u64..60).prop_map(Op::Nack),
+            1 => Just(Op::Reconnect),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Every offered batch is, at every step, in exactly one place: held, dropped
+        /// (evicted or refused), acked or nacked; bytes never exceed the cap, and each
+        /// class's unused reserve stays free of the others.
+        #[test]
+        fn every_batch_is_accounted_for(ops in proptest::collection::vec(op(), 1..200)) {
+            let cfg = SpoolConfig { cap_bytes: 2000, p0_reserve_bytes: 300, p1_reserve_bytes: 200 };
+            let mut s = Spool::new(cfg);
+            let (mut offered, mut dropped, mut acked, mut nacked) = (0u64, 0u64, 0u64, 0u64);
+            let mut seq = 0;
+            for op in ops {
+                match op {
+                    Op::Offer(c, n) => {
+                        let class = Class::from_code(c);
+                        offered += 1;
+                        seq += 1;
+                        let a = s.offer(batch(class, seq, n));
+                        dropped += a.dropped.len() as u64;
+                        proptest::prop_assert_eq!(a.accepted, !a.dropped.iter().any(|b| b.batch_seq == seq));
+                    }
+                    Op::Send => { let _ = s.next_to_send(); }
+                    Op::Ack(a, b) => acked += s.ack(&[(a, b)]).len() as u64,
+                    Op::Nack(q) => nacked += u64::from(s.nack(q).is_some()),
+                    Op::Reconnect => s.reconnected(),
+                }
+                proptest::prop_assert_eq!(offered, s.len() as u64 + dropped + acked + nacked);
+                proptest::prop_assert!(s.used_bytes() <= cfg.cap_bytes);
+                let held: usize = s.lanes.iter().flatten().map(|e| e.batch.bytes.len()).sum();
+                proptest::prop_assert_eq!(held, s.used_bytes());
+                let bulk = s.lane_bytes[2] + s.lane_bytes[3];
+                let p0 = s.lane_bytes[0].max(cfg.p0_reserve_bytes);
+                let p1 = s.lane_bytes[1].max(cfg.p1_reserve_bytes);
+                proptest::prop_assert!(bulk + p0 + p1 <= cfg.cap_bytes, "a reserve was taken: {:?}", s.lane_bytes);
+            }
+            let c = *s.counters();
+            proptest::prop_assert_eq!(c.accepted + c.refused_p0 + c.refused_p1 + c.refused_p2, offered);
+            proptest::prop_assert_eq!(c.evicted + c.refused_p0 + c.refused_p1 + c.refused_p2, dropped);
+        }
+    }
+}

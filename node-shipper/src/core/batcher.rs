@@ -183,9 +183,9 @@ impl Batcher {
     }
 
     fn cut(&mut self, i: usize) -> Option<Batch> {
-        let replacement = self.pool.pop().unwrap_or_default();
         let lane = self.lanes.get_mut(i)?;
         lane.opened_at.take()?;
+        let replacement = self.pool.pop().unwrap_or_default();
         let frames = lane.writer.frame_count();
         let batch_seq = self.next_batch_seq;
         self.next_batch_seq += 1;

@@ -287,6 +287,10 @@ wire_enum! {
         NodeMismatch = 8 => "node_mismatch",
         TooLarge = 9 => "too_large",
         MalformedFrame = 10 => "malformed_frame",
+        /// The aggregator's dedup window for this shipper session is full (too many
+        /// batches applied above a missing one): refused rather than risk applying a
+        /// batch twice or treating an unseen one as applied.
+        DedupWindowFull = 11 => "dedup_window_full",
     }
 }
 

@@ -29,6 +29,7 @@ use proto_flat::sections::Section;
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::clock::ClockEstimate;
+use crate::dedup::{BatchDedup, DedupConfig};
 use crate::loss::{HeartbeatCounters, SeqTracker, TrackerLimits};
 use crate::records::{
     Comm, EpochChange, KnowledgeGap, Lifecycle, LifecycleKind, Liveness, LivenessState, LossInterval, NodeId, Progress,
@@ -126,6 +127,8 @@ pub struct Ingest {
     known_since_ns: u64,
     stats: IngestStats,
     out: crate::outbox::Outbox<Record>,
+    /// Which batches are settled (applied, or reported lost by their shipper).
+    dedup: BatchDedup,
 }
 
 impl Ingest {
@@ -141,7 +144,19 @@ impl Ingest {
             known_since_ns: now,
             stats: IngestStats::default(),
             out: crate::outbox::Outbox::default(),
+            dedup: BatchDedup::new(DedupConfig::default()),
         }
+    }
+
+    /// Batch dedup state (see [`crate::dedup`]).
+    #[must_use]
+    pub fn dedup(&self) -> &BatchDedup {
+        &self.dedup
+    }
+
+    /// Batch dedup state, for [`crate::Core::receive_batch`] and for other limits.
+    pub fn dedup_mut(&mut self) -> &mut BatchDedup {
+        &mut self.dedup
     }
 
     // ---------------------------------------------------------------- getters
@@ -597,6 +612,13 @@ impl Ingest {
                 }
                 Frame::LossRecord(r) => {
                     let sid = r.stream_id.get();
+                    // A report for a batch that was applied after all (sent, then evicted
+                    // before its ack) is dropped: its frames were delivered. batch_seq 0:
+                    // not a batch loss.
+                    let batch_seq = r.batch_seq.get();
+                    if batch_seq != 0 && !self.dedup.settle_lost(node, r.shipper_session.get(), batch_seq) {
+                        continue;
+                    }
                     if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
                     {
                         t.on_loss_record(

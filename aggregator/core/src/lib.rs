@@ -16,6 +16,7 @@
 //! versioned state format).
 
 pub mod clock;
+pub mod dedup;
 pub mod ingest;
 pub mod loss;
 pub mod matcher;
@@ -25,8 +26,9 @@ pub mod records;
 pub mod snapshot;
 pub mod verdict;
 
+pub use dedup::{Admit, BatchDedup, DedupConfig};
 pub use ingest::{Ingest, IngestConfig, IngestStats};
 pub use loss::SeqTracker;
 pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
-pub use pipeline::Core;
+pub use pipeline::{Core, Receipt};
 pub use records::{NodeId, Record, StreamKey};

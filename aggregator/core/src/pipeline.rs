@@ -8,6 +8,7 @@
 use proto_flat::batch::BatchView;
 use rkyv::{Archive, Deserialize, Serialize};
 
+use crate::dedup::Admit;
 use crate::ingest::{Ingest, IngestConfig};
 use crate::matcher::{CollectiveMatcher, MatcherConfig};
 use crate::records::NodeId;
@@ -19,6 +20,20 @@ pub struct Core {
     pub ingest: Ingest,
     pub matcher: CollectiveMatcher,
     records: u64,
+}
+
+/// What became of a batch handed to [`Core::receive_batch`], i.e. what to answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Receipt {
+    /// Applied: ack `applied`.
+    Applied,
+    /// Applied before: ack `duplicate`.
+    Duplicate,
+    /// Refused, nothing applied: nack `dedup_window_full`.
+    DedupWindowFull,
+    /// Refused, nothing applied: ingest's node cap is reached (counted in
+    /// `IngestStats::nodes_refused_batches`); the shell closes the connection.
+    NodeCapReached,
 }
 
 impl Core {
@@ -34,7 +49,23 @@ impl Core {
         self.records
     }
 
-    /// A validated batch (see [`Ingest::handle_batch`]).
+    /// A validated batch from the network: applied once, however often it is resent
+    /// (dedup key `(node, shipper_session, batch_seq)`).
+    pub fn receive_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> Receipt {
+        let (session, seq) = (batch.header.shipper_session.get(), batch.header.batch_seq.get());
+        match self.ingest.dedup_mut().check(node, session, seq) {
+            Admit::Duplicate => return Receipt::Duplicate,
+            Admit::WindowFull => return Receipt::DedupWindowFull,
+            Admit::New => {}
+        }
+        if !self.handle_batch(now, node, rtt_ns, batch) {
+            return Receipt::NodeCapReached;
+        }
+        self.ingest.dedup_mut().mark_applied(node, session, seq);
+        Receipt::Applied
+    }
+
+    /// A validated batch, applied without dedup (see [`Ingest::handle_batch`]).
     pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
         let ok = self.ingest.handle_batch(now, node, rtt_ns, batch);
         self.pump(now);

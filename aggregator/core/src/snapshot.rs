@@ -4,15 +4,15 @@
 //!
 //! The state is the whole [`Core`]: ingest (trackers, watermarks, clocks, liveness,
 //! pending settlements, undelivered records) and the matcher (ops in flight, PROGRESS,
-//! deadlines, durations, health evidence, undelivered events). Dedup state joins it with
-//! the transport.
+//! deadlines, durations, health evidence, undelivered events) and batch dedup (which
+//! `(node, shipper_session, batch_seq)` are settled).
 
 use crate::pipeline::Core;
 
 /// First bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"RWSNAP\0\0";
 /// Snapshot format version.
-pub const SNAPSHOT_VERSION: u32 = 1;
+pub const SNAPSHOT_VERSION: u32 = 2; // 2: batch dedup state joined the core
 
 /// Why a snapshot could not be written or read.
 #[derive(Debug, thiserror::Error)]

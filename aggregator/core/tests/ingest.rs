@@ -308,3 +308,117 @@ fn duplicated_batches_never_become_records_twice() {
         .sum();
     assert_eq!(usize::try_from(r.ingest.stats().duplicate_frames).unwrap(), delivered - distinct + p1_dups);
 }
+
+/// Every batch resent after a "reconnect" (so each arrives twice, the second time later)
+/// changes nothing: `receive_batch` applies each once and answers `Duplicate` for the
+/// rest, also across a snapshot taken between the two deliveries.
+#[test]
+fn resent_batches_are_applied_once_across_a_snapshot() {
+    use proto_flat::batch::BatchView;
+    use ringwatch_core::{Core, Receipt};
+    let s = scenario("mixed");
+    let r = run(&s, None, 2e-5, Net { drop: 0.0, duplicate: 0.0, max_delay_ms: 0, seed: 3 }, &[]);
+    let sent = &r.model.sent;
+    assert!(sent.len() > 20);
+    let apply = |core: &mut Core, i: usize, t: u64| {
+        let view = BatchView::parse(&sent[i].bytes).unwrap();
+        core.handle_timeout(t);
+        let receipt = core.receive_batch(t, node_id(sent[i].node), 0, &view);
+        core.handle_timeout(t);
+        receipt
+    };
+    let drain = |core: &mut Core| std::iter::from_fn(|| core.poll_event()).collect::<Vec<_>>();
+    let (mut once, mut twice) = (Core::new(Default::default(), Default::default(), 0), None);
+    let mut b = Core::new(Default::default(), Default::default(), 0);
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    let half = sent.len() / 2;
+    for (i, batch) in sent.iter().enumerate() {
+        let t = batch.at_ns + 1_000_000;
+        assert_eq!(apply(&mut once, i, t), Receipt::Applied);
+        ea.extend(drain(&mut once));
+        assert_eq!(apply(&mut b, i, t), Receipt::Applied);
+        if i == half {
+            let bytes = ringwatch_core::snapshot::write(&b).unwrap();
+            twice = Some(ringwatch_core::snapshot::read(&bytes, t).unwrap());
+        }
+        // The resend of the batch before this one (the shipper had not seen its ack).
+        if i > 0 {
+            assert_eq!(apply(&mut b, i - 1, t), Receipt::Duplicate, "batch {} resent", i - 1);
+        }
+        eb.extend(drain(&mut b));
+    }
+    assert_eq!(ea, eb, "duplicates changed nothing the matcher saw");
+    assert_eq!(once.records(), b.records());
+    assert_eq!(b.ingest.dedup().stats().duplicates, sent.len() as u64 - 1);
+    assert_eq!(b.ingest.dedup().stats().new, sent.len() as u64);
+    // The restored core remembers what was applied before its snapshot.
+    let mut restored = twice.unwrap();
+    for i in 0..=half {
+        assert_eq!(apply(&mut restored, i, sent[half].at_ns + 2_000_000), Receipt::Duplicate, "batch {i}");
+    }
+    assert_eq!(apply(&mut restored, half + 1, sent[half + 1].at_ns + 2_000_000), Receipt::Applied);
+}
+
+/// A batch the aggregator applied but whose ack the shipper never saw, later evicted from
+/// the shipper's spool and reported lost: the report is ignored (its frames were
+/// delivered), while a report for a batch that never arrived counts every frame lost —
+/// for each stream the batch carried.
+#[test]
+fn loss_reports_for_applied_batches_do_not_count_delivered_frames_lost() {
+    use proto_flat::batch::BatchView;
+    use proto_flat::frames::{FixedFrame, LossRecordFrame};
+    use proto_flat::header::StreamId;
+    use proto_flat::sample;
+    use ringwatch_core::{Core, Receipt};
+    use zerocopy::{FromZeros, IntoBytes};
+    let node = 0;
+    let streams =
+        [StreamId::new(proto_flat::codes::Class::P2, 1, 0), StreamId::new(proto_flat::codes::Class::P2, 1, 1)];
+    // Seq 5 of each stream was dropped in the kernel: a gap inside batch 1's range that
+    // only the next heartbeat's kernel counts may explain.
+    let data = |seqs: std::ops::Range<u64>| -> Vec<Vec<u8>> {
+        let frame = |s, q| sample::bulk_packet(s, q, 1_000 + q).as_bytes().to_vec();
+        streams.iter().flat_map(|&s| seqs.clone().filter(|&q| q != 5).map(move |q| frame(s, q))).collect()
+    };
+    let report = |bytes: &[u8], p1_seq: &mut u64| -> Vec<Vec<u8>> {
+        let v = BatchView::parse(bytes).unwrap();
+        v.summary
+            .iter()
+            .map(|e| {
+                let mut r = LossRecordFrame::new_zeroed();
+                r.hdr = LossRecordFrame::make_header(0, common::SHIPPER_STREAM, *p1_seq, 0);
+                *p1_seq += 1;
+                r.first_seq = e.first_seq;
+                r.last_seq = e.last_seq;
+                r.count = u64::from(e.frame_count.get()).into();
+                r.cause = LossCause::ShipperSpoolFull.code().into();
+                r.stream_id = e.stream_id;
+                r.shipper_session = v.header.shipper_session;
+                r.batch_seq = v.header.batch_seq;
+                r.as_bytes().to_vec()
+            })
+            .collect()
+    };
+    let lane = proto_flat::codes::Class::P2.code();
+    let applied = common::batch(node, 1, 5, 1, lane, &data(0..10));
+    let never_arrived = common::batch(node, 1, 5, 2, lane, &data(10..20));
+    let third = common::batch(node, 1, 5, 3, lane, &data(20..30));
+    let mut p1_seq = 0;
+    let mut records = report(&applied, &mut p1_seq);
+    records.extend(report(&never_arrived, &mut p1_seq));
+    let p1 = common::batch(node, 1, 5, 4, proto_flat::codes::Class::P1.code(), &records);
+    let mut core = Core::new(Default::default(), Default::default(), 0);
+    for (t, b) in [(1, &applied), (2, &third), (3, &p1)] {
+        assert_eq!(core.receive_batch(t, node_id(node), 0, &BatchView::parse(b).unwrap()), Receipt::Applied);
+    }
+    // The shipper, not knowing batch 2 was reported, never resends it; a stray copy
+    // would be a duplicate, never applied over frames already counted lost.
+    assert_eq!(core.receive_batch(4, node_id(node), 0, &BatchView::parse(&never_arrived).unwrap()), Receipt::Duplicate);
+    let per_stream: Vec<(u64, u64)> =
+        core.ingest.trackers(node_id(node)).map(|t| (t.counts().received, t.counts().lost_total())).collect();
+    // The shipper's own stream: 4 loss records. Each data stream: 19 delivered, 10 lost
+    // (batch 2); seq 5 still pending for the kernel's counts, not blamed on the spool by
+    // the report for batch 1.
+    assert_eq!(per_stream, [(4, 0), (19, 10), (19, 10)]);
+    assert_eq!(core.ingest.dedup().stats().lost_but_applied, 2, "both reports for the applied batch ignored");
+}

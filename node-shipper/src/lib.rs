@@ -7,9 +7,11 @@
 //!
 //! Status: the pure, clock-free core of issue 7 is here ([`core`]: the batcher, the
 //! per-class spool and the conversion of undeliverable batches into loss ranges). The
-//! QUIC client, mTLS, config and the binary's I/O shell are still to come, as are the
+//! configuration ([`config`]: flags > env > TOML > defaults, every problem reported at
+//! once) is here too. The QUIC client, mTLS and the binary's I/O shell are still to come, as are the
 //! eBPF sources of issues 10–11.
 
+pub mod config;
 pub mod core;
 
 pub use proto_flat as wire;

@@ -114,6 +114,20 @@ struct Settle {
     close: bool,
 }
 
+/// Moves `n` to `state`, recording the change (nothing when it is already there).
+fn set_liveness(
+    out: &mut crate::outbox::Outbox<Record>,
+    node: NodeId,
+    n: &mut NodeState,
+    state: LivenessState,
+    now: u64,
+) {
+    if n.liveness != state {
+        n.liveness = state;
+        out.push(Record::Liveness(Liveness { node, state, at_ns: now, last_heard_ns: n.last_heard_ns }));
+    }
+}
+
 /// The ingest state machine. See the module docs for the call order.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Ingest {
@@ -254,15 +268,7 @@ impl Ingest {
             } else {
                 LivenessState::Fresh
             };
-            if state != n.liveness {
-                n.liveness = state;
-                self.out.push(Record::Liveness(Liveness {
-                    node: id,
-                    state,
-                    at_ns: now,
-                    last_heard_ns: n.last_heard_ns,
-                }));
-            }
+            set_liveness(&mut self.out, id, n, state, now);
         }
     }
 
@@ -270,15 +276,7 @@ impl Ingest {
     pub fn handle_connection_closed(&mut self, now: u64, node: NodeId) {
         if let Some(n) = self.nodes.get_mut(&node) {
             n.connected = false;
-            if n.liveness != LivenessState::Unreachable {
-                n.liveness = LivenessState::Unreachable;
-                self.out.push(Record::Liveness(Liveness {
-                    node,
-                    state: LivenessState::Unreachable,
-                    at_ns: now,
-                    last_heard_ns: n.last_heard_ns,
-                }));
-            }
+            set_liveness(&mut self.out, node, n, LivenessState::Unreachable, now);
         }
     }
 
@@ -312,15 +310,7 @@ impl Ingest {
             let Some(n) = self.nodes.get_mut(&node) else { return false };
             n.last_heard_ns = now;
             n.connected = true;
-            if n.liveness != LivenessState::Fresh {
-                n.liveness = LivenessState::Fresh;
-                self.out.push(Record::Liveness(Liveness {
-                    node,
-                    state: LivenessState::Fresh,
-                    at_ns: now,
-                    last_heard_ns: now,
-                }));
-            }
+            set_liveness(&mut self.out, node, n, LivenessState::Fresh, now);
             if !n.heard_since_start {
                 n.heard_since_start = true;
                 self.out.push(Record::KnowledgeGap(KnowledgeGap { node, from_ns: self.known_since_ns, to_ns: now }));

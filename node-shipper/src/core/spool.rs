@@ -10,7 +10,9 @@
 //! - an incoming P0/P1 batch evicts P2 batches (oldest first) before it can be refused;
 //! - every batch that leaves the spool without an ack (evicted, refused, nacked) is
 //!   returned to the caller to become loss records — nothing leaves silently;
-//! - unacked batches stay, and are all sent again after a reconnect.
+//! - unacked batches stay, and are all sent again after a reconnect;
+//! - in each lane the sent batches are a prefix (sent oldest first, new ones pushed at the
+//!   back, removals keep the order), so a count per lane says which are sent.
 
 use std::collections::VecDeque;
 
@@ -59,18 +61,14 @@ pub struct SpoolCounters {
     pub resent: u64,
 }
 
-#[derive(Debug)]
-struct Entry {
-    batch: Batch,
-    sent: bool,
-}
-
 /// The spool. See the module docs.
 #[derive(Debug)]
 pub struct Spool {
     config: SpoolConfig,
-    lanes: [VecDeque<Entry>; 4],
+    lanes: [VecDeque<Batch>; 4],
     lane_bytes: [usize; 4],
+    /// How many batches at the front of each lane have been sent.
+    sent: [usize; 4],
     used: usize,
     counters: SpoolCounters,
 }
@@ -83,7 +81,14 @@ impl Spool {
     /// An empty spool.
     #[must_use]
     pub fn new(config: SpoolConfig) -> Self {
-        Self { config, lanes: Default::default(), lane_bytes: [0; 4], used: 0, counters: SpoolCounters::default() }
+        Self {
+            config,
+            lanes: Default::default(),
+            lane_bytes: [0; 4],
+            sent: [0; 4],
+            used: 0,
+            counters: SpoolCounters::default(),
+        }
     }
 
     /// Bytes held.
@@ -134,10 +139,11 @@ impl Spool {
     /// Evicts the oldest bulk batch (P3 before P2).
     fn evict_bulk(&mut self) -> Option<Batch> {
         for lane in [3, 2] {
-            if let Some(e) = self.lanes[lane].pop_front() {
-                self.account(lane, e.batch.bytes.len(), false);
+            if let Some(b) = self.lanes[lane].pop_front() {
+                self.sent[lane] = self.sent[lane].saturating_sub(1);
+                self.account(lane, b.bytes.len(), false);
                 self.counters.evicted += 1;
-                return Some(e.batch);
+                return Some(b);
             }
         }
         None
@@ -167,37 +173,35 @@ impl Spool {
         let lane = lane_of(class);
         self.account(lane, size, true);
         self.counters.accepted += 1;
-        self.lanes[lane].push_back(Entry { batch, sent: false });
+        self.lanes[lane].push_back(batch);
         out.accepted = true;
         out
     }
 
     /// The next batch to send: P0 first, then P1, then bulk; oldest unsent first.
     pub fn next_to_send(&mut self) -> Option<(u64, &[u8])> {
-        for lane in &mut self.lanes {
-            if let Some(e) = lane.iter_mut().find(|e| !e.sent) {
-                e.sent = true;
-                return Some((e.batch.batch_seq, &e.batch.bytes));
-            }
-        }
-        None
+        let lane = (0..4).find(|&l| self.sent[l] < self.lanes[l].len())?;
+        let b = self.lanes[lane].get(self.sent[lane])?;
+        self.sent[lane] += 1;
+        Some((b.batch_seq, &b.bytes))
     }
 
     /// Acked `batch_seq` ranges (inclusive) leave the spool; their buffers are returned
     /// for reuse.
     pub fn ack(&mut self, ranges: &[(u64, u64)]) -> Vec<Vec<u8>> {
         let mut freed = Vec::new();
-        for (lane, bytes) in self.lanes.iter_mut().zip(self.lane_bytes.iter_mut()) {
-            lane.retain_mut(|e| {
-                let acked = ranges.iter().any(|&(a, b)| a <= e.batch.batch_seq && e.batch.batch_seq <= b);
-                if acked {
-                    self.used -= e.batch.bytes.len();
-                    *bytes -= e.batch.bytes.len();
-                    self.counters.acked += 1;
-                    freed.push(std::mem::take(&mut e.batch.bytes));
+        for l in 0..4 {
+            let mut i = 0;
+            while let Some(b) = self.lanes[l].get(i) {
+                if !ranges.iter().any(|&(lo, hi)| lo <= b.batch_seq && b.batch_seq <= hi) {
+                    i += 1;
+                    continue;
                 }
-                !acked
-            });
+                if let Some(b) = self.remove(l, i) {
+                    self.counters.acked += 1;
+                    freed.push(b.bytes);
+                }
+            }
         }
         freed
     }
@@ -209,22 +213,17 @@ impl Spool {
             .lanes
             .iter()
             .enumerate()
-            .find_map(|(l, q)| q.iter().position(|e| e.batch.batch_seq == batch_seq).map(|i| (l, i)))?;
-        let e = self.lanes[lane].remove(i)?;
-        self.account(lane, e.batch.bytes.len(), false);
+            .find_map(|(l, q)| q.iter().position(|b| b.batch_seq == batch_seq).map(|i| (l, i)))?;
+        let b = self.remove(lane, i)?;
         self.counters.nacked += 1;
-        Some(e.batch)
+        Some(b)
     }
 
     /// After a reconnect every unacked batch is sent again (the aggregator dedups by
     /// `(node, shipper_session, batch_seq)`).
     pub fn reconnected(&mut self) {
-        for e in self.lanes.iter_mut().flatten() {
-            if e.sent {
-                e.sent = false;
-                self.counters.resent += 1;
-            }
-        }
+        self.counters.resent += self.sent.iter().sum::<usize>() as u64;
+        self.sent = [0; 4];
     }
 
     /// Everything still held (shutdown: what could not be flushed becomes
@@ -232,7 +231,18 @@ impl Spool {
     pub fn drain(&mut self) -> Vec<Batch> {
         self.used = 0;
         self.lane_bytes = [0; 4];
-        self.lanes.iter_mut().flat_map(|l| l.drain(..).map(|e| e.batch)).collect()
+        self.sent = [0; 4];
+        self.lanes.iter_mut().flat_map(|l| l.drain(..)).collect()
+    }
+
+    /// Takes batch `i` out of `lane`, keeping the byte counts and the sent prefix right.
+    fn remove(&mut self, lane: usize, i: usize) -> Option<Batch> {
+        let b = self.lanes[lane].remove(i)?;
+        if i < self.sent[lane] {
+            self.sent[lane] -= 1;
+        }
+        self.account(lane, b.bytes.len(), false);
+        Some(b)
     }
 }
 
@@ -346,6 +356,7 @@ mod tests {
             let mut s = Spool::new(cfg);
             let (mut offered, mut dropped, mut acked, mut nacked) = (0u64, 0u64, 0u64, 0u64);
             let mut seq = 0;
+            let mut sent = std::collections::BTreeSet::new();
             for op in ops {
                 match op {
                     Op::Offer(c, n) => {
@@ -356,14 +367,23 @@ mod tests {
                         dropped += a.dropped.len() as u64;
                         proptest::prop_assert_eq!(a.accepted, !a.dropped.iter().any(|b| b.batch_seq == seq));
                     }
-                    Op::Send => { let _ = s.next_to_send(); }
+                    Op::Send => match s.next_to_send().map(|x| x.0) {
+                        Some(q) => proptest::prop_assert!(sent.insert(q), "batch {} sent twice without a reconnect", q),
+                        None => proptest::prop_assert!(
+                            s.lanes.iter().flatten().all(|b| sent.contains(&b.batch_seq)),
+                            "an unsent batch was not offered"
+                        ),
+                    },
                     Op::Ack(a, b) => acked += s.ack(&[(a, b)]).len() as u64,
                     Op::Nack(q) => nacked += u64::from(s.nack(q).is_some()),
-                    Op::Reconnect => s.reconnected(),
+                    Op::Reconnect => {
+                        s.reconnected();
+                        sent.clear();
+                    }
                 }
                 proptest::prop_assert_eq!(offered, s.len() as u64 + dropped + acked + nacked);
                 proptest::prop_assert!(s.used_bytes() <= cfg.cap_bytes);
-                let held: usize = s.lanes.iter().flatten().map(|e| e.batch.bytes.len()).sum();
+                let held: usize = s.lanes.iter().flatten().map(|b| b.bytes.len()).sum();
                 proptest::prop_assert_eq!(held, s.used_bytes());
                 let bulk = s.lane_bytes[2] + s.lane_bytes[3];
                 let p0 = s.lane_bytes[0].max(cfg.p0_reserve_bytes);

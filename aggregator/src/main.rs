@@ -1,6 +1,144 @@
-//! `aggregator` binary. Not functional yet: it says so and exits with the usage code.
+//! `aggregator` binary: `aggregator run ...` serves; `aggregator certs init` writes a dev
+//! certificate set. Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage.
 
-fn main() -> std::process::ExitCode {
-    eprintln!("{}", aggregator::STATUS);
-    std::process::ExitCode::from(2)
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use aggregator::{Aggregator, AggregatorConfig, certs};
+use clap::{Arg, ArgAction, Command, value_parser};
+
+fn command() -> Command {
+    Command::new("aggregator")
+        .about("ringwatch central service: QUIC ingest, verdicts over HTTP")
+        .subcommand_required(true)
+        .subcommand(
+            Command::new("run")
+                .about("serve shippers (QUIC + mTLS) and the HTTP API")
+                .arg(
+                    Arg::new("listen")
+                        .long("listen")
+                        .default_value("0.0.0.0:4433")
+                        .value_parser(value_parser!(SocketAddr))
+                        .help("QUIC listen address"),
+                )
+                .arg(
+                    Arg::new("http")
+                        .long("http")
+                        .default_value("127.0.0.1:8080")
+                        .value_parser(value_parser!(SocketAddr))
+                        .help("HTTP listen address"),
+                )
+                .arg(
+                    Arg::new("certs")
+                        .long("certs")
+                        .value_name("DIR")
+                        .value_parser(value_parser!(PathBuf))
+                        .help("a directory written by `certs init` (ca.pem, aggregator.pem, aggregator.key)"),
+                )
+                .arg(
+                    Arg::new("ca")
+                        .long("ca")
+                        .value_parser(value_parser!(PathBuf))
+                        .help("CA that signs node certificates (overrides --certs)"),
+                )
+                .arg(
+                    Arg::new("cert")
+                        .long("cert")
+                        .value_parser(value_parser!(PathBuf))
+                        .help("server certificate (overrides --certs)"),
+                )
+                .arg(
+                    Arg::new("key")
+                        .long("key")
+                        .value_parser(value_parser!(PathBuf))
+                        .help("server key (overrides --certs)"),
+                )
+                .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
+                .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true)),
+        )
+        .subcommand(
+            Command::new("certs").about("certificate set-up").subcommand_required(true).subcommand(
+                Command::new("init")
+                    .about("write a dev CA, a server certificate and per-node client certificates")
+                    .arg(Arg::new("dir").long("dir").required(true).value_parser(value_parser!(PathBuf)))
+                    .arg(
+                        Arg::new("nodes").long("nodes").required(true).value_parser(value_parser!(u32).range(1..=4096)),
+                    ),
+            ),
+        )
+}
+
+fn main() -> ExitCode {
+    let m = command().get_matches();
+    match m.subcommand() {
+        Some(("certs", c)) => {
+            let Some(("init", i)) = c.subcommand() else { return ExitCode::from(2) };
+            let dir = i.get_one::<PathBuf>("dir").cloned().unwrap_or_default();
+            let n = i.get_one::<u32>("nodes").copied().unwrap_or(1);
+            let names: Vec<String> = (0..n).map(certs::node_name).collect();
+            match certs::init(&dir, &names) {
+                Ok(set) => {
+                    println!(
+                        "wrote {} (CA), {} (server), {} node certificates in {}",
+                        set.ca.display(),
+                        set.server_cert.display(),
+                        n,
+                        dir.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("aggregator: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Some(("run", r)) => {
+            ringwatch_transport::shell::init_logs(r.get_one::<String>("log-format").is_some_and(|f| f == "json"));
+            let dir = r.get_one::<PathBuf>("certs");
+            let set = dir.map(|d| certs::CertSet::at(d));
+            let pick = |flag: &str, from_set: Option<PathBuf>| r.get_one::<PathBuf>(flag).cloned().or(from_set);
+            let (Some(ca), Some(cert), Some(key)) = (
+                pick("ca", set.as_ref().map(|s| s.ca.clone())),
+                pick("cert", set.as_ref().map(|s| s.server_cert.clone())),
+                pick("key", set.as_ref().map(|s| s.server_key.clone())),
+            ) else {
+                eprintln!("aggregator: give --certs DIR, or --ca, --cert and --key");
+                return ExitCode::from(2);
+            };
+            let mut cfg = AggregatorConfig {
+                ca,
+                cert,
+                key,
+                ..AggregatorConfig::local(&certs::CertSet::at(std::path::Path::new(".")))
+            };
+            cfg.listen = r.get_one::<SocketAddr>("listen").copied().unwrap_or(cfg.listen);
+            cfg.http = r.get_one::<SocketAddr>("http").copied().unwrap_or(cfg.http);
+            cfg.hold_acks = r.get_flag("test-hold-acks");
+            let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("aggregator: runtime: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            rt.block_on(async move {
+                let agg = match Aggregator::start(cfg).await {
+                    Ok(a) => a,
+                    Err(e) => {
+                        eprintln!("aggregator: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                // Scripts read these two lines to find the ports.
+                println!("quic {}", agg.quic_addr);
+                println!("http http://{}", agg.http_addr);
+                ringwatch_transport::shell::terminated().await;
+                agg.shutdown();
+                ExitCode::SUCCESS
+            })
+        }
+        _ => ExitCode::from(2),
+    }
 }

@@ -54,6 +54,20 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
     ("cert", Kind::Text, None, "this node's client certificate (PEM)"),
     ("key", Kind::Text, None, "this node's private key (PEM)"),
     ("source", Kind::Text, None, "frame source: capture:PATH or sim:SCENARIO"),
+    ("source_node", Kind::Int { min: 0, max: 1 << 20 }, Some("0"), "which node of the capture or scenario to ship"),
+    (
+        "sim_bulk_scale_ppm",
+        Kind::Int { min: 1, max: 1_000_000 },
+        Some("1000"),
+        "sim source: bulk rate, ppm of link rate",
+    ),
+    ("sim_seed", Kind::Int { min: 0, max: u64::MAX }, Some("0"), "sim source: seed (0 = the scenario's own)"),
+    (
+        "replay_speed_pct",
+        Kind::Int { min: 0, max: 100_000 },
+        Some("100"),
+        "capture source: pace, % of real time (0 = unpaced)",
+    ),
     ("max_batch_bytes", Kind::Int { min: 4096, max: 1 << 20 }, Some("65536"), "payload bytes per batch"),
     ("flush_interval_ms", Kind::Int { min: 1, max: 10_000 }, Some("5"), "longest a batch stays open"),
     ("spool_bytes", Kind::Int { min: 1 << 20, max: 1 << 40 }, Some("268435456"), "spool cap"),
@@ -61,6 +75,7 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
     ("p1_reserve_bytes", Kind::Int { min: 0, max: 1 << 40 }, Some("8388608"), "spool room only P1 may use"),
     ("heartbeat_interval_ms", Kind::Int { min: 10, max: 60_000 }, Some("1000"), "heartbeat period"),
     ("shutdown_deadline_ms", Kind::Int { min: 0, max: 600_000 }, Some("5000"), "SIGTERM flush deadline"),
+    ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
 ];
 
 /// The field names, in documentation order, with their help (for `--help` and docs).
@@ -77,8 +92,10 @@ pub fn env_name(field: &str) -> String {
 /// Where the frames come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
-    Capture(PathBuf),
-    Sim(String),
+    /// A capture file, paced at `speed_pct` % of real time (0: unpaced).
+    Capture { path: PathBuf, node: u32, speed_pct: u64 },
+    /// A built-in scenario name or a scenario file, one node of it (feature `sim-source`).
+    Sim { scenario: String, node: u32, bulk_scale_ppm: u64, seed: Option<u64> },
 }
 
 /// The validated configuration.
@@ -95,6 +112,8 @@ pub struct ShipperConfig {
     pub spool: SpoolConfig,
     pub heartbeat_interval_ms: u64,
     pub shutdown_deadline_ms: u64,
+    /// JSON log lines (production) instead of text.
+    pub log_json: bool,
 }
 
 /// One problem.
@@ -245,10 +264,20 @@ impl Inputs {
                 },
             }
         }
+        let node = u32::try_from(ints.get("source_node").copied().unwrap_or(0)).unwrap_or(u32::MAX);
         let source = text.get("source").and_then(|(layer, s)| {
             let parsed = match s.split_once(':') {
-                Some(("capture", p)) if !p.is_empty() => Some(Source::Capture(PathBuf::from(p))),
-                Some(("sim", n)) if !n.is_empty() => Some(Source::Sim(n.to_string())),
+                Some(("capture", p)) if !p.is_empty() => Some(Source::Capture {
+                    path: PathBuf::from(p),
+                    node,
+                    speed_pct: ints.get("replay_speed_pct").copied().unwrap_or(100),
+                }),
+                Some(("sim", n)) if !n.is_empty() => Some(Source::Sim {
+                    scenario: n.to_string(),
+                    node,
+                    bulk_scale_ppm: ints.get("sim_bulk_scale_ppm").copied().unwrap_or(1000),
+                    seed: ints.get("sim_seed").copied().filter(|&s| s != 0),
+                }),
                 _ => None,
             };
             if parsed.is_none() {
@@ -262,6 +291,16 @@ impl Inputs {
         });
         let int = |n: &str| ints.get(n).copied().unwrap_or(0);
         let as_usize = |n: &str| usize::try_from(int(n)).unwrap_or(usize::MAX);
+        if let Some((layer, f)) = text.get("log_format")
+            && f != "text"
+            && f != "json"
+        {
+            errors.push(ConfigError {
+                field: "log_format".into(),
+                layer: *layer,
+                message: format!("{f:?} is neither text nor json"),
+            });
+        }
         if ints.contains_key("spool_bytes") && ints.contains_key("max_batch_bytes") {
             let reserves = int("p0_reserve_bytes") + int("p1_reserve_bytes");
             // Bulk needs room for at least one whole batch beyond both reserves.
@@ -309,6 +348,7 @@ impl Inputs {
             },
             heartbeat_interval_ms: int("heartbeat_interval_ms"),
             shutdown_deadline_ms: int("shutdown_deadline_ms"),
+            log_json: string("log_format") == "json",
         })
     }
 }
@@ -333,7 +373,7 @@ flush_interval_ms = 2
         i.file(GOOD);
         let c = i.validate().unwrap();
         assert_eq!(c.aggregator, "127.0.0.1:4433".parse().unwrap());
-        assert_eq!(c.source, Source::Sim("demo".into()));
+        assert_eq!(c.source, Source::Sim { scenario: "demo".into(), node: 0, bulk_scale_ppm: 1000, seed: None });
         assert_eq!(c.batcher.flush_interval_ns, 2_000_000);
         assert_eq!(c.batcher.max_batch_bytes, 65_536);
         assert_eq!(c.server_name, "aggregator");

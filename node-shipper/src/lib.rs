@@ -1,20 +1,17 @@
 //! `node-shipper`: the per-node sidecar.
 //!
-//! It will read fixed-layout frames from BPF ring buffers (and, for tests and load, from
-//! capture files or the simulator), batch them unparsed into `proto-flat` envelopes,
-//! spool them with reserved room for P0/P1, and ship them over QUIC with mutual TLS,
-//! turning every batch it cannot deliver into loss records.
+//! What it is: a reader that takes fixed-layout frames from a [`source`] (capture files,
+//! the simulator with feature `sim-source`; BPF rings from issue 10), a pure [`core`]
+//! that batches them unparsed into `proto-flat` envelopes and spools them with reserved
+//! room for P0/P1, and a [`driver`] that ships the spool over QUIC with mutual TLS,
+//! applies acks and nacks, and turns every batch it cannot deliver into loss records.
 //!
-//! Status: the pure, clock-free core of issue 7 is here ([`core`]: the batcher, the
-//! per-class spool and the conversion of undeliverable batches into loss ranges). The
-//! configuration ([`config`]: flags > env > TOML > defaults, every problem reported at
-//! once) is here too. The QUIC client, mTLS and the binary's I/O shell are still to come, as are the
-//! eBPF sources of issues 10–11.
+//! What it is not: a parser. Frames are copied once into a batch; only header fields
+//! are read (to fill the stream summary).
 
 pub mod config;
 pub mod core;
+pub mod driver;
+pub mod source;
 
 pub use proto_flat as wire;
-
-/// Where each part of the shipper lands, for `node-shipper --help`.
-pub const STATUS: &str = "node-shipper: pure batcher and spool only — QUIC client and I/O shell arrive with issue 7, eBPF sources with issues 10-11";

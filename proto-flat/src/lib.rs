@@ -31,6 +31,7 @@ pub mod encode;
 pub mod error;
 pub mod frames;
 pub mod header;
+pub mod identity;
 #[cfg(feature = "alloc")]
 pub mod sample;
 pub mod sections;
@@ -42,3 +43,4 @@ pub use codes::{Class, FrameKind, LossCause, WireEnum};
 pub use decode::{Frame, FrameIter};
 pub use error::DecodeError;
 pub use header::{FrameHeader, StreamId, WIRE_VERSION};
+pub use identity::node_id_of;

@@ -1,9 +1,115 @@
 //! Cross-crate end-to-end tests live in `tests/tests/`; this library holds their shared
-//! helpers (test-only crate, never published).
+//! helpers (test-only crate, never published): temporary directories, an aggregator with
+//! a fresh certificate set, shipper configurations, and a tiny HTTP/1.1 GET.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use aggregator::certs::{self, CertSet};
+use node_shipper::config::{ShipperConfig, Source};
+use node_shipper::core::batcher::BatcherConfig;
+use node_shipper::core::spool::SpoolConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The repository root (the workspace directory), for tests that read the project's
 /// own files.
 #[must_use]
 pub fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A directory removed when dropped.
+#[derive(Debug)]
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A fresh, unique directory under the system temp dir.
+    #[must_use]
+    pub fn new(tag: &str) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p =
+            std::env::temp_dir().join(format!("rw-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&p).expect("temp dir");
+        Self(p)
+    }
+
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A dev certificate set for `nodes` simulator nodes (`node-00`, …).
+#[must_use]
+pub fn cert_set(dir: &Path, nodes: u32) -> CertSet {
+    let names: Vec<String> = (0..nodes).map(certs::node_name).collect();
+    certs::init(dir, &names).expect("certificates")
+}
+
+/// A shipper configuration for node `node` of the set, shipping `source` to `aggregator`.
+#[must_use]
+pub fn shipper_config(set: &CertSet, aggregator: SocketAddr, node: u32, source: Source) -> ShipperConfig {
+    let name = certs::node_name(node);
+    let (cert, key) = set.node(&name);
+    ShipperConfig {
+        aggregator,
+        server_name: "localhost".into(),
+        node_name: name,
+        ca: set.ca.clone(),
+        cert,
+        key,
+        source,
+        batcher: BatcherConfig { max_batch_bytes: 64 * 1024, flush_interval_ns: 5_000_000, pool_size: 64 },
+        spool: SpoolConfig { cap_bytes: 64 << 20, p0_reserve_bytes: 4 << 20, p1_reserve_bytes: 4 << 20 },
+        heartbeat_interval_ms: 1000,
+        shutdown_deadline_ms: 5000,
+        log_json: false,
+    }
+}
+
+/// `GET path` over HTTP/1.1; returns the status and the body.
+///
+/// # Panics
+/// When the server cannot be reached or answers something that is not HTTP.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect to the HTTP API");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("send request");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.expect("read response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("a status code");
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(body) } else { body.to_owned() })
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(rest.get(..n).unwrap_or(rest));
+        body = rest.get(n + 2..).unwrap_or("");
+    }
+    out
+}
+
+/// `GET path` parsed as JSON into `T`.
+///
+/// # Panics
+/// A non-200 answer or a body that is not a `T`.
+pub async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> T {
+    let (status, body) = http_get(addr, path).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
 }

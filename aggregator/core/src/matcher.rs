@@ -91,7 +91,16 @@ pub struct MatcherStats {
     pub revisions_after_final: u64,
     pub recovered: u64,
     pub late_frames_after_final: u64,
+    /// Collectives none of whose frames arrived, known from the gap in a communicator's
+    /// `comm_op_seq` (judged like any other op, from PROGRESS and later ops).
+    pub ops_inferred_from_seq_gap: u64,
+    /// Seq gaps wider than [`MAX_SEQ_GAP_OPS`]: those ops get no verdict (counted).
+    pub seq_gap_ops_skipped: u64,
 }
+
+/// The widest `comm_op_seq` gap filled with inferred ops at once (a hostile or broken
+/// peer must not make the matcher create unbounded state).
+pub const MAX_SEQ_GAP_OPS: u64 = 256;
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
 struct RankObs {
@@ -238,6 +247,9 @@ pub struct CollectiveMatcher {
     /// Communicator → (last final comm_op_seq, when it became final): the next op's
     /// deadline clock starts there.
     comm_done: BTreeMap<Comm, (u64, u64)>,
+    /// Communicator → the highest comm_op_seq seen: `comm_op_seq` is dense per
+    /// communicator, so a seq skipped below it is an op all of whose frames were lost.
+    seen_through: FxMap<Comm, u64>,
     /// (comm, rank) → the (node, pid) that speaks for it; another one means two
     /// communicators share a key.
     /// Per communicator, indexed by rank (compact and cache-friendly: a communicator's
@@ -267,6 +279,24 @@ pub struct CollectiveMatcher {
 }
 
 impl OpState {
+    fn new(key: OpRef, participants: Vec<u32>, op: u8, count: u64) -> Self {
+        Self {
+            key,
+            // Cluster time of the earliest frame (0 while only frames from before clock
+            // sync were seen), so no decision depends on arrival order.
+            first_seen_ns: 0,
+            ranks: vec![RankObs::default(); participants.len()],
+            participants,
+            op,
+            count,
+            verdicts: Vec::new(),
+            nodes: Vec::new(),
+            decided_at_ns: 0,
+            is_final: false,
+            key_collision: false,
+        }
+    }
+
     /// Index of a communicator rank among the participants.
     fn slot(&self, rank: u32) -> Option<usize> {
         let i = usize::try_from(rank).ok()?;
@@ -308,6 +338,7 @@ impl CollectiveMatcher {
             deadlines: BTreeSet::new(),
             durations: BTreeMap::new(),
             comm_done: BTreeMap::new(),
+            seen_through: FxMap::default(),
             unresolved: BTreeMap::new(),
             homes: FxMap::default(),
             lag_history: FxMap::default(),
@@ -498,7 +529,7 @@ impl CollectiveMatcher {
         let phase = Phase::from_code(l.phase);
         // One map lookup on the hot path (the op exists); creation is the slow path.
         let mut created = false;
-        let op = match self.ops.entry(key) {
+        let mut op = match self.ops.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 // Late data for a final op: a recovery, or a late frame to count.
@@ -529,23 +560,16 @@ impl CollectiveMatcher {
                 if let OpRef::Coll { comm, seq } = key {
                     self.open_by_comm.entry(comm).or_default().insert(seq);
                 }
-                v.insert(OpState {
-                    key,
-                    // Cluster time of the earliest frame (0 while only frames from before
-                    // clock sync were seen), so no decision depends on arrival order.
-                    first_seen_ns: 0,
-                    ranks: vec![RankObs::default(); participants.len()],
-                    participants,
-                    op: l.op,
-                    count: l.count,
-                    verdicts: Vec::new(),
-                    nodes: Vec::new(),
-                    decided_at_ns: 0,
-                    is_final: false,
-                    key_collision: false,
-                })
+                v.insert(OpState::new(key, participants, l.op, l.count))
             }
         };
+        // A new collective may reveal earlier ones none of whose frames arrived (slow
+        // path only: the op was just created).
+        if created && let OpRef::Coll { comm, seq } = key {
+            self.fill_seq_gap(comm, seq, nranks, l.ts_cluster_ns);
+            let Some(o) = self.ops.get_mut(&key) else { return };
+            op = o;
+        }
         if nranks as usize != op.participants.len() && matches!(key, OpRef::Coll { .. }) {
             op.key_collision = true;
         }
@@ -683,6 +707,50 @@ impl CollectiveMatcher {
         }
     }
 
+    /// The node a communicator rank spoke from (its first frame).
+    fn home_node(&self, comm: Comm, rank: u32) -> Option<NodeId> {
+        let i = usize::try_from(rank).ok()?;
+        self.homes.get(&comm)?.get(i).copied().flatten().map(|h| h.0)
+    }
+
+    /// `comm_op_seq` is dense per communicator: seqs skipped between the highest seen and
+    /// `seq` are ops whose every frame was lost (a P0 overflow, say). They become ops
+    /// with no observations, judged like the rest — completed (inferred, with the
+    /// node's loss as `telemetry_loss`) when PROGRESS or a later op proves it, never
+    /// silently absent. Seqs below the first one seen are not guessed at.
+    fn fill_seq_gap(&mut self, comm: Comm, seq: u64, nranks: u32, ts_cluster_ns: i64) {
+        let Some(&high) = self.seen_through.get(&comm) else {
+            self.seen_through.insert(comm, seq);
+            return;
+        };
+        if seq <= high {
+            return;
+        }
+        self.seen_through.insert(comm, seq);
+        let missing = seq - high - 1;
+        if missing > MAX_SEQ_GAP_OPS {
+            self.stats.seq_gap_ops_skipped += missing;
+            return;
+        }
+        for k in high + 1..seq {
+            let key = OpRef::Coll { comm, seq: k };
+            if self.ops.contains_key(&key) || self.final_recent.contains(&key) {
+                continue;
+            }
+            let mut op = OpState::new(key, (0..nranks.min(4096)).collect(), 0, 0);
+            op.first_seen_ns = u64::try_from(ts_cluster_ns).unwrap_or(0);
+            // Re-evaluated when the watermarks of the nodes its ranks live on move.
+            op.nodes = self.homes.get(&comm).into_iter().flatten().flatten().map(|h| h.0).collect();
+            op.nodes.sort_unstable();
+            op.nodes.dedup();
+            self.ops.insert(key, op);
+            self.open_by_comm.entry(comm).or_default().insert(k);
+            self.dirty.insert(key);
+            self.stats.ops_created += 1;
+            self.stats.ops_inferred_from_seq_gap += 1;
+        }
+    }
+
     /// Bounded memory: drops the oldest open op (not `keep`), counted.
     fn evict_oldest(&mut self, keep: OpRef) {
         let Some((&oldest, _)) = self.ops.iter().filter(|(k, _)| **k != keep).min_by_key(|(_, o)| o.first_seen_ns)
@@ -750,7 +818,9 @@ impl CollectiveMatcher {
         for &rank in &op.participants {
             let obs = op.slot(rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present);
             let prog = self.progress.get(&RankKey { comm, rank }).copied();
-            let node = obs.and_then(|o| o.node).or(prog.and_then(|p| p.node));
+            // Where the rank lives: its frames, its PROGRESS entry, or (an op none of whose
+            // frames arrived) where it spoke from before.
+            let node = obs.and_then(|o| o.node).or(prog.and_then(|p| p.node)).or_else(|| self.home_node(comm, rank));
             let direct = obs.is_some_and(|o| o.completed.is_some());
             let by_progress = is_coll && prog.is_some_and(|p| p.last_completed >= seq);
             let by_later = is_coll && self.completed_through.get(&RankKey { comm, rank }).is_some_and(|&c| c > seq);
@@ -963,8 +1033,14 @@ impl CollectiveMatcher {
 
         // Decision time and finality.
         let last_completion = op.observed().filter(|o| o.completed.is_some()).map(|o| o.completed_cluster_ns).max();
+        // An op none of whose frames arrived is decided as of the later frame that revealed
+        // it (a fixed time, so finality can catch up with it).
+        let unseen = op.ranks.iter().all(|r| !r.present) && op.first_seen_ns > 0;
         let decided_at = if all_completed {
-            last_completion.and_then(|t| u64::try_from(t).ok()).map_or(now, |t| t.min(now))
+            last_completion
+                .and_then(|t| u64::try_from(t).ok())
+                .or(unseen.then_some(op.first_seen_ns))
+                .map_or(now, |t| t.min(now))
         } else if past_stuck {
             stuck_at.min(now)
         } else if decisive && past_join {

@@ -12,7 +12,7 @@ use crate::pipeline::Core;
 /// First bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"RWSNAP\0\0";
 /// Snapshot format version.
-pub const SNAPSHOT_VERSION: u32 = 2; // 2: batch dedup state joined the core
+pub const SNAPSHOT_VERSION: u32 = 3; // 2: batch dedup state joined the core; 3: comm seq gaps
 
 /// Why a snapshot could not be written or read.
 #[derive(Debug, thiserror::Error)]

@@ -603,3 +603,51 @@ fn a_late_frame_for_a_final_op_is_counted_not_a_new_op() {
     assert_eq!(c.m.stats().late_frames_after_final, 1);
     assert!(c.verdicts.values().all(|v| v.outcome == Outcome::Completed));
 }
+
+/// Regression (issue 7, found by the 8-shipper end-to-end test): a P0 overflow can drop
+/// every frame of an op on every rank of a node-local communicator. `comm_op_seq` is
+/// dense, so op 2 existed; a later completion proves it completed — the verdict is
+/// `completed_inferred` with `telemetry_loss`, never an op that silently has no verdict.
+#[test]
+fn an_op_none_of_whose_frames_arrived_is_inferred_from_the_seq_gap() {
+    let mut c = Case::new();
+    let k = comm(7);
+    for rank in 0..2 {
+        c.frame(1, 10 + rank, k, 1, rank, 2, Phase::KernelEnd, None, 1);
+    }
+    c.tick(S / 10);
+    // The node's ring overflowed: op 2 never arrives; the loss is on record.
+    c.rec(Record::Loss(ringwatch_core::records::LossInterval {
+        id: 42,
+        stream: StreamKey { node: NodeId(1), epoch: 1, stream_id: 0 },
+        first_seq: 3,
+        last_seq: 6,
+        count: Some(4),
+        cause: proto_flat::LossCause::KernelRingFull.code(),
+        reason: 0,
+        from_node_ns: c.now,
+        to_node_ns: c.now + S / 10,
+        decided_at_ns: c.now,
+    }));
+    c.tick(S / 10);
+    for rank in 0..2 {
+        c.frame(1, 10 + rank, k, 3, rank, 2, Phase::KernelEnd, None, 3);
+    }
+    c.tick(S);
+    c.watermarks(&[1]);
+    c.tick(S / 10);
+    for rank in 0..2 {
+        let v = &c.verdicts[&(OpRef::Coll { comm: k, seq: 2 }, rank)];
+        assert_eq!((v.outcome, v.is_final), (Outcome::CompletedInferred, true), "rank {rank}");
+        assert!(
+            v.tags
+                .iter()
+                .any(|t| matches!(t, ringwatch_core::verdict::VerdictTag::TelemetryLoss { ids } if ids == &[42])),
+            "{:?}",
+            v.tags
+        );
+        assert_eq!(v.node, Some(NodeId(1)), "the rank's node is known from its other ops");
+    }
+    assert_eq!(c.m.stats().ops_inferred_from_seq_gap, 1);
+    assert_eq!(c.outcome(k, 3, 0), (Outcome::Completed, true));
+}

@@ -249,6 +249,22 @@ impl<'a> CaptureReader<'a> {
         Ok(Self { header, rest, offset: size_of::<CaptureHeader>() })
     }
 
+    /// A reader positioned at `offset` (a value [`Self::offset`] returned), for a
+    /// source that reads a capture in several passes.
+    pub fn resume(bytes: &'a [u8], offset: usize) -> Result<Self, CaptureError> {
+        let mut r = Self::new(bytes)?;
+        let start = offset.max(size_of::<CaptureHeader>());
+        r.rest = bytes.get(start..).ok_or(CaptureError::Truncated { offset: start, need: 0, got: bytes.len() })?;
+        r.offset = start;
+        Ok(r)
+    }
+
+    /// Byte offset of the next record.
+    #[must_use]
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
     /// Nodes in the capture.
     #[must_use]
     pub fn node_count(&self) -> u32 {

@@ -103,6 +103,20 @@ impl Batcher {
         self.next_batch_seq
     }
 
+    /// The session identity stamped on batches begun from now on.
+    #[must_use]
+    pub fn meta(&self) -> SessionMeta {
+        self.meta
+    }
+
+    /// A new kernel-counter epoch: open batches (of the old epoch) are cut first and
+    /// returned, so no batch mixes epochs.
+    pub fn set_epoch(&mut self, epoch: u64) -> Vec<Batch> {
+        let cut = self.flush();
+        self.meta.epoch = epoch;
+        cut
+    }
+
     /// The paired clock read stamped on batches cut from now on.
     pub fn set_clock(&mut self, mono_ns: u64, realtime_ns: u64) {
         self.clock_mono_ns = mono_ns;
@@ -180,6 +194,11 @@ impl Batcher {
     /// exact).
     pub fn flush(&mut self) -> Vec<Batch> {
         (0..self.lanes.len()).filter_map(|i| self.cut(i)).collect()
+    }
+
+    /// Cuts one lane's open batch, if any.
+    pub fn flush_lane(&mut self, class: Class) -> Option<Batch> {
+        self.cut(lane_index(class.code())?)
     }
 
     fn cut(&mut self, i: usize) -> Option<Batch> {

@@ -8,10 +8,13 @@
 //! - the spool never holds more than its cap; P0/P1 have reserved room that P2 cannot
 //!   use, and an incoming P0/P1 batch evicts P2 (oldest first) before it can be refused.
 
+pub mod backoff;
 pub mod batcher;
 pub mod loss;
+pub mod shipper;
 pub mod spool;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
 pub use loss::{LostRange, lost_ranges};
+pub use shipper::{CoreConfig, EpochStart, SHIPPER_STREAM, ShipperCore, ShipperStats, SourceCounters, Unflushed};
 pub use spool::{Admission, Spool, SpoolConfig, SpoolCounters};

@@ -69,6 +69,8 @@ pub struct Spool {
     lane_bytes: [usize; 4],
     /// How many batches at the front of each lane have been sent.
     sent: [usize; 4],
+    /// Bytes of those sent (and not yet acked) batches, per lane.
+    sent_bytes: [usize; 4],
     used: usize,
     counters: SpoolCounters,
 }
@@ -86,6 +88,7 @@ impl Spool {
             lanes: Default::default(),
             lane_bytes: [0; 4],
             sent: [0; 4],
+            sent_bytes: [0; 4],
             used: 0,
             counters: SpoolCounters::default(),
         }
@@ -140,7 +143,10 @@ impl Spool {
     fn evict_bulk(&mut self) -> Option<Batch> {
         for lane in [3, 2] {
             if let Some(b) = self.lanes[lane].pop_front() {
-                self.sent[lane] = self.sent[lane].saturating_sub(1);
+                if self.sent[lane] > 0 {
+                    self.sent[lane] -= 1;
+                    self.sent_bytes[lane] -= b.bytes.len();
+                }
                 self.account(lane, b.bytes.len(), false);
                 self.counters.evicted += 1;
                 return Some(b);
@@ -178,17 +184,38 @@ impl Spool {
         out
     }
 
-    /// The next batch to send: P0 first, then P1, then bulk; oldest unsent first.
-    pub fn next_to_send(&mut self) -> Option<(u64, &[u8])> {
-        let lane = (0..4).find(|&l| self.sent[l] < self.lanes[l].len())?;
-        let b = self.lanes[lane].get(self.sent[lane])?;
-        self.sent[lane] += 1;
-        Some((b.batch_seq, &b.bytes))
+    /// Bytes of bulk (P2, P3) batches sent and not yet acked: what bulk occupies of the
+    /// connection's send window.
+    #[must_use]
+    pub fn bulk_in_flight_bytes(&self) -> usize {
+        self.sent_bytes[2] + self.sent_bytes[3]
     }
 
-    /// Acked `batch_seq` ranges (inclusive) leave the spool; their buffers are returned
-    /// for reuse.
-    pub fn ack(&mut self, ranges: &[(u64, u64)]) -> Vec<Vec<u8>> {
+    /// The next batch to send: P0 first, then P1, then bulk; oldest unsent first. A bulk
+    /// batch is sent only while bulk's unacked bytes stay within `bulk_window_bytes` (the
+    /// send window minus the P0/P1 reserve), so bulk never fills the window P0 needs.
+    pub fn next_to_send(&mut self, bulk_window_bytes: usize) -> Option<(Class, u64, &[u8])> {
+        let lane = (0..4).find(|&l| {
+            let Some(next) = self.lanes[l].get(self.sent[l]) else { return false };
+            // One bulk batch may always be in flight, or an oversized one would never go.
+            l < 2
+                || self.bulk_in_flight_bytes() == 0
+                || self.bulk_in_flight_bytes() + next.bytes.len() <= bulk_window_bytes
+        })?;
+        let b = self.lanes[lane].get(self.sent[lane])?;
+        self.sent[lane] += 1;
+        self.sent_bytes[lane] += b.bytes.len();
+        Some((b.lane, b.batch_seq, &b.bytes))
+    }
+
+    /// Every batch held, lane by lane, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &Batch> {
+        self.lanes.iter().flat_map(|l| l.iter())
+    }
+
+    /// Acked `batch_seq` ranges (inclusive) leave the spool; they are returned so their
+    /// buffers can be reused.
+    pub fn ack(&mut self, ranges: &[(u64, u64)]) -> Vec<Batch> {
         let mut freed = Vec::new();
         for l in 0..4 {
             let mut i = 0;
@@ -199,7 +226,7 @@ impl Spool {
                 }
                 if let Some(b) = self.remove(l, i) {
                     self.counters.acked += 1;
-                    freed.push(b.bytes);
+                    freed.push(b);
                 }
             }
         }
@@ -224,6 +251,7 @@ impl Spool {
     pub fn reconnected(&mut self) {
         self.counters.resent += self.sent.iter().sum::<usize>() as u64;
         self.sent = [0; 4];
+        self.sent_bytes = [0; 4];
     }
 
     /// Everything still held (shutdown: what could not be flushed becomes
@@ -232,6 +260,7 @@ impl Spool {
         self.used = 0;
         self.lane_bytes = [0; 4];
         self.sent = [0; 4];
+        self.sent_bytes = [0; 4];
         self.lanes.iter_mut().flat_map(|l| l.drain(..)).collect()
     }
 
@@ -240,6 +269,7 @@ impl Spool {
         let b = self.lanes[lane].remove(i)?;
         if i < self.sent[lane] {
             self.sent[lane] -= 1;
+            self.sent_bytes[lane] -= b.bytes.len();
         }
         self.account(lane, b.bytes.len(), false);
         Some(b)
@@ -273,6 +303,28 @@ mod tests {
         let a = s.offer(batch(Class::P2, 9, 800));
         assert!(!a.accepted);
         assert_eq!(s.counters().refused_p2, 1);
+    }
+
+    #[test]
+    fn bulk_in_flight_stays_within_its_window_and_p0_passes_it() {
+        let mut s = spool();
+        for seq in 1..=4 {
+            s.offer(batch(Class::P2, seq, 100));
+        }
+        let order = |s: &mut Spool| std::iter::from_fn(|| s.next_to_send(250).map(|x| x.1)).collect::<Vec<_>>();
+        assert_eq!(order(&mut s), vec![1, 2], "a third 100-byte bulk batch would pass 250");
+        assert_eq!(s.bulk_in_flight_bytes(), 200);
+        s.offer(batch(Class::P0, 9, 100));
+        assert_eq!(order(&mut s), vec![9], "P0 is not held back by bulk's window");
+        s.ack(&[(1, 1)]);
+        assert_eq!(order(&mut s), vec![3], "an ack opens the window");
+        s.reconnected();
+        assert_eq!(s.bulk_in_flight_bytes(), 0);
+        assert_eq!(order(&mut s), vec![9, 2, 3]);
+        // One oversized bulk batch may go when nothing bulk is in flight.
+        let mut s = spool();
+        s.offer(batch(Class::P2, 1, 400));
+        assert_eq!(order(&mut s), vec![1]);
     }
 
     #[test]
@@ -313,13 +365,13 @@ mod tests {
         s.offer(batch(Class::P2, 1, 10));
         s.offer(batch(Class::P1, 2, 10));
         s.offer(batch(Class::P0, 3, 10));
-        let order: Vec<u64> = std::iter::from_fn(|| s.next_to_send().map(|x| x.0)).collect();
+        let order: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX).map(|x| x.1)).collect();
         assert_eq!(order, [3, 2, 1], "P0, then P1, then bulk");
         let freed = s.ack(&[(1, 1), (3, 3)]);
         assert_eq!(freed.len(), 2);
         assert_eq!(s.len(), 1);
         s.reconnected();
-        assert_eq!(s.next_to_send().map(|x| x.0), Some(2), "unacked batches are sent again");
+        assert_eq!(s.next_to_send(usize::MAX).map(|x| x.1), Some(2), "unacked batches are sent again");
         let poisoned = s.nack(2).unwrap();
         assert_eq!(poisoned.batch_seq, 2);
         assert!(s.is_empty());
@@ -367,7 +419,7 @@ mod tests {
                         dropped += a.dropped.len() as u64;
                         proptest::prop_assert_eq!(a.accepted, !a.dropped.iter().any(|b| b.batch_seq == seq));
                     }
-                    Op::Send => match s.next_to_send().map(|x| x.0) {
+                    Op::Send => match s.next_to_send(usize::MAX).map(|x| x.1) {
                         Some(q) => proptest::prop_assert!(sent.insert(q), "batch {} sent twice without a reconnect", q),
                         None => proptest::prop_assert!(
                             s.lanes.iter().flatten().all(|b| sent.contains(&b.batch_seq)),

@@ -1,0 +1,229 @@
+//! The HTTP API's types, version 1. These are the contract with schedulers; the core's
+//! types are not (they may change without notice). Adding fields is compatible; renaming
+//! or removing one is a new version (`/v2/...`).
+//!
+//! Names on the wire are DESIGN's vocabulary: outcomes (`completed`,
+//! `completed_inferred`, `waiting_on(3)`, `stuck`, `unknown_silent`, …), health
+//! (`healthy`, `healthy_lossy`, `suspect`, `degraded`, `silent`, `unreachable`), loss
+//! causes (`kernel_ring_full`, `shipper_spool_full`, `rejected`, …).
+
+use std::collections::BTreeMap;
+
+use proto_flat::codes::LossCause;
+use proto_flat::header::StreamId;
+use ringwatch_core::records::LivenessState;
+use ringwatch_core::verdict::{OpRef, Verdict, VerdictTag};
+use ringwatch_core::{Health, SeqTracker};
+use serde::{Deserialize, Serialize};
+
+/// API version of every DTO here.
+pub const API_VERSION: &str = "v1";
+
+/// `GET /healthz`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthzDto {
+    pub status: String,
+    /// This aggregator process (hex).
+    pub instance: String,
+    pub aggregator_epoch: u64,
+    pub uptime_ms: u64,
+    pub nodes_connected: u64,
+}
+
+/// `GET /v1/nodes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodesDto {
+    pub api_version: String,
+    pub nodes: Vec<NodeDto>,
+}
+
+/// One node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeDto {
+    /// Its certificate's DNS name.
+    pub name: String,
+    /// First 8 bytes of SHA-256(name), hex.
+    pub node_id: String,
+    pub connected: bool,
+    /// `fresh`, `silent`, `unreachable`.
+    pub liveness: String,
+    /// Worst health over its GPUs: `healthy`, `healthy_lossy`, `suspect`, `degraded`,
+    /// `silent`, `unreachable`.
+    pub health: String,
+    pub connections: u64,
+    /// Node time (ns) through which every P0 / bulk seq is received or resolved: no
+    /// verdict about this node rests on anything later.
+    pub watermark_p0_node_ns: u64,
+    pub watermark_bulk_node_ns: u64,
+    /// Cluster time = node time + offset, ± epsilon (absent before the first heartbeat).
+    pub clock_offset_ns: Option<i64>,
+    pub clock_epsilon_ns: Option<u64>,
+    pub streams: Vec<StreamDto>,
+}
+
+/// Accounting of one stream `(node, epoch, stream_id)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamDto {
+    pub epoch: u64,
+    pub stream_id: u32,
+    /// `p0`, `p1`, `p2`, `p3`.
+    pub class: String,
+    pub ring: u8,
+    pub cpu: u16,
+    /// Frames received (each once).
+    pub received: u64,
+    /// Lost frames by cause name.
+    pub lost: BTreeMap<String, u64>,
+    pub lost_total: u64,
+    /// Seqs neither received nor resolved yet.
+    pub pending: u64,
+    /// Seqs the shipper reported spooled and not yet received.
+    pub in_transit: u64,
+    /// From the last heartbeat: events that took a seq, and events sampled out.
+    pub attempted: u64,
+    pub sampled_out: u64,
+    pub duplicates: u64,
+}
+
+/// `GET /v1/verdicts`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerdictsDto {
+    pub api_version: String,
+    /// Verdicts matching the query (before `limit`).
+    pub total: u64,
+    pub verdicts: Vec<VerdictDto>,
+}
+
+/// The latest verdict for one rank in one op.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerdictDto {
+    pub op: OpDto,
+    pub rank: u32,
+    /// The rank's node name (absent when no frame of the rank was seen).
+    pub node: Option<String>,
+    pub gpu_uuid: String,
+    pub outcome: String,
+    pub tags: Vec<String>,
+    #[serde(rename = "final")]
+    pub is_final: bool,
+    pub decided_at_ms: u64,
+    /// The rule that decided, in words.
+    pub evidence: String,
+    pub loss_intervals: Vec<u64>,
+    pub revision: u32,
+}
+
+/// Which op.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpDto {
+    /// `collective`, `p2p`, `graph`.
+    pub kind: String,
+    /// Communicator hash (hex) and instance.
+    pub comm: String,
+    pub comm_instance: u64,
+    /// `comm_op_seq`, `p2p_seq` or `replay_idx`.
+    pub seq: u64,
+}
+
+/// A bad query.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDto {
+    pub error: String,
+}
+
+/// Health name.
+#[must_use]
+pub fn health_name(h: Health) -> &'static str {
+    match h {
+        Health::Healthy => "healthy",
+        Health::HealthyLossy => "healthy_lossy",
+        Health::Suspect => "suspect",
+        Health::Degraded => "degraded",
+        Health::Silent => "silent",
+        Health::Unreachable => "unreachable",
+    }
+}
+
+/// Liveness name.
+#[must_use]
+pub fn liveness_name(l: LivenessState) -> &'static str {
+    match l {
+        LivenessState::Fresh => "fresh",
+        LivenessState::Silent => "silent",
+        LivenessState::Unreachable => "unreachable",
+    }
+}
+
+impl StreamDto {
+    /// From a tracker.
+    #[must_use]
+    pub fn from_tracker(t: &SeqTracker) -> Self {
+        let sid = StreamId(t.key.stream_id);
+        let c = t.counts();
+        let lost = c
+            .lost
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .filter_map(|(slot, n)| LossCause::from_drop_slot(slot).map(|cause| (cause.to_string(), *n)))
+            .collect();
+        let hb = t.heartbeat();
+        Self {
+            epoch: t.key.epoch,
+            stream_id: t.key.stream_id,
+            class: sid.class().to_string(),
+            ring: sid.ring(),
+            cpu: sid.cpu(),
+            received: c.received,
+            lost,
+            lost_total: c.lost_total(),
+            pending: t.pending(),
+            in_transit: t.in_transit(),
+            attempted: hb.map_or(0, |h| h.attempted),
+            sampled_out: hb.map_or(0, |h| h.sampled_out),
+            duplicates: c.duplicates,
+        }
+    }
+}
+
+impl OpDto {
+    fn of(op: &OpRef) -> Self {
+        let (kind, comm, seq) = match *op {
+            OpRef::Coll { comm, seq } => ("collective", comm, seq),
+            OpRef::P2p { comm, p2p_seq, .. } => ("p2p", comm, p2p_seq),
+            OpRef::Graph { comm, replay_idx, .. } => ("graph", comm, u64::from(replay_idx)),
+        };
+        Self { kind: kind.into(), comm: format!("{:016x}", comm.hash), comm_instance: comm.instance, seq }
+    }
+}
+
+fn tag_name(t: &VerdictTag) -> String {
+    match t {
+        VerdictTag::TelemetryLoss { .. } => "telemetry_loss".into(),
+        VerdictTag::Mismatch { field } => format!("mismatch({field})"),
+        VerdictTag::GraphCaptured => "graph_captured".into(),
+        VerdictTag::AggregatorGap => "aggregator_gap".into(),
+        VerdictTag::Straggler { host: true, .. } => "straggler(host)".into(),
+        VerdictTag::Straggler { host: false, .. } => "straggler(gpu)".into(),
+    }
+}
+
+impl VerdictDto {
+    /// From a core verdict; `name` maps node ids to names.
+    #[must_use]
+    pub fn from_verdict(v: &Verdict, name: impl Fn(u64) -> Option<String>) -> Self {
+        Self {
+            op: OpDto::of(&v.op),
+            rank: v.rank,
+            node: v.node.and_then(|n| name(n.0)),
+            gpu_uuid: v.gpu_uuid.iter().map(|b| format!("{b:02x}")).collect(),
+            outcome: v.outcome.name(),
+            tags: v.tags.iter().map(tag_name).collect(),
+            is_final: v.is_final,
+            decided_at_ms: v.decided_at_ns / 1_000_000,
+            evidence: v.evidence.rule.describe().to_owned(),
+            loss_intervals: v.evidence.loss_intervals.clone(),
+            revision: v.revision,
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! The HTTP surface (axum): `GET /healthz`, `GET /v1/nodes`, `GET /v1/verdicts`.
+//!
+//! Handlers read shared state and answer with the DTOs of [`dto`]; they never hold the
+//! core's lock across an `.await`. Bad queries get `400` with an [`dto::ErrorDto`] that
+//! says what was wrong.
+//!
+//! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX`
+//! (`stuck`, `waiting_on`, …), `final=true|false`, `limit=N` (1..=100000, default 10000).
+
+pub mod dto;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use ringwatch_core::NodeId;
+
+use self::dto::{
+    API_VERSION, ErrorDto, HealthzDto, NodeDto, NodesDto, StreamDto, VerdictDto, VerdictsDto, health_name,
+    liveness_name,
+};
+use crate::state::Shared;
+
+/// The router.
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/v1/nodes", get(nodes))
+        .route("/v1/verdicts", get(verdicts))
+        .with_state(shared)
+}
+
+fn bad(msg: String) -> Response {
+    (StatusCode::BAD_REQUEST, Json(ErrorDto { error: msg })).into_response()
+}
+
+async fn healthz(State(s): State<Arc<Shared>>) -> Json<HealthzDto> {
+    Json(HealthzDto {
+        status: "ok".into(),
+        instance: format!("{:016x}", s.instance),
+        aggregator_epoch: s.epoch,
+        uptime_ms: s.now() / 1_000_000,
+        nodes_connected: s.nodes.iter().filter(|e| e.connected).count() as u64,
+    })
+}
+
+async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+    if let Some(k) = q.keys().next() {
+        return bad(format!("unknown query parameter {k:?} (/v1/nodes takes none)"));
+    }
+    let now = s.now();
+    let registry: Vec<(NodeId, String, bool, u64)> =
+        s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.connected, e.connections)).collect();
+    let core = s.core();
+    let health = core.matcher.node_health(now, s.degraded_clear_ns);
+    let mut out: Vec<NodeDto> = registry
+        .into_iter()
+        .map(|(id, name, connected, connections)| {
+            let state = core.ingest.node(id);
+            NodeDto {
+                name,
+                node_id: format!("{:016x}", id.0),
+                connected,
+                liveness: state.map_or("unreachable", |n| liveness_name(n.liveness)).into(),
+                health: health_name(health.get(&id).copied().unwrap_or(ringwatch_core::Health::Healthy)).into(),
+                connections,
+                watermark_p0_node_ns: state.map_or(0, |n| n.watermark_ns[0]),
+                watermark_bulk_node_ns: state.map_or(0, |n| n.watermark_ns[2]),
+                clock_offset_ns: state.and_then(|n| n.clock.offset_ns()),
+                clock_epsilon_ns: state.and_then(|n| n.clock.epsilon_ns(now)),
+                streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
+            }
+        })
+        .collect();
+    drop(core);
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Json(NodesDto { api_version: API_VERSION.into(), nodes: out }).into_response()
+}
+
+async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+    let mut node = None;
+    let mut outcome = None;
+    let mut fin = None;
+    let mut limit = 10_000usize;
+    for (k, v) in &q {
+        match k.as_str() {
+            "node" => node = Some(v.clone()),
+            "outcome" => outcome = Some(v.clone()),
+            "final" => match v.as_str() {
+                "true" => fin = Some(true),
+                "false" => fin = Some(false),
+                _ => return bad(format!("final={v:?}: expected true or false")),
+            },
+            "limit" => match v.parse::<usize>() {
+                Ok(n) if (1..=100_000).contains(&n) => limit = n,
+                _ => return bad(format!("limit={v:?}: expected a whole number in 1..=100000")),
+            },
+            _ => return bad(format!("unknown query parameter {k:?} (node, outcome, final, limit)")),
+        }
+    }
+    let names: BTreeMap<u64, String> = s.nodes.iter().map(|e| (e.key().0, e.name.clone())).collect();
+    if let Some(n) = &node
+        && !names.values().any(|x| x == n)
+    {
+        return (StatusCode::NOT_FOUND, Json(ErrorDto { error: format!("no node named {n:?}") })).into_response();
+    }
+    let store = s.verdicts();
+    let mut total = 0u64;
+    let mut out = Vec::new();
+    for v in store.by_key.values() {
+        let dto = VerdictDto::from_verdict(v, |id| names.get(&id).cloned());
+        if node.as_ref().is_some_and(|n| dto.node.as_ref() != Some(n))
+            || outcome.as_ref().is_some_and(|o| !dto.outcome.starts_with(o.as_str()))
+            || fin.is_some_and(|f| dto.is_final != f)
+        {
+            continue;
+        }
+        total += 1;
+        if out.len() < limit {
+            out.push(dto);
+        }
+    }
+    drop(store);
+    Json(VerdictsDto { api_version: API_VERSION.into(), total, verdicts: out }).into_response()
+}

@@ -1,0 +1,277 @@
+//! QUIC ingest: accept shippers, check who they are, validate their batches, feed the
+//! core, answer with acks and nacks.
+//!
+//! Per connection: the peer's identity is its client certificate's DNS SAN (verified
+//! against the configured CA during the handshake); `node_id` = first 8 bytes of
+//! SHA-256(name). The shipper's control stream must open with the preface; then every
+//! unidirectional stream carries one batch. A batch is validated in place (envelope,
+//! CRC, frames, stream summary), its `node_id` checked against the certificate, and
+//! handed to `Core::receive_batch`; the answer goes back on the control stream.
+//!
+//! Memory per connection is bounded by the transport's receive window (unread stream
+//! data) plus [`STREAMS_IN_PROGRESS`] batches of at most [`MAX_BATCH_READ`] being read
+//! or validated (128 MiB worst case, 64 × 64 KiB typically).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use proto_flat::batch::{BatchHeader, BatchView, SummaryCheck};
+use proto_flat::codes::{AckStatus, NackReason, WireEnum};
+use proto_flat::control::{encode_ack, encode_hello, encode_nack};
+use ringwatch_core::{NodeId, Receipt};
+use ringwatch_transport::{CONTROL_PREFACE, close, peer_name};
+use tokio::sync::mpsc;
+use zerocopy::FromBytes;
+
+use crate::state::{Counters, NodeEntry, Shared};
+
+/// After this many rejected batches a connection is closed (a broken or hostile peer
+/// must not make us validate garbage forever).
+pub const REJECT_THRESHOLD: u64 = 64;
+
+/// Batch streams read at once per connection; the next stream is accepted when one is
+/// done. With [`MAX_BATCH_READ`] this bounds what one peer can make us hold.
+pub const STREAMS_IN_PROGRESS: usize = 64;
+
+/// The largest batch read (the shipper's `max_batch_bytes` is at most 1 MiB of payload;
+/// header and summary add little). Longer streams are refused `too_large`.
+pub const MAX_BATCH_READ: usize = 2 << 20;
+
+/// Accepts connections until the endpoint closes.
+pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            match incoming.await {
+                Ok(conn) => connection(conn, shared).await,
+                Err(e) => {
+                    Counters::inc(&shared.counters.handshake_failures);
+                    tracing::info!(error = %e, "handshake failed");
+                }
+            }
+        });
+    }
+}
+
+/// The answer to one batch.
+enum Answer {
+    Ack(u64, AckStatus, u64),
+    Nack(u64, u64, NackReason),
+    /// The core's node cap is reached: nothing applied, the connection is closed (the
+    /// shipper keeps its batches and resends them on a later connection).
+    CloseNodeCap,
+}
+
+async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
+    let remote = conn.remote_address();
+    let name = match peer_name(&conn) {
+        Ok(n) => n,
+        Err(e) => {
+            Counters::inc(&shared.counters.identity_refused);
+            tracing::warn!(%remote, error = %e, "peer refused");
+            conn.close(close::REFUSED.into(), e.to_string().as_bytes());
+            return;
+        }
+    };
+    let node = NodeId(proto_flat::node_id_of(&name));
+    Counters::inc(&shared.counters.connections);
+    shared
+        .nodes
+        .entry(node)
+        .and_modify(|e| {
+            e.connected = true;
+            e.connections += 1;
+        })
+        .or_insert_with(|| NodeEntry { name: name.clone(), connected: true, connections: 1, last_shipper_session: 0 });
+    tracing::info!(%remote, node = %name, "shipper connected");
+
+    let (ctl_send, ctl_recv) = match tokio::time::timeout(Duration::from_secs(10), conn.accept_bi()).await {
+        Ok(Ok(s)) => s,
+        _ => {
+            Counters::inc(&shared.counters.protocol_errors);
+            conn.close(close::PROTOCOL.into(), b"no control stream");
+            closed(&shared, node);
+            return;
+        }
+    };
+    if !preface_ok(ctl_recv).await {
+        Counters::inc(&shared.counters.protocol_errors);
+        conn.close(close::PROTOCOL.into(), b"bad control preface");
+        closed(&shared, node);
+        return;
+    }
+    let (tx, rx) = mpsc::channel::<Answer>(4096);
+    let writer = tokio::spawn(control_writer(ctl_send, rx, Arc::clone(&shared)));
+    let rejected = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let in_progress = Arc::new(tokio::sync::Semaphore::new(STREAMS_IN_PROGRESS));
+    loop {
+        let Ok(permit) = Arc::clone(&in_progress).acquire_owned().await else { break };
+        let stream = match conn.accept_uni().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::info!(node = %name, reason = %e, "shipper disconnected");
+                break;
+            }
+        };
+        let (shared, tx, conn2, rejected) = (Arc::clone(&shared), tx.clone(), conn.clone(), Arc::clone(&rejected));
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut stream = stream;
+            let bytes = match stream.read_to_end(MAX_BATCH_READ).await {
+                Ok(b) => b,
+                Err(quinn::ReadToEndError::TooLong) => {
+                    reject(&shared, &rejected, &conn2, &tx, None, NackReason::TooLarge).await;
+                    return;
+                }
+                Err(_) => {
+                    Counters::inc(&shared.counters.stream_errors);
+                    return;
+                }
+            };
+            let rtt = u64::try_from(conn2.rtt().as_nanos()).unwrap_or(u64::MAX);
+            match apply(&shared, node, rtt, &bytes) {
+                Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
+                Ok(answer) => {
+                    let _ = tx.send(answer).await;
+                }
+                Err((ids, reason)) => reject(&shared, &rejected, &conn2, &tx, ids, reason).await,
+            }
+        });
+    }
+    drop(tx);
+    let _ = writer.await;
+    closed(&shared, node);
+}
+
+fn closed(shared: &Shared, node: NodeId) {
+    if let Some(mut e) = shared.nodes.get_mut(&node) {
+        e.connected = false;
+    }
+    let now = shared.now();
+    let mut core = shared.core();
+    core.handle_connection_closed(now, node);
+    shared.drain_events(&mut core);
+}
+
+async fn preface_ok(mut recv: quinn::RecvStream) -> bool {
+    let mut buf = [0u8; CONTROL_PREFACE.len()];
+    let read = tokio::time::timeout(Duration::from_secs(10), recv.read_exact(&mut buf)).await;
+    matches!(read, Ok(Ok(()))) && buf == CONTROL_PREFACE
+}
+
+/// Validates and applies one batch. `Err` carries the (session, batch_seq) if the
+/// header was readable, and the reason.
+#[allow(clippy::type_complexity, reason = "a private helper's pair of ids")]
+fn apply(shared: &Shared, node: NodeId, rtt: u64, bytes: &[u8]) -> Result<Answer, (Option<(u64, u64)>, NackReason)> {
+    let ids = BatchHeader::read_from_prefix(bytes).ok().map(|(h, _)| (h.shipper_session.get(), h.batch_seq.get()));
+    let view = BatchView::parse(bytes).map_err(|e| (ids, e.nack_reason()))?;
+    let mut scratch = SummaryCheck::default();
+    view.validate(&mut scratch).map_err(|e| (ids, e.nack_reason()))?;
+    let (session, seq) = (view.header.shipper_session.get(), view.header.batch_seq.get());
+    if view.header.node_id.get() != node.0 {
+        Counters::inc(&shared.counters.node_mismatch);
+        return Err((Some((session, seq)), NackReason::NodeMismatch));
+    }
+    if let Some(mut e) = shared.nodes.get_mut(&node) {
+        e.last_shipper_session = session;
+    }
+    let now = shared.now();
+    let receipt = {
+        let mut core = shared.core();
+        let r = core.receive_batch(now, node, rtt, &view);
+        shared.drain_events(&mut core);
+        r
+    };
+    match receipt {
+        Receipt::Applied => {
+            Counters::inc(&shared.counters.batches_applied);
+            Ok(Answer::Ack(session, AckStatus::Applied, seq))
+        }
+        Receipt::Duplicate => {
+            Counters::inc(&shared.counters.batches_duplicate);
+            Ok(Answer::Ack(session, AckStatus::Duplicate, seq))
+        }
+        Receipt::DedupWindowFull => Err((Some((session, seq)), NackReason::DedupWindowFull)),
+        Receipt::NodeCapReached => Ok(Answer::CloseNodeCap),
+    }
+}
+
+async fn reject(
+    shared: &Shared,
+    rejected: &std::sync::atomic::AtomicU64,
+    conn: &quinn::Connection,
+    tx: &mpsc::Sender<Answer>,
+    ids: Option<(u64, u64)>,
+    reason: NackReason,
+) {
+    let slot = usize::from(reason.code()).min(15);
+    Counters::inc(&shared.counters.rejected_by_reason[slot]);
+    if let Some((session, seq)) = ids {
+        let _ = tx.send(Answer::Nack(session, seq, reason)).await;
+    }
+    if rejected.fetch_add(1, Ordering::Relaxed) + 1 >= REJECT_THRESHOLD {
+        conn.close(close::ABUSE.into(), b"too many rejected batches");
+    }
+}
+
+/// Writes `hello`, then every answer, on the control stream; consecutive acks of one
+/// session and status are merged into ranges.
+async fn control_writer(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Answer>, shared: Arc<Shared>) {
+    let mut out = Vec::with_capacity(4096);
+    encode_hello(&mut out, shared.instance, shared.epoch);
+    if send.write_all(&out).await.is_err() {
+        return;
+    }
+    let mut pending = Vec::new();
+    while let Some(first) = rx.recv().await {
+        pending.clear();
+        pending.push(first);
+        while pending.len() < 1024 {
+            match rx.try_recv() {
+                Ok(a) => pending.push(a),
+                Err(_) => break,
+            }
+        }
+        out.clear();
+        encode_answers(&mut out, &mut pending, &shared);
+        if !out.is_empty() && send.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+    let _ = send.finish();
+}
+
+fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared) {
+    let mut acks: Vec<(u64, u8, u64)> = Vec::new();
+    for a in pending.iter() {
+        match *a {
+            Answer::Ack(session, status, seq) => {
+                if shared.hold_acks {
+                    Counters::inc(&shared.counters.acks_held);
+                } else {
+                    acks.push((session, status.code(), seq));
+                }
+            }
+            Answer::Nack(session, seq, reason) => encode_nack(out, session, seq, reason),
+            Answer::CloseNodeCap => {}
+        }
+    }
+    acks.sort_unstable();
+    let mut i = 0;
+    while let Some(&(session, status, _)) = acks.get(i) {
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        while let Some(&(s, st, seq)) = acks.get(i) {
+            if s != session || st != status || ranges.len() >= 4000 {
+                break;
+            }
+            match ranges.last_mut() {
+                Some(r) if r.1 + 1 == seq => r.1 = seq,
+                _ => ranges.push((seq, seq)),
+            }
+            i += 1;
+        }
+        // ≤ 4,000 ranges fit a control message (64 KiB), so this cannot fail.
+        let _ = encode_ack(out, session, AckStatus::from_code(status), &ranges);
+    }
+}

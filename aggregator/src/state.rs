@@ -1,0 +1,139 @@
+//! What the I/O tasks share: the core behind one lock, the verdicts it produced, the
+//! node registry, and counters.
+//!
+//! The core is one state machine (`ringwatch_core::Core`); connection tasks and the timer
+//! task lock it for one batch or one timeout at a time and never across an `.await`.
+//! Verdicts are kept per (op, rank), latest wins, capped (oldest op evicted, counted).
+//! The registry is read by every HTTP request and written on connect/disconnect: a
+//! `DashMap` (read-mostly, never on the per-frame path).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use dashmap::DashMap;
+use ringwatch_core::verdict::{MatcherEvent, OpRef, Verdict};
+use ringwatch_core::{Core, NodeId};
+
+/// Counters of the I/O shell (the core counts its own).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub connections: AtomicU64,
+    pub handshake_failures: AtomicU64,
+    /// Peers whose certificate had no usable DNS name.
+    pub identity_refused: AtomicU64,
+    /// Batches whose `node_id` disagreed with the certificate's name.
+    pub node_mismatch: AtomicU64,
+    pub batches_applied: AtomicU64,
+    pub batches_duplicate: AtomicU64,
+    /// Batches rejected (nacked), by `NackReason` code (0..16).
+    pub rejected_by_reason: [AtomicU64; 16],
+    /// Batch streams that failed before their end (reset, connection lost).
+    pub stream_errors: AtomicU64,
+    pub protocol_errors: AtomicU64,
+    pub verdicts_evicted: AtomicU64,
+    /// Acks held back by the test hook.
+    pub acks_held: AtomicU64,
+}
+
+impl Counters {
+    /// Adds one.
+    pub fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Rejections, by reason code.
+    #[must_use]
+    pub fn rejected(&self) -> BTreeMap<u16, u64> {
+        self.rejected_by_reason
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                let n = c.load(Ordering::Relaxed);
+                (n > 0).then(|| (u16::try_from(i).unwrap_or(0), n))
+            })
+            .collect()
+    }
+}
+
+/// One node as the registry knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeEntry {
+    pub name: String,
+    pub connected: bool,
+    pub connections: u64,
+    pub last_shipper_session: u64,
+}
+
+/// The latest verdicts, capped.
+#[derive(Debug, Default)]
+pub struct Verdicts {
+    pub by_key: BTreeMap<(OpRef, u32), Verdict>,
+    pub cap: usize,
+}
+
+/// Everything shared.
+#[derive(Debug)]
+pub struct Shared {
+    pub started: Instant,
+    core: Mutex<Core>,
+    verdicts: Mutex<Verdicts>,
+    pub nodes: DashMap<NodeId, NodeEntry>,
+    pub counters: Counters,
+    pub instance: u64,
+    pub epoch: u64,
+    /// How long a degraded verdict keeps a node degraded without new evidence.
+    pub degraded_clear_ns: u64,
+    /// Test hook: withhold acks (the shipper's spool then holds every batch).
+    pub hold_acks: bool,
+}
+
+impl Shared {
+    /// Shared state around a fresh core.
+    #[must_use]
+    pub fn new(core: Core, instance: u64, epoch: u64, verdict_cap: usize, hold_acks: bool) -> Self {
+        Self {
+            started: Instant::now(),
+            core: Mutex::new(core),
+            verdicts: Mutex::new(Verdicts { by_key: BTreeMap::new(), cap: verdict_cap }),
+            nodes: DashMap::new(),
+            counters: Counters::default(),
+            instance,
+            epoch,
+            degraded_clear_ns: 300_000_000_000,
+            hold_acks,
+        }
+    }
+
+    /// Aggregator time: ns since start (the core's `now`).
+    #[must_use]
+    pub fn now(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The core, locked (a poisoned lock means a panic mid-update: the state is still the
+    /// best there is, so it is used rather than taking the service down).
+    pub fn core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The verdict store, locked.
+    pub fn verdicts(&self) -> MutexGuard<'_, Verdicts> {
+        self.verdicts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Moves the core's pending events into the verdict store.
+    pub fn drain_events(&self, core: &mut Core) {
+        let mut store = None;
+        while let Some(e) = core.poll_event() {
+            let MatcherEvent::Verdict(v) = e else { continue };
+            let s = store.get_or_insert_with(|| self.verdicts());
+            s.by_key.insert((v.op, v.rank), v);
+            while s.by_key.len() > s.cap {
+                s.by_key.pop_first();
+                Counters::inc(&self.counters.verdicts_evicted);
+            }
+        }
+    }
+}

@@ -1,0 +1,586 @@
+//! The whole shipper as one pure state machine: batcher + spool + the frames the shipper
+//! writes itself (heartbeats, loss records, epoch starts) + ack/nack handling.
+//!
+//! Method groups and call order (time is an argument, in the driver's monotonic ns):
+//! - inputs: [`ShipperCore::handle_frame`] (a ring record), [`ShipperCore::handle_epoch`],
+//!   [`ShipperCore::handle_counters`] (kernel counters, after every frame they cover was
+//!   handed in), [`ShipperCore::handle_ack`] / [`ShipperCore::handle_nack`] /
+//!   [`ShipperCore::handle_hello`] (control messages), [`ShipperCore::reconnected`];
+//! - timers: [`ShipperCore::poll_timeout`] then [`ShipperCore::handle_timeout`];
+//! - outputs: [`ShipperCore::poll_transmit`] (the next batch to put on the wire);
+//! - shutdown: [`ShipperCore::flush`], then [`ShipperCore::unacked`] /
+//!   [`ShipperCore::abandon`] at the deadline.
+//!
+//! Invariants:
+//! - every frame handed in is in a batch that is acked, or named in a loss record (spool
+//!   full, rejected), or reported by [`ShipperCore::abandon`] at shutdown; the counters
+//!   say which, so `frames_in = acked + lost + abandoned + in spool/batcher` always;
+//! - a heartbeat's `spooled_through_seq` never claims a seq that is not in a cut batch:
+//!   the batcher is flushed before every heartbeat.
+
+use proto_flat::codes::{Class, LossCause, NackReason, WireEnum};
+use proto_flat::encode::SectionedFrameWriter;
+use proto_flat::frames::{EpochStartFrame, FixedFrame};
+use proto_flat::header::StreamId;
+use proto_flat::sections::{ProgressEntry, ShipperStateEntry, StreamEntry};
+use zerocopy::little_endian::{U32, U64};
+use zerocopy::{FromZeros, IntoBytes};
+
+use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
+use super::loss::lost_ranges;
+use super::spool::{Spool, SpoolConfig};
+
+/// The shipper's own P1 stream: heartbeats, loss records, epoch starts.
+pub const SHIPPER_STREAM: StreamId = StreamId::new(Class::P1, StreamId::SHIPPER_RING, 0);
+
+/// Limits and timers of the core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoreConfig {
+    pub batcher: BatcherConfig,
+    pub spool: SpoolConfig,
+    pub heartbeat_interval_ns: u64,
+    /// Bulk's share of the connection send window (window − P0/P1 reserve).
+    pub bulk_window_bytes: usize,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        Self {
+            batcher: BatcherConfig::default(),
+            spool: SpoolConfig::default(),
+            heartbeat_interval_ns: 1_000_000_000,
+            bulk_window_bytes: 8 << 20,
+        }
+    }
+}
+
+/// A new kernel-counter epoch, as the source reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EpochStart {
+    pub epoch: u64,
+    pub boot_id: [u8; 16],
+    /// Node monotonic time the counters were created.
+    pub mono_ns: u64,
+    pub start_realtime_ns: u64,
+}
+
+/// Kernel counters at one instant: what a heartbeat carries.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SourceCounters {
+    pub epoch: u64,
+    /// Node monotonic time of the read.
+    pub mono_ns: u64,
+    /// Per (ring, CPU) stream: attempted_seq, drops by cause, sampled_out, fill.
+    pub streams: Vec<StreamEntry>,
+    /// PROGRESS entries, one per (rank, communicator).
+    pub progress: Vec<ProgressEntry>,
+}
+
+/// What the core counted (exported as metrics; printed at shutdown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShipperStats {
+    /// Ring records handed in.
+    pub frames_in: u64,
+    /// Ring records that were not a frame (bad length or lane): counted, not shipped.
+    pub frames_malformed: u64,
+    pub batches_cut: u64,
+    pub heartbeats: u64,
+    pub loss_records: u64,
+    /// Frames of batches acked by the aggregator, all lanes.
+    pub frames_acked: u64,
+    /// The same per lane (P0, P1, P2, P3): ring frames travel in P0/P2/P3, the
+    /// shipper's own (heartbeats, loss records) in P1.
+    pub frames_acked_by_lane: [u64; 4],
+    /// Ring frames named in loss records, by cause slot.
+    pub frames_lost: [u64; proto_flat::codes::DROP_SLOTS],
+    /// The shipper's own P1 frames in batches that were dropped (counted in the running
+    /// totals every envelope carries; never loss records about themselves).
+    pub own_frames_lost: u64,
+    pub batches_acked: u64,
+    pub batches_nacked: u64,
+    /// Nacks by reason code (the last 16 codes; an unknown code counts in slot 0).
+    pub nacks_by_reason: [u64; 16],
+    /// Batches whose loss records could not be built (corrupted spool bytes).
+    pub loss_record_errors: u64,
+    pub hellos: u64,
+    /// The aggregator instance of the last hello.
+    pub aggregator_instance: u64,
+    pub aggregator_epoch: u64,
+}
+
+/// What was still unacked at the shutdown deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Unflushed {
+    pub batches: u64,
+    pub frames: u64,
+    pub bytes: u64,
+    /// Per lane (P0, P1, P2, P3).
+    pub batches_by_lane: [u64; 4],
+    pub frames_by_lane: [u64; 4],
+}
+
+/// The shipper core. See the module docs.
+#[derive(Debug)]
+pub struct ShipperCore {
+    config: CoreConfig,
+    batcher: Batcher,
+    spool: Spool,
+    /// Next seq on the shipper's own stream (per epoch).
+    p1_seq: u64,
+    next_heartbeat_ns: u64,
+    counters: SourceCounters,
+    sampling_level: u8,
+    stats: ShipperStats,
+    /// Batches cut but not yet offered to the spool (offering can cut more: loss records).
+    cut: Vec<Batch>,
+    /// Loss records wait in the open P1 lane: cut it once the current offers are done.
+    pending_loss_records: bool,
+}
+
+impl ShipperCore {
+    /// A core for one shipper session, started at `now`.
+    #[must_use]
+    pub fn new(config: CoreConfig, meta: SessionMeta, now: u64) -> Self {
+        Self {
+            config,
+            batcher: Batcher::new(config.batcher, meta),
+            spool: Spool::new(config.spool),
+            p1_seq: 0,
+            next_heartbeat_ns: now + config.heartbeat_interval_ns,
+            counters: SourceCounters::default(),
+            sampling_level: 0,
+            stats: ShipperStats::default(),
+            cut: Vec::new(),
+            pending_loss_records: false,
+        }
+    }
+
+    // ---------------------------------------------------------------- getters
+
+    /// Counters.
+    #[must_use]
+    pub fn stats(&self) -> &ShipperStats {
+        &self.stats
+    }
+
+    /// The spool (counters, bytes held).
+    #[must_use]
+    pub fn spool(&self) -> &Spool {
+        &self.spool
+    }
+
+    /// Session identity and running totals.
+    #[must_use]
+    pub fn batcher(&self) -> &Batcher {
+        &self.batcher
+    }
+
+    /// When the next heartbeat is due.
+    #[must_use]
+    pub fn next_heartbeat_ns(&self) -> u64 {
+        self.next_heartbeat_ns
+    }
+
+    /// The latest kernel counters handed in.
+    #[must_use]
+    pub fn counters(&self) -> &SourceCounters {
+        &self.counters
+    }
+
+    // ---------------------------------------------------------------- inputs
+
+    /// One ring record, copied unparsed into its lane's open batch.
+    pub fn handle_frame(&mut self, frame: &[u8], now: u64) {
+        self.stats.frames_in += 1;
+        match self.batcher.push(frame, now) {
+            Ok(Some(b)) => self.cut.push(b),
+            Ok(None) => {}
+            Err(_) => self.stats.frames_malformed += 1,
+        }
+        self.offer_cut(now);
+    }
+
+    /// A new epoch: open batches of the old one are cut, the shipper stream restarts at
+    /// seq 0 with an `epoch_start` frame.
+    pub fn handle_epoch(&mut self, e: &EpochStart, now: u64) {
+        let cut = self.batcher.set_epoch(e.epoch);
+        self.cut.extend(cut);
+        self.offer_cut(now);
+        self.p1_seq = 0;
+        let mut f = EpochStartFrame::new_zeroed();
+        f.hdr = EpochStartFrame::make_header(0, SHIPPER_STREAM, self.next_p1_seq(), e.mono_ns);
+        f.epoch = U64::new(e.epoch);
+        f.start_realtime_ns = U64::new(e.start_realtime_ns);
+        f.boot_id = e.boot_id;
+        self.push_own(f.as_bytes(), now);
+        self.counters.epoch = e.epoch;
+    }
+
+    /// Fresh kernel counters (every frame they count was handed in before). Sends a
+    /// heartbeat at once: the aggregator's watermarks move with them.
+    pub fn handle_counters(&mut self, counters: &SourceCounters, node_mono_ns: u64, now: u64) {
+        self.counters.clone_from(counters);
+        let sampled: u64 = counters.streams.iter().map(|s| s.sampled_out.get()).sum();
+        self.batcher.set_sampled_out(sampled);
+        self.heartbeat(node_mono_ns, now);
+    }
+
+    /// `hello` from the aggregator.
+    pub fn handle_hello(&mut self, aggregator_instance: u64, aggregator_epoch: u64) {
+        self.stats.hellos += 1;
+        self.stats.aggregator_instance = aggregator_instance;
+        self.stats.aggregator_epoch = aggregator_epoch;
+    }
+
+    /// `ack` of inclusive `batch_seq` ranges: those batches leave the spool.
+    pub fn handle_ack(&mut self, ranges: &[(u64, u64)]) {
+        for b in self.spool.ack(ranges) {
+            self.stats.batches_acked += 1;
+            self.stats.frames_acked += u64::from(b.frames);
+            self.stats.frames_acked_by_lane[usize::from(b.lane.code()).min(3)] += u64::from(b.frames);
+            self.batcher.recycle(b.bytes);
+        }
+    }
+
+    /// `nack`: the batch leaves the spool as `rejected(reason)` loss records, so a
+    /// poisoned batch never loops.
+    pub fn handle_nack(&mut self, batch_seq: u64, reason: NackReason, now: u64) {
+        let Some(b) = self.spool.nack(batch_seq) else { return };
+        self.stats.batches_nacked += 1;
+        let slot = usize::from(reason.code()).min(15);
+        self.stats.nacks_by_reason[slot] += 1;
+        self.lose(b, LossCause::Rejected, reason.code(), now);
+        self.offer_cut(now);
+    }
+
+    /// A new connection: every unacked batch is sent again.
+    pub fn reconnected(&mut self) {
+        self.spool.reconnected();
+    }
+
+    /// The kernel bulk sampling level in force (reported in heartbeats).
+    pub fn set_sampling_level(&mut self, level: u8) {
+        self.sampling_level = level;
+    }
+
+    // ---------------------------------------------------------------- timers
+
+    /// When [`Self::handle_timeout`] is next due.
+    #[must_use]
+    pub fn poll_timeout(&self) -> u64 {
+        self.batcher.poll_timeout().map_or(self.next_heartbeat_ns, |t| t.min(self.next_heartbeat_ns))
+    }
+
+    /// Cuts batches whose flush interval passed; heartbeats when due (also when idle,
+    /// with the last counters).
+    pub fn handle_timeout(&mut self, node_mono_ns: u64, now: u64) {
+        while let Some(b) = self.batcher.poll_cut(now) {
+            self.cut.push(b);
+        }
+        self.offer_cut(now);
+        if now >= self.next_heartbeat_ns {
+            self.heartbeat(node_mono_ns, now);
+        }
+    }
+
+    // ---------------------------------------------------------------- outputs
+
+    /// The next batch to send (P0, then P1, then bulk within its window).
+    pub fn poll_transmit(&mut self) -> Option<(Class, u64, &[u8])> {
+        self.spool.next_to_send(self.config.bulk_window_bytes)
+    }
+
+    // ---------------------------------------------------------------- shutdown
+
+    /// Cuts every open batch into the spool (shutdown, first step).
+    pub fn flush(&mut self, now: u64) {
+        let cut = self.batcher.flush();
+        self.cut.extend(cut);
+        self.offer_cut(now);
+    }
+
+    /// What is still waiting for an ack.
+    #[must_use]
+    pub fn unacked(&self) -> Unflushed {
+        let mut u = Unflushed::default();
+        for b in self.spool.iter() {
+            let lane = usize::from(b.lane.code()).min(3);
+            u.batches += 1;
+            u.frames += u64::from(b.frames);
+            u.bytes += b.bytes.len() as u64;
+            u.batches_by_lane[lane] += 1;
+            u.frames_by_lane[lane] += u64::from(b.frames);
+        }
+        u
+    }
+
+    /// The shutdown deadline passed: whatever is unacked is given up and reported (it
+    /// cannot be shipped any more; the next session's `session_start` or the
+    /// aggregator's reorder timeout accounts for it there).
+    pub fn abandon(&mut self) -> Unflushed {
+        let u = self.unacked();
+        let slot = LossCause::ShipperShutdown.drop_slot().unwrap_or(0);
+        for b in self.spool.drain() {
+            if b.lane == Class::P1 {
+                self.stats.own_frames_lost += u64::from(b.frames);
+            } else {
+                self.stats.frames_lost[slot] += u64::from(b.frames);
+            }
+        }
+        u
+    }
+
+    // ---------------------------------------------------------------- internals
+
+    fn next_p1_seq(&mut self) -> u64 {
+        self.p1_seq += 1;
+        self.p1_seq - 1
+    }
+
+    /// A frame the shipper writes itself goes into the P1 lane.
+    fn push_own(&mut self, frame: &[u8], now: u64) {
+        match self.batcher.push(frame, now) {
+            Ok(Some(b)) => self.cut.push(b),
+            Ok(None) => {}
+            Err(_) => self.stats.frames_malformed += 1,
+        }
+    }
+
+    fn heartbeat(&mut self, node_mono_ns: u64, now: u64) {
+        // Everything read so far goes into batches first, so spooled_through is exact.
+        let cut = self.batcher.flush();
+        self.cut.extend(cut);
+        self.offer_cut(now);
+        let streams: Vec<StreamEntry> = self
+            .counters
+            .streams
+            .iter()
+            .map(|e| {
+                let mut e = *e;
+                e.spooled_through_seq = e.attempted_seq;
+                e
+            })
+            .collect();
+        let state = ShipperStateEntry {
+            spool_bytes: U64::new(self.spool.used_bytes() as u64),
+            spool_cap_bytes: U64::new(self.config.spool.cap_bytes as u64),
+            psi_some_avg10_ppm: U32::ZERO,
+            psi_full_avg10_ppm: U32::ZERO,
+            shed_tier: 0,
+            sampling_level: self.sampling_level,
+            _reserved0: [0; 6],
+        };
+        let seq = self.next_p1_seq();
+        let mut w = SectionedFrameWriter::heartbeat(SHIPPER_STREAM, seq, node_mono_ns, self.counters.mono_ns);
+        w.section(&streams).section(&self.counters.progress).section(&[state]);
+        let frame = w.finish();
+        self.push_own(&frame, now);
+        let cut = self.batcher.flush();
+        self.cut.extend(cut);
+        self.offer_cut(now);
+        self.stats.heartbeats += 1;
+        self.next_heartbeat_ns = now + self.config.heartbeat_interval_ns;
+    }
+
+    /// Offers every cut batch; what the spool drops becomes loss records (which may cut
+    /// more P1 batches, offered in turn).
+    fn offer_cut(&mut self, now: u64) {
+        loop {
+            // Cut order is batch_seq order; offer oldest first.
+            for b in std::mem::take(&mut self.cut) {
+                self.stats.batches_cut += 1;
+                let adm = self.spool.offer(b);
+                for dropped in adm.dropped {
+                    self.lose(dropped, LossCause::ShipperSpoolFull, 0, now);
+                }
+            }
+            // Loss records wait in the open P1 lane; cut it now so they go out promptly.
+            if std::mem::take(&mut self.pending_loss_records)
+                && let Some(b) = self.batcher.flush_lane(Class::P1)
+            {
+                self.cut.push(b);
+            }
+            if self.cut.is_empty() {
+                break;
+            }
+        }
+    }
+
+    /// A batch that will not be delivered: one loss record per stream it held. The
+    /// shipper's own P1 frames are not turned into loss records about themselves (that
+    /// could loop); they are counted in the running totals every envelope carries.
+    fn lose(&mut self, b: Batch, cause: LossCause, reason: u16, now: u64) {
+        let slot = cause.drop_slot().unwrap_or(0);
+        self.batcher.note_loss(cause, u64::from(b.frames));
+        if b.lane == Class::P1 {
+            self.stats.own_frames_lost += u64::from(b.frames);
+        } else {
+            self.stats.frames_lost[slot] += u64::from(b.frames);
+            match lost_ranges(&b.bytes, cause, reason) {
+                Ok(ranges) => {
+                    for r in ranges {
+                        let seq = self.next_p1_seq();
+                        let f = r.to_frame(SHIPPER_STREAM, seq, r.last_ts);
+                        self.push_own(f.as_bytes(), now);
+                        self.stats.loss_records += 1;
+                        self.pending_loss_records = true;
+                    }
+                }
+                // Only if the spool's own bytes were corrupted; counted, never silent.
+                Err(_) => self.stats.loss_record_errors += 1,
+            }
+        }
+        self.batcher.recycle(b.bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto_flat::batch::BatchView;
+    use proto_flat::decode::Frame;
+    use proto_flat::sample;
+    use proto_flat::sections::Section;
+
+    const MS: u64 = 1_000_000;
+
+    fn bulk(cpu: u16, seq: u64) -> Vec<u8> {
+        sample::bulk_packet(StreamId::new(Class::P2, 1, cpu), seq, seq).as_bytes().to_vec()
+    }
+
+    fn core(spool_cap: usize) -> ShipperCore {
+        let config = CoreConfig {
+            batcher: BatcherConfig { max_batch_bytes: 48 * 10, flush_interval_ns: 5 * MS, pool_size: 4 },
+            spool: SpoolConfig { cap_bytes: spool_cap, p0_reserve_bytes: 1000, p1_reserve_bytes: 4000 },
+            heartbeat_interval_ns: 1000 * MS,
+            bulk_window_bytes: 1 << 20,
+        };
+        ShipperCore::new(config, SessionMeta { node_id: 5, epoch: 1, shipper_session: 2 }, 0)
+    }
+
+    /// Sends everything and returns the sent batches' bytes.
+    fn transmit(c: &mut ShipperCore) -> Vec<Vec<u8>> {
+        std::iter::from_fn(|| c.poll_transmit().map(|(_, _, b)| b.to_vec())).collect()
+    }
+
+    fn frames_of<'a>(batches: &'a [Vec<u8>]) -> impl Iterator<Item = Frame<'a>> {
+        batches.iter().flat_map(|b| BatchView::parse(b).unwrap().frames().map(Result::unwrap))
+    }
+
+    #[test]
+    fn every_frame_is_acked_or_named_in_a_loss_record() {
+        // A spool with room for ~4 bulk batches beyond the reserves.
+        let mut c = core(5000 + 4 * 700);
+        for seq in 0..200 {
+            c.handle_frame(&bulk(0, seq), seq * MS / 10);
+        }
+        c.flush(100 * MS);
+        let sent = transmit(&mut c);
+        let delivered: Vec<u64> = frames_of(&sent)
+            .filter(|f| f.header().stream().class_code() == Class::P2.code())
+            .map(|f| f.header().seq.get())
+            .collect();
+        let mut lost = 0;
+        for f in frames_of(&sent) {
+            if let Frame::LossRecord(r) = f {
+                assert_eq!(r.cause(), LossCause::ShipperSpoolFull);
+                lost += r.count.get();
+                assert!(r.batch_seq.get() > 0 && r.shipper_session.get() == 2);
+            }
+        }
+        assert!(lost > 0, "the spool overflowed");
+        assert_eq!(delivered.len() as u64 + lost, 200, "delivered + named lost = handed in");
+        let s = *c.stats();
+        assert_eq!(s.frames_lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
+        // The running totals in the last envelope carry the loss too.
+        let last = sent.iter().map(|b| BatchView::parse(b).unwrap()).max_by_key(|v| v.header.batch_seq.get()).unwrap();
+        assert_eq!(last.totals().lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
+        // Ack everything: the spool empties, the stats add up.
+        c.handle_ack(&[(1, u64::MAX)]);
+        assert!(c.spool().is_empty());
+        assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
+    }
+
+    #[test]
+    fn a_nacked_batch_becomes_rejected_loss_records_and_never_loops() {
+        let mut c = core(1 << 20);
+        for seq in 0..10 {
+            c.handle_frame(&bulk(3, seq), 0);
+        }
+        c.flush(MS);
+        let (_, poisoned, _) = c.poll_transmit().unwrap();
+        c.handle_nack(poisoned, NackReason::SummaryMismatch, 2 * MS);
+        let sent = transmit(&mut c);
+        let records: Vec<_> =
+            frames_of(&sent).filter_map(|f| if let Frame::LossRecord(r) = f { Some(*r) } else { None }).collect();
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].cause(), LossCause::Rejected);
+        assert_eq!(records[0].reason.get(), NackReason::SummaryMismatch.code());
+        assert_eq!((records[0].first_seq.get(), records[0].last_seq.get(), records[0].count.get()), (0, 9, 10));
+        c.reconnected();
+        let again = transmit(&mut c);
+        assert!(
+            again.iter().all(|b| BatchView::parse(b).unwrap().header.batch_seq.get() != poisoned),
+            "the nacked batch is gone"
+        );
+        assert_eq!(c.stats().batches_nacked, 1);
+    }
+
+    #[test]
+    fn heartbeats_carry_counters_spooled_through_and_state_also_when_idle() {
+        let mut c = core(1 << 20);
+        for seq in 0..3 {
+            c.handle_frame(&bulk(1, seq), 0);
+        }
+        let mut e = StreamEntry::new_zeroed();
+        e.stream_id = U32::new(StreamId::new(Class::P2, 1, 1).0);
+        e.attempted_seq = U64::new(3);
+        e.sampled_out = U64::new(7);
+        let counters = SourceCounters { epoch: 1, mono_ns: 900, streams: vec![e], progress: vec![] };
+        c.handle_counters(&counters, 1_000, MS);
+        let sent = transmit(&mut c);
+        let hb: Vec<_> =
+            frames_of(&sent).filter_map(|f| if let Frame::Heartbeat(h) = f { Some(h) } else { None }).collect();
+        assert_eq!(hb.len(), 1);
+        assert_eq!(hb[0].head.snapshot_ns.get(), 900);
+        let mut saw = (false, false);
+        for s in hb[0].sections() {
+            match s {
+                Section::Streams(es) => {
+                    let e = es.iter().next().unwrap();
+                    assert_eq!(e.spooled_through_seq.get(), 3);
+                    saw.0 = true;
+                }
+                Section::ShipperState(st) => {
+                    assert_eq!(st.iter().next().unwrap().spool_cap_bytes.get(), 1 << 20);
+                    saw.1 = true;
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(saw, (true, true));
+        // The bulk frames went out before (or with) the heartbeat: flushed first.
+        assert_eq!(frames_of(&sent).filter(|f| f.header().stream().class_code() == 2).count(), 3);
+        assert_eq!(c.batcher().totals().sampled_out, 7);
+        // Idle: the next heartbeat still comes, at the interval.
+        assert_eq!(c.poll_timeout(), 1001 * MS);
+        c.handle_timeout(2_000, 1001 * MS);
+        assert_eq!(c.stats().heartbeats, 2);
+    }
+
+    #[test]
+    fn abandon_reports_what_was_never_acked() {
+        let mut c = core(1 << 20);
+        for seq in 0..25 {
+            c.handle_frame(&bulk(0, seq), 0);
+        }
+        c.flush(MS);
+        let _ = transmit(&mut c);
+        c.handle_ack(&[(1, 1)]);
+        let u = c.abandon();
+        assert_eq!((u.batches, u.frames), (2, 15));
+        assert_eq!(u.frames_by_lane[2], 15);
+        assert_eq!(c.stats().frames_acked + u.frames, 25);
+        assert!(c.spool().is_empty());
+    }
+}

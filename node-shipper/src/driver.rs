@@ -1,0 +1,476 @@
+//! The I/O shell: a reader thread that never waits on the network, and a QUIC task that
+//! ships what the core spooled.
+//!
+//! - The **reader** (its own OS thread) polls the source and feeds the core; it takes
+//!   the core's lock for one poll at a time and never touches a socket, so a slow or
+//!   absent aggregator can only fill the spool (which evicts bulk with loss records),
+//!   never stall the ring. It also drives the core's timers (batch cuts, heartbeats),
+//!   so heartbeats continue while the network is down.
+//! - The **network task** connects with mutual TLS, opens the control stream, sends
+//!   each spooled batch on its own stream (priority by lane), applies acks and nacks,
+//!   and reconnects with capped exponential backoff and jitter; after a reconnect every
+//!   unacked batch is sent again (the aggregator dedups).
+//! - **Shutdown** (the future passed to [`run`] resolves, e.g. SIGTERM): reading stops,
+//!   a last heartbeat and every open batch are spooled, the network task keeps sending
+//!   until the spool is empty or `shutdown_deadline_ms` passed; what is left is
+//!   reported ([`Report::unflushed`]).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use proto_flat::control::{ControlMessage, parse_control};
+use ringwatch_transport::{CONTROL_PREFACE, TlsFiles, Tuning, close, lane_priority};
+use tokio::sync::{Notify, Semaphore, watch};
+
+use crate::config::ShipperConfig;
+use crate::core::backoff::Backoff;
+use crate::core::batcher::SessionMeta;
+use crate::core::spool::SpoolCounters;
+use crate::core::{CoreConfig, ShipperCore, ShipperStats, Unflushed};
+use crate::source::{Source, SourceEvent, SourceState};
+
+/// Why [`run`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ended {
+    /// The shutdown future resolved (SIGTERM).
+    Shutdown,
+    /// The (simulated) node died: nothing flushed.
+    NodeDead,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    pub ended: Ended,
+    pub node_name: String,
+    pub shipper_session: u64,
+    pub connections: u64,
+    /// Ring frames read from the source.
+    pub frames_in: u64,
+    /// Frames acked, all lanes, and per lane (P1 holds the shipper's own frames).
+    pub frames_acked: u64,
+    pub frames_acked_by_lane: [u64; 4],
+    pub own_frames_lost: u64,
+    pub frames_lost_spool_full: u64,
+    pub frames_lost_rejected: u64,
+    pub loss_records: u64,
+    pub heartbeats: u64,
+    pub batches_acked: u64,
+    pub batches_nacked: u64,
+    pub spool_evicted: u64,
+    pub spool_resent: u64,
+    /// Unacked when the shutdown deadline passed (given up, reported here).
+    pub unflushed_batches: u64,
+    pub unflushed_frames: u64,
+    pub unflushed_batches_by_lane: [u64; 4],
+    pub unflushed_frames_by_lane: [u64; 4],
+    /// Whether the spool emptied before the deadline.
+    pub flushed: bool,
+    #[serde(skip)]
+    pub stats: ShipperStats,
+    #[serde(skip)]
+    pub spool: SpoolCounters,
+}
+
+/// Errors before shipping starts.
+#[derive(Debug, thiserror::Error)]
+pub enum ShipperError {
+    #[error("transport: {0}")]
+    Transport(#[from] ringwatch_transport::TransportError),
+    #[error("server name {0:?} is not a valid DNS name")]
+    ServerName(String),
+}
+
+/// How to run: transport tuning, and test hooks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    pub tuning: Tuning,
+    /// Test hook: corrupt the stream summary of the first bulk batch with
+    /// `batch_seq ≥ n` as it is sent (the aggregator must nack it `summary_mismatch`).
+    #[doc(hidden)]
+    pub poison_bulk_batch_from: Option<u64>,
+}
+
+/// Process-wide counters the network side keeps.
+#[derive(Debug, Default)]
+struct NetCounters {
+    connections: AtomicU64,
+    protocol_errors: AtomicU64,
+}
+
+struct Shared {
+    core: Mutex<ShipperCore>,
+    /// Batches are ready, or the window opened.
+    ready: Notify,
+    start: Instant,
+    net: NetCounters,
+    /// The poison hook, cleared once used.
+    poison_from: Mutex<Option<u64>>,
+}
+
+impl Shared {
+    fn core(&self) -> MutexGuard<'_, ShipperCore> {
+        self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// A new shipper session id: unique per process start (time and pid mixed).
+#[must_use]
+pub fn new_session_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish().max(1)
+}
+
+/// The core's configuration from the shipper's.
+#[must_use]
+pub fn core_config(cfg: &ShipperConfig, tuning: &Tuning) -> CoreConfig {
+    CoreConfig {
+        batcher: cfg.batcher,
+        spool: cfg.spool,
+        heartbeat_interval_ns: cfg.heartbeat_interval_ms * 1_000_000,
+        bulk_window_bytes: usize::try_from(tuning.bulk_window_bytes).unwrap_or(usize::MAX),
+    }
+}
+
+/// Ships `source` to the configured aggregator until `shutdown` resolves or the source's
+/// node dies.
+///
+/// # Errors
+/// TLS material that does not load, or a socket that cannot be bound.
+pub async fn run(
+    cfg: &ShipperConfig,
+    options: RunOptions,
+    source: Box<dyn Source>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Report, ShipperError> {
+    let tuning = options.tuning;
+    let files = TlsFiles { ca: &cfg.ca, cert: &cfg.cert, key: &cfg.key };
+    let client = ringwatch_transport::client_config(files, &tuning)?;
+    let bind: SocketAddr =
+        if cfg.aggregator.is_ipv6() { SocketAddr::from(([0u16; 8], 0)) } else { SocketAddr::from(([0u8; 4], 0)) };
+    let mut endpoint = tuning.endpoint(bind, None)?;
+    endpoint.set_default_client_config(client);
+    rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
+        .map_err(|_| ShipperError::ServerName(cfg.server_name.clone()))?;
+
+    let session = new_session_id();
+    let meta = SessionMeta { node_id: proto_flat::node_id_of(&cfg.node_name), epoch: 0, shipper_session: session };
+    let shared = Arc::new(Shared {
+        core: Mutex::new(ShipperCore::new(core_config(cfg, &tuning), meta, 0)),
+        ready: Notify::new(),
+        start: Instant::now(),
+        net: NetCounters::default(),
+        poison_from: Mutex::new(options.poison_bulk_batch_from),
+    });
+    tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
+
+    // Reader thread.
+    let stop_reading = Arc::new(AtomicBool::new(false));
+    let (reader_done_tx, mut reader_done_rx) = watch::channel(false);
+    let reader = {
+        let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop_reading));
+        std::thread::Builder::new()
+            .name("ring-reader".into())
+            .spawn(move || {
+                let r = reader_loop(source, &shared, &stop);
+                let _ = reader_done_tx.send(true);
+                r
+            })
+            .map_err(|e| {
+                ShipperError::Transport(ringwatch_transport::TransportError::Socket { addr: bind, source: e })
+            })?
+    };
+
+    // Network task.
+    let (stop_net_tx, stop_net_rx) = watch::channel(false);
+    let net = tokio::spawn(network(
+        endpoint.clone(),
+        cfg.aggregator,
+        cfg.server_name.clone(),
+        Arc::clone(&shared),
+        stop_net_rx,
+    ));
+
+    let ended = tokio::select! {
+        () = shutdown => Ended::Shutdown,
+        _ = reader_done_rx.wait_for(|d| *d) => Ended::NodeDead,
+    };
+    stop_reading.store(true, Ordering::Relaxed);
+    let (source, state) = tokio::task::spawn_blocking(move || reader.join()).await.ok().and_then(Result::ok).unzip();
+    let ended = if state == Some(SourceState::NodeDead) { Ended::NodeDead } else { ended };
+
+    let mut flushed = true;
+    if ended == Ended::Shutdown {
+        // A last heartbeat with the final counters, every open batch spooled, then send
+        // until the spool is empty or the deadline passes.
+        {
+            let now = shared.now();
+            let mut core = shared.core();
+            if let Some(src) = &source {
+                let counters = src.counters().clone();
+                core.handle_counters(&counters, src.node_mono_ns(), now);
+            }
+            core.flush(now);
+        }
+        shared.ready.notify_one();
+        let deadline = Instant::now() + Duration::from_millis(cfg.shutdown_deadline_ms);
+        while !shared.core().spool().is_empty() {
+            if Instant::now() >= deadline {
+                flushed = false;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    } else {
+        flushed = false;
+    }
+    let _ = stop_net_tx.send(true);
+    let _ = net.await;
+    let code = if ended == Ended::Shutdown { close::SHUTDOWN } else { close::PROTOCOL };
+    endpoint.close(code.into(), b"shipper stopping");
+    let _ = tokio::time::timeout(Duration::from_millis(500), endpoint.wait_idle()).await;
+
+    let mut core = shared.core();
+    let unflushed: Unflushed = if ended == Ended::Shutdown { core.abandon() } else { core.unacked() };
+    let stats = *core.stats();
+    let spool = *core.spool().counters();
+    let slot = |c: proto_flat::LossCause| c.drop_slot().and_then(|s| stats.frames_lost.get(s).copied()).unwrap_or(0);
+    Ok(Report {
+        ended,
+        node_name: cfg.node_name.clone(),
+        shipper_session: session,
+        connections: shared.net.connections.load(Ordering::Relaxed),
+        frames_in: stats.frames_in,
+        frames_acked: stats.frames_acked,
+        frames_acked_by_lane: stats.frames_acked_by_lane,
+        own_frames_lost: stats.own_frames_lost,
+        frames_lost_spool_full: slot(proto_flat::LossCause::ShipperSpoolFull),
+        frames_lost_rejected: slot(proto_flat::LossCause::Rejected),
+        loss_records: stats.loss_records,
+        heartbeats: stats.heartbeats,
+        batches_acked: stats.batches_acked,
+        batches_nacked: stats.batches_nacked,
+        spool_evicted: spool.evicted,
+        spool_resent: spool.resent,
+        unflushed_batches: unflushed.batches,
+        unflushed_frames: unflushed.frames,
+        unflushed_batches_by_lane: unflushed.batches_by_lane,
+        unflushed_frames_by_lane: unflushed.frames_by_lane,
+        flushed,
+        stats,
+        spool,
+    })
+}
+
+/// Reads until told to stop or the node dies; returns the source (for the final
+/// counters) and its last state.
+fn reader_loop(mut source: Box<dyn Source>, shared: &Shared, stop: &AtomicBool) -> (Box<dyn Source>, SourceState) {
+    let mut state = SourceState::Running;
+    while !stop.load(Ordering::Relaxed) {
+        let now = shared.now();
+        let mono = source.node_mono_ns();
+        let mut events = 0usize;
+        {
+            let mut core = shared.core();
+            state = source.poll(16_384, &mut |ev| {
+                events += 1;
+                match ev {
+                    SourceEvent::Frame(f) => core.handle_frame(f, now),
+                    SourceEvent::Epoch(e) => core.handle_epoch(&e, now),
+                    SourceEvent::Counters(c) => core.handle_counters(c, mono, now),
+                }
+            });
+            if state == SourceState::NodeDead {
+                break;
+            }
+            if state == SourceState::Finished && now >= core.next_heartbeat_ns() {
+                // A finished source's counters stay exact: nothing more will be
+                // attempted, so they hold as of now (and the watermarks move on).
+                let mut c = source.counters().clone();
+                c.mono_ns = mono;
+                core.handle_counters(&c, mono, now);
+            }
+            if now >= core.poll_timeout() {
+                core.handle_timeout(mono, now);
+            }
+        }
+        shared.ready.notify_one();
+        if events < 16 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    (source, state)
+}
+
+async fn network(
+    endpoint: quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: String,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut backoff = Backoff::new(100, 5_000);
+    let mut rng_state = new_session_id();
+    while !*stop.borrow() {
+        let attempt = endpoint.connect(addr, &server_name);
+        let conn = match attempt {
+            Ok(connecting) => tokio::select! {
+                c = connecting => c.map_err(|e| e.to_string()),
+                _ = stop.changed() => return,
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        match conn {
+            Ok(conn) => {
+                backoff.reset();
+                shared.net.connections.fetch_add(1, Ordering::Relaxed);
+                shared.core().reconnected();
+                tracing::info!(%addr, "connected");
+                let why = connection(&conn, &shared, &mut stop).await;
+                tracing::info!(%addr, reason = %why, "connection ended");
+                if *stop.borrow() {
+                    return;
+                }
+            }
+            Err(e) => tracing::warn!(%addr, error = %e, "connect failed"),
+        }
+        // xorshift for the jitter draw: no shared RNG needed for a reconnect delay.
+        rng_state ^= rng_state << 13;
+        rng_state ^= rng_state >> 7;
+        rng_state ^= rng_state << 17;
+        #[allow(clippy::cast_precision_loss, reason = "a uniform draw needs 53 bits")]
+        let unit = (rng_state >> 11) as f64 / (1u64 << 53) as f64;
+        let delay = Duration::from_millis(backoff.next_ms(unit));
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Runs one connection until it fails or the shipper stops; returns why it ended.
+async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut watch::Receiver<bool>) -> String {
+    let (mut ctl_send, ctl_recv) = match conn.open_bi().await {
+        Ok(s) => s,
+        Err(e) => return e.to_string(),
+    };
+    if let Err(e) = ctl_send.write_all(&CONTROL_PREFACE).await {
+        return e.to_string();
+    }
+    let reader = tokio::spawn(control_reader(ctl_recv, Arc::clone(shared), conn.clone()));
+    let streams = Arc::new(Semaphore::new(512));
+    let why = loop {
+        let next = {
+            let mut core = shared.core();
+            core.poll_transmit().map(|(lane, seq, bytes)| (lane, seq, bytes.to_vec()))
+        };
+        if let Some((lane, seq, mut bytes)) = next {
+            poison_hook(shared, lane, seq, &mut bytes);
+            let Ok(permit) = Arc::clone(&streams).acquire_owned().await else { break "closed".to_owned() };
+            let conn = conn.clone();
+            tokio::spawn(async move {
+                // A failure leaves the batch unacked in the spool; it is sent again
+                // after the reconnect.
+                if let Ok(mut s) = conn.open_uni().await {
+                    let _ = s.set_priority(lane_priority(lane));
+                    if s.write_all(&bytes).await.is_ok() {
+                        let _ = s.finish();
+                    }
+                }
+                drop(permit);
+            });
+            continue;
+        }
+        tokio::select! {
+            () = shared.ready.notified() => {}
+            e = conn.closed() => break e.to_string(),
+            _ = stop.changed() => break "stopping".to_owned(),
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    };
+    reader.abort();
+    why
+}
+
+/// The test hook: one bulk batch goes out with a stream summary that disagrees with its
+/// frames (CRC resealed, so only the summary check can catch it).
+fn poison_hook(shared: &Shared, lane: proto_flat::Class, seq: u64, bytes: &mut [u8]) {
+    let mut hook = shared.poison_from.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(from) = *hook else { return };
+    if lane != proto_flat::Class::P2 || seq < from {
+        return;
+    }
+    let Ok(view) = proto_flat::batch::BatchView::parse(bytes) else { return };
+    let entries_at = usize::from(view.header.header_len.get())
+        + view.payload.len()
+        + size_of::<proto_flat::sections::SectionHeader>();
+    // StreamSummaryEntry.frame_count is the u32 at offset 4.
+    if let Some(count) = bytes.get_mut(entries_at + 4) {
+        *count = count.wrapping_add(1);
+        proto_flat::batch::reseal(bytes);
+        *hook = None;
+        tracing::warn!(batch_seq = seq, "test hook: poisoned this batch's stream summary");
+    }
+}
+
+/// Applies `hello`, `ack` and `nack` messages from the control stream.
+async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: quinn::Connection) {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    loop {
+        let chunk = match recv.read_chunk(64 * 1024, true).await {
+            Ok(Some(c)) => c,
+            Ok(None) | Err(_) => return,
+        };
+        buf.extend_from_slice(&chunk.bytes);
+        let mut used = 0;
+        loop {
+            let rest = buf.get(used..).unwrap_or(&[]);
+            match parse_control(rest) {
+                Ok(Some((msg, n))) => {
+                    used += n;
+                    let now = shared.now();
+                    let mut core = shared.core();
+                    match msg {
+                        ControlMessage::Hello { aggregator_instance, aggregator_epoch } => {
+                            core.handle_hello(aggregator_instance, aggregator_epoch);
+                        }
+                        ControlMessage::Ack { shipper_session, ranges: r, .. } => {
+                            if shipper_session == core.batcher().meta().shipper_session {
+                                ranges.clear();
+                                ranges.extend(r.iter().map(|x| (x.first.get(), x.last.get())));
+                                core.handle_ack(&ranges);
+                            }
+                        }
+                        ControlMessage::Nack { shipper_session, batch_seq, reason } => {
+                            if shipper_session == core.batcher().meta().shipper_session {
+                                core.handle_nack(batch_seq, reason, now);
+                            }
+                        }
+                        ControlMessage::Unknown { .. } => {}
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    shared.net.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "bad control message; closing the connection");
+                    conn.close(close::PROTOCOL.into(), b"bad control message");
+                    return;
+                }
+            }
+        }
+        buf.drain(..used);
+        shared.ready.notify_one();
+    }
+}

@@ -1,0 +1,259 @@
+//! node-shipper → aggregator over real QUIC and real mutual TLS on loopback (issue 7).
+//!
+//! Tests are named `net_*`: they run one at a time (nextest group `network-timing`),
+//! because their timers are real.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use aggregator::api::dto::{NodesDto, VerdictsDto};
+use aggregator::{Aggregator, AggregatorConfig};
+use loadgen_sim::sim::{EpochInfo, Sink, Snapshot};
+use loadgen_sim::{GroundTruth, Scenario, SimOptions, Simulation, builtin};
+use node_shipper::config::Source;
+use node_shipper::driver::{self, Report, RunOptions};
+use node_shipper::source::SimSource;
+use ringwatch_core::MatcherConfig;
+use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config};
+use tokio::sync::oneshot;
+
+struct Discard;
+
+impl Sink for Discard {
+    fn frame(&mut self, _: u32, _: &[u8]) {}
+    fn snapshot(&mut self, _: u32, _: &Snapshot<'_>) {}
+    fn epoch(&mut self, _: u32, _: &EpochInfo) {}
+}
+
+/// The generator's own account of the run (the same seed and options as the shippers'
+/// simulators, which are deterministic).
+fn truth(s: &Scenario, options: SimOptions) -> GroundTruth {
+    let mut sim = Simulation::new(s, options).expect("scenario");
+    sim.run(&mut Discard);
+    sim.ground_truth()
+}
+
+fn matcher_config(s: &Scenario) -> MatcherConfig {
+    MatcherConfig {
+        stuck_min_ns: s.timers.stuck_deadline_ms * 1_000_000,
+        join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
+        ..MatcherConfig::default()
+    }
+}
+
+/// A truth outcome and a verdict outcome agree: the same name, or a completion the
+/// aggregator could only infer because the rank's completion frames were lost.
+fn agrees(truth: &str, verdict: &str, lost_frames: u32) -> bool {
+    let base = |s: &str| s.split('(').next().unwrap_or("").to_owned();
+    base(truth) == base(verdict) || (truth == "completed" && verdict == "completed_inferred" && lost_frames > 0)
+}
+
+/// Runs `nodes` shippers (simulator sources, one per node, sharing one start instant)
+/// into one aggregator; returns the aggregator (still running) and the shippers'
+/// shutdown handles.
+async fn cluster(
+    dir: &TempDir,
+    s: &Scenario,
+    options: SimOptions,
+    agg_config: impl FnOnce(AggregatorConfig) -> AggregatorConfig,
+    run_options: impl Fn(u32) -> RunOptions,
+) -> (Aggregator, Vec<(oneshot::Sender<()>, tokio::task::JoinHandle<Report>)>) {
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let mut cfg = AggregatorConfig::local(&set);
+    cfg.matcher = matcher_config(s);
+    let agg = Aggregator::start(agg_config(cfg)).await.expect("aggregator starts");
+    let start = Instant::now();
+    let mut shippers = Vec::new();
+    for node in 0..s.cluster.nodes {
+        let source = SimSource::new(s, options, node, start).expect("sim source");
+        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
+        let cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
+        let (tx, rx) = oneshot::channel::<()>();
+        let opts = run_options(node);
+        let task = tokio::spawn(async move {
+            driver::run(&cfg, opts, Box::new(source), async {
+                let _ = rx.await;
+            })
+            .await
+            .expect("shipper runs")
+        });
+        shippers.push((tx, task));
+    }
+    (agg, shippers)
+}
+
+async fn stop(shippers: Vec<(oneshot::Sender<()>, tokio::task::JoinHandle<Report>)>) -> Vec<Report> {
+    let mut reports = Vec::new();
+    for (tx, task) in shippers {
+        let _ = tx.send(());
+        reports.push(task.await.expect("shipper task"));
+    }
+    reports
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_eight_shippers_from_the_simulator_match_ground_truth() {
+    let dir = TempDir::new("e2e8");
+    let s = builtin::builtin("seed-case").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let truth = truth(&s, options);
+    let decidable: u64 = truth
+        .collectives
+        .iter()
+        .filter(|c| c.comm_op_seq > 0)
+        .map(|c| c.ranks.iter().filter(|r| r.decidable).count() as u64)
+        .sum();
+    let (agg, shippers) = cluster(&dir, &s, options, |c| c, |_| RunOptions::default()).await;
+    let http = agg.http_addr;
+
+    // The run lasts the scenario's duration; then wait until the verdicts are final and
+    // every stream settled (bounded: the test fails rather than hangs).
+    tokio::time::sleep(Duration::from_millis(s.duration_ms)).await;
+    let settle_by = Instant::now() + Duration::from_secs(20);
+    loop {
+        let fin: VerdictsDto = get_json(http, "/v1/verdicts?final=true&limit=1").await;
+        let nodes: NodesDto = get_json(http, "/v1/nodes").await;
+        let unsettled: u64 = nodes.nodes.iter().flat_map(|n| &n.streams).map(|x| x.pending + x.in_transit).sum();
+        if (fin.total >= decidable && unsettled == 0) || Instant::now() > settle_by {
+            println!(
+                "settled {} ms after the run: {} final verdicts, {unsettled} seqs unsettled",
+                s.duration_ms, fin.total
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let nodes: NodesDto = get_json(http, "/v1/nodes").await;
+    let verdicts: VerdictsDto = get_json(http, "/v1/verdicts?limit=100000").await;
+    let reports = stop(shippers).await;
+    agg.shutdown();
+
+    // Every shipper flushed everything; nothing was nacked.
+    for r in &reports {
+        assert!(r.flushed, "{} did not flush: {r:?}", r.node_name);
+        assert_eq!(r.batches_nacked, 0, "{}", r.node_name);
+        assert_eq!(r.frames_lost_spool_full, 0, "{}", r.node_name);
+    }
+
+    // Per stream: delivered + lost + sampled_out = generated, and each term equals the
+    // generator's own count.
+    let by_name: BTreeMap<&str, _> = nodes.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let mut streams_checked = 0;
+    let mut kernel_lost = 0;
+    for t in &truth.streams {
+        let name = aggregator::certs::node_name(t.node);
+        let node = by_name.get(name.as_str()).unwrap_or_else(|| panic!("{name} missing from /v1/nodes"));
+        let got = node
+            .streams
+            .iter()
+            .find(|x| x.epoch == t.epoch && x.stream_id == t.stream_id)
+            .unwrap_or_else(|| panic!("{name} stream {:#x} epoch {} missing", t.stream_id, t.epoch));
+        let lost: u64 = t.dropped.values().sum();
+        assert_eq!(got.received, t.delivered, "{name} stream {:#x}: received", t.stream_id);
+        assert_eq!(got.lost, t.dropped, "{name} stream {:#x}: lost by cause", t.stream_id);
+        assert_eq!(got.sampled_out, t.sampled_out, "{name} stream {:#x}: sampled out", t.stream_id);
+        assert_eq!(got.received + got.lost_total + got.sampled_out, t.generated, "{name} {:#x}", t.stream_id);
+        assert_eq!((got.pending, got.in_transit), (0, 0), "{name} {:#x} settled", t.stream_id);
+        streams_checked += 1;
+        kernel_lost += lost;
+    }
+    assert!(streams_checked >= 8 * 4, "{streams_checked} streams");
+    assert!(kernel_lost > 0, "the scenario's P0 overflow dropped frames");
+
+    // Health per node equals the truth: node 3 healthy_lossy (never degraded).
+    for n in &truth.nodes {
+        let got = by_name.get(n.name.as_str()).map(|x| x.health.as_str());
+        assert_eq!(got, Some(n.health.as_str()), "{} health", n.name);
+    }
+
+    // Every decidable rank of every collective has a final verdict that agrees.
+    let by_key: BTreeMap<(String, u64, u32), _> =
+        verdicts.verdicts.iter().map(|v| ((v.op.comm.clone(), v.op.seq, v.rank), v)).collect();
+    let missing: Vec<_> = truth
+        .collectives
+        .iter()
+        .filter(|c| c.comm_op_seq > 0)
+        .flat_map(|c| c.ranks.iter().filter(|r| r.decidable).map(move |r| (c, r)))
+        .filter(|(c, r)| !by_key.contains_key(&(format!("{:016x}", c.comm_hash), c.comm_op_seq, r.rank)))
+        .map(|(c, r)| (c.comm.clone(), c.comm_op_seq, r.rank, c.sched_ms))
+        .collect();
+    if !missing.is_empty() {
+        for n in &nodes.nodes {
+            println!(
+                "{} wm_p0 {} wm_bulk {} offset {:?} eps {:?}",
+                n.name, n.watermark_p0_node_ns, n.watermark_bulk_node_ns, n.clock_offset_ns, n.clock_epsilon_ns
+            );
+        }
+        let ops: std::collections::BTreeSet<_> =
+            missing.iter().map(|m| (format!("{:.0} ms", m.3), m.0.clone(), m.1)).collect();
+        panic!("{} of {decidable} rank verdicts missing, ops {ops:?}", missing.len());
+    }
+    let (mut checked, mut inferred) = (0, 0);
+    for c in truth.collectives.iter().filter(|c| c.comm_op_seq > 0) {
+        for r in c.ranks.iter().filter(|r| r.decidable) {
+            let key = (format!("{:016x}", c.comm_hash), c.comm_op_seq, r.rank);
+            let v = by_key.get(&key).unwrap_or_else(|| panic!("no verdict for {key:?} (truth {})", r.outcome));
+            assert!(v.is_final, "{key:?} not final: {}", v.outcome);
+            assert!(
+                agrees(&r.outcome, &v.outcome, r.lost_frames),
+                "{key:?}: truth {} verdict {}",
+                r.outcome,
+                v.outcome
+            );
+            if v.outcome == "completed_inferred" {
+                inferred += 1;
+                assert!(v.tags.iter().any(|t| t == "telemetry_loss"), "{key:?} inferred without telemetry_loss");
+            }
+            checked += 1;
+        }
+    }
+    println!("{checked} rank verdicts agree with the truth ({inferred} inferred through telemetry loss)");
+    for r in &reports {
+        println!(
+            "{}: frames {} acked {} batches {} heartbeats {} connections {}",
+            r.node_name, r.frames_in, r.frames_acked, r.batches_acked, r.heartbeats, r.connections
+        );
+    }
+    assert!(checked > 1000, "{checked}");
+    assert!(inferred > 0, "node 3's lost completions were inferred");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_a_poisoned_batch_is_nacked_accounted_as_rejected_and_flow_continues() {
+    let dir = TempDir::new("poison");
+    let s = builtin::builtin("pipeline-p2p").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let (agg, shippers) = cluster(
+        &dir,
+        &s,
+        options,
+        |c| c,
+        |node| RunOptions { poison_bulk_batch_from: (node == 1).then_some(20), ..RunOptions::default() },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(s.duration_ms + 2500)).await;
+    let nodes: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
+    let reports = stop(shippers).await;
+    let rejected = agg.shared.counters.rejected();
+    agg.shutdown();
+    let truth = truth(&s, options);
+
+    let poisoned = &reports[1];
+    assert_eq!(poisoned.batches_nacked, 1, "{poisoned:?}");
+    assert!(poisoned.frames_lost_rejected > 0);
+    assert_eq!(rejected.get(&6).copied(), Some(1), "one summary_mismatch (code 6) rejection: {rejected:?}");
+    assert!(poisoned.flushed, "the shipper kept flowing and flushed the rest");
+    // Exact accounting on every stream of every node: the nacked batch's frames are
+    // `rejected`, every other frame received.
+    let mut rejected_seen = 0;
+    for t in &truth.streams {
+        let name = aggregator::certs::node_name(t.node);
+        let node = nodes.nodes.iter().find(|n| n.name == name).expect("node");
+        let got = node.streams.iter().find(|x| x.epoch == t.epoch && x.stream_id == t.stream_id).expect("stream");
+        let r = got.lost.get("rejected").copied().unwrap_or(0);
+        rejected_seen += r;
+        assert_eq!(got.received + r, t.delivered, "{name} {:#x}", t.stream_id);
+        assert_eq!(got.received + got.lost_total + got.sampled_out, t.generated, "{name} {:#x}", t.stream_id);
+    }
+    assert_eq!(rejected_seen, poisoned.frames_lost_rejected, "the aggregator counts what the shipper reported");
+}

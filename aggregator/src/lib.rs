@@ -12,6 +12,7 @@
 pub mod api;
 pub mod certs;
 pub mod ingest;
+pub mod snapshots;
 pub mod state;
 
 use std::hash::{BuildHasher, Hasher};
@@ -44,8 +45,13 @@ pub struct AggregatorConfig {
     pub matcher: MatcherConfig,
     /// Verdicts kept (latest per op and rank); the oldest ops are evicted beyond it.
     pub verdict_cap: usize,
-    /// Test hook: never send acks (shippers' spools then hold every batch).
+    /// Test hook: never send acks (shippers' spools then hold every batch) …
     pub hold_acks: bool,
+    /// … or only from this long after start.
+    pub hold_acks_after_ms: Option<u64>,
+    /// Where the core is snapshotted, and restored from at start (none: no snapshots).
+    pub snapshot_path: Option<PathBuf>,
+    pub snapshot_interval_ms: u64,
 }
 
 impl AggregatorConfig {
@@ -63,6 +69,9 @@ impl AggregatorConfig {
             matcher: MatcherConfig::default(),
             verdict_cap: 1_000_000,
             hold_acks: false,
+            hold_acks_after_ms: None,
+            snapshot_path: None,
+            snapshot_interval_ms: 10_000,
         }
     }
 }
@@ -74,6 +83,8 @@ pub enum StartError {
     Transport(#[from] ringwatch_transport::TransportError),
     #[error("HTTP listener {addr}: {source}")]
     Http { addr: SocketAddr, source: std::io::Error },
+    #[error("snapshot: {0}")]
+    Snapshot(#[from] snapshots::SnapshotFileError),
 }
 
 /// A running aggregator.
@@ -101,14 +112,29 @@ impl Aggregator {
             StartError::Transport(ringwatch_transport::TransportError::Socket { addr: cfg.listen, source })
         })?;
         let instance = std::collections::hash_map::RandomState::new().build_hasher().finish();
-        let core = Core::new(cfg.ingest, cfg.matcher, 0);
-        let shared = Arc::new(Shared::new(core, instance, 1, cfg.verdict_cap, cfg.hold_acks));
+        let restored = match &cfg.snapshot_path {
+            Some(p) => snapshots::load(p)?,
+            None => None,
+        };
+        let hold = if cfg.hold_acks { Some(0) } else { cfg.hold_acks_after_ms.map(|ms| ms * 1_000_000) };
+        let shared = Arc::new(match restored {
+            Some(r) => {
+                tracing::info!(epoch = r.epoch, snapshot_ns = r.snapshot_ns, "restored from snapshot");
+                let hold = hold.map(|h| h.saturating_add(r.now_ns));
+                let mut s = Shared::new(r.core, instance, r.epoch, cfg.verdict_cap, hold);
+                s.base_ns = r.now_ns;
+                s.restored = true;
+                s.restore_verdicts(r.verdicts);
+                s
+            }
+            None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), instance, 1, cfg.verdict_cap, hold),
+        });
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let http_addr = listener.local_addr().map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let router = api::router(Arc::clone(&shared));
-        let tasks = vec![
+        let mut tasks = vec![
             tokio::spawn(ingest::serve(endpoint.clone(), Arc::clone(&shared))),
             tokio::spawn(timers(Arc::clone(&shared))),
             tokio::spawn(async move {
@@ -117,6 +143,9 @@ impl Aggregator {
                 }
             }),
         ];
+        if let Some(path) = cfg.snapshot_path.clone() {
+            tasks.push(tokio::spawn(snapshot_loop(Arc::clone(&shared), path, cfg.snapshot_interval_ms)));
+        }
         Ok(Self { quic_addr, http_addr, shared, endpoint, tasks })
     }
 
@@ -125,6 +154,36 @@ impl Aggregator {
         self.endpoint.close(ringwatch_transport::close::SHUTDOWN.into(), b"aggregator shutting down");
         for t in &self.tasks {
             t.abort();
+        }
+    }
+}
+
+/// Writes a snapshot every `interval_ms` (the core's lock is held only while it is
+/// serialized; the file is written after).
+async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
+    let mut tick = tokio::time::interval(Duration::from_millis(interval_ms.max(10)));
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let shared2 = Arc::clone(&shared);
+        let path2 = path.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            let now = shared2.now();
+            let verdicts: Vec<_> = shared2.verdicts().by_key.values().cloned().collect();
+            let core = shared2.core();
+            snapshots::save(&path2, &core, &verdicts, now, shared2.epoch)
+        })
+        .await;
+        match result {
+            Ok(Ok(bytes)) => {
+                state::Counters::inc(&shared.counters.snapshots_written);
+                shared.counters.last_snapshot_bytes.store(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(Err(e)) => {
+                state::Counters::inc(&shared.counters.snapshot_failures);
+                tracing::warn!(error = %e, "snapshot failed");
+            }
+            Err(_) => state::Counters::inc(&shared.counters.snapshot_failures),
         }
     }
 }

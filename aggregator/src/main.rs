@@ -54,8 +54,27 @@ fn command() -> Command {
                         .value_parser(value_parser!(PathBuf))
                         .help("server key (overrides --certs)"),
                 )
+                .arg(
+                    Arg::new("snapshot")
+                        .long("snapshot")
+                        .value_name("FILE")
+                        .value_parser(value_parser!(PathBuf))
+                        .help("snapshot the core here periodically, and restore from it at start"),
+                )
+                .arg(
+                    Arg::new("snapshot-interval-ms")
+                        .long("snapshot-interval-ms")
+                        .default_value("10000")
+                        .value_parser(value_parser!(u64).range(10..=3_600_000)),
+                )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
-                .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true)),
+                .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
+                .arg(
+                    Arg::new("test-hold-acks-after-ms")
+                        .long("test-hold-acks-after-ms")
+                        .value_parser(value_parser!(u64))
+                        .hide(true),
+                ),
         )
         .subcommand(
             Command::new("certs").about("certificate set-up").subcommand_required(true).subcommand(
@@ -116,6 +135,9 @@ fn main() -> ExitCode {
             cfg.listen = r.get_one::<SocketAddr>("listen").copied().unwrap_or(cfg.listen);
             cfg.http = r.get_one::<SocketAddr>("http").copied().unwrap_or(cfg.http);
             cfg.hold_acks = r.get_flag("test-hold-acks");
+            cfg.hold_acks_after_ms = r.get_one::<u64>("test-hold-acks-after-ms").copied();
+            cfg.snapshot_path = r.get_one::<PathBuf>("snapshot").cloned();
+            cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
             let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
                 Ok(rt) => rt,
                 Err(e) => {

@@ -35,6 +35,11 @@ pub struct Counters {
     pub verdicts_evicted: AtomicU64,
     /// Acks held back by the test hook.
     pub acks_held: AtomicU64,
+    /// Connections closed for too many rejected batches.
+    pub connections_closed_abuse: AtomicU64,
+    pub snapshots_written: AtomicU64,
+    pub snapshot_failures: AtomicU64,
+    pub last_snapshot_bytes: AtomicU64,
 }
 
 impl Counters {
@@ -77,6 +82,10 @@ pub struct Verdicts {
 #[derive(Debug)]
 pub struct Shared {
     pub started: Instant,
+    /// Aggregator time at `started` (0, or the restored snapshot's time plus downtime).
+    pub base_ns: u64,
+    /// Whether the state was restored from a snapshot.
+    pub restored: bool,
     core: Mutex<Core>,
     verdicts: Mutex<Verdicts>,
     pub nodes: DashMap<NodeId, NodeEntry>,
@@ -85,16 +94,19 @@ pub struct Shared {
     pub epoch: u64,
     /// How long a degraded verdict keeps a node degraded without new evidence.
     pub degraded_clear_ns: u64,
-    /// Test hook: withhold acks (the shipper's spool then holds every batch).
-    pub hold_acks: bool,
+    /// Test hook: withhold acks from this aggregator time on (the shippers' spools then
+    /// hold every batch applied since).
+    pub hold_acks_from_ns: Option<u64>,
 }
 
 impl Shared {
     /// Shared state around a fresh core.
     #[must_use]
-    pub fn new(core: Core, instance: u64, epoch: u64, verdict_cap: usize, hold_acks: bool) -> Self {
+    pub fn new(core: Core, instance: u64, epoch: u64, verdict_cap: usize, hold_acks_from_ns: Option<u64>) -> Self {
         Self {
             started: Instant::now(),
+            base_ns: 0,
+            restored: false,
             core: Mutex::new(core),
             verdicts: Mutex::new(Verdicts { by_key: BTreeMap::new(), cap: verdict_cap }),
             nodes: DashMap::new(),
@@ -102,14 +114,15 @@ impl Shared {
             instance,
             epoch,
             degraded_clear_ns: 300_000_000_000,
-            hold_acks,
+            hold_acks_from_ns,
         }
     }
 
-    /// Aggregator time: ns since start (the core's `now`).
+    /// Aggregator time (the core's `now`): ns since the first start, continued across
+    /// restarts from the snapshot.
     #[must_use]
     pub fn now(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        self.base_ns.saturating_add(u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
     /// The core, locked (a poisoned lock means a panic mid-update: the state is still the
@@ -121,6 +134,20 @@ impl Shared {
     /// The verdict store, locked.
     pub fn verdicts(&self) -> MutexGuard<'_, Verdicts> {
         self.verdicts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the ack-holding test hook is in force now.
+    #[must_use]
+    pub fn holding_acks(&self) -> bool {
+        self.hold_acks_from_ns.is_some_and(|t| self.now() >= t)
+    }
+
+    /// Puts restored verdicts back into the store.
+    pub fn restore_verdicts(&self, verdicts: Vec<Verdict>) {
+        let mut s = self.verdicts();
+        for v in verdicts {
+            s.by_key.insert((v.op, v.rank), v);
+        }
     }
 
     /// Moves the core's pending events into the verdict store.

@@ -28,6 +28,7 @@ use tokio::sync::{Notify, Semaphore, watch};
 use crate::config::ShipperConfig;
 use crate::core::backoff::Backoff;
 use crate::core::batcher::SessionMeta;
+use crate::core::shipper::{BatchEvent, LatencySummary};
 use crate::core::spool::SpoolCounters;
 use crate::core::{CoreConfig, ShipperCore, ShipperStats, Unflushed};
 use crate::source::{Source, SourceEvent, SourceState};
@@ -70,6 +71,13 @@ pub struct Report {
     pub unflushed_frames_by_lane: [u64; 4],
     /// Whether the spool emptied before the deadline.
     pub flushed: bool,
+    /// Batch latency, first frame in → ack, per lane.
+    pub latency_p0: LatencySummary,
+    pub latency_p1: LatencySummary,
+    pub latency_p2: LatencySummary,
+    /// Every batch's fate, when [`RunOptions::batch_log`] was set.
+    #[serde(skip)]
+    pub batch_log: Vec<BatchEvent>,
     #[serde(skip)]
     pub stats: ShipperStats,
     #[serde(skip)]
@@ -93,6 +101,8 @@ pub struct RunOptions {
     /// `batch_seq ≥ n` as it is sent (the aggregator must nack it `summary_mismatch`).
     #[doc(hidden)]
     pub poison_bulk_batch_from: Option<u64>,
+    /// Keep every batch's fate ([`Report::batch_log`]); tests.
+    pub batch_log: bool,
 }
 
 /// Process-wide counters the network side keeps.
@@ -140,6 +150,7 @@ pub fn core_config(cfg: &ShipperConfig, tuning: &Tuning) -> CoreConfig {
         spool: cfg.spool,
         heartbeat_interval_ns: cfg.heartbeat_interval_ms * 1_000_000,
         bulk_window_bytes: usize::try_from(tuning.bulk_window_bytes).unwrap_or(usize::MAX),
+        batch_log: false,
     }
 }
 
@@ -167,7 +178,11 @@ pub async fn run(
     let session = new_session_id();
     let meta = SessionMeta { node_id: proto_flat::node_id_of(&cfg.node_name), epoch: 0, shipper_session: session };
     let shared = Arc::new(Shared {
-        core: Mutex::new(ShipperCore::new(core_config(cfg, &tuning), meta, 0)),
+        core: Mutex::new(ShipperCore::new(
+            CoreConfig { batch_log: options.batch_log, ..core_config(cfg, &tuning) },
+            meta,
+            0,
+        )),
         ready: Notify::new(),
         start: Instant::now(),
         net: NetCounters::default(),
@@ -268,6 +283,10 @@ pub async fn run(
         unflushed_batches_by_lane: unflushed.batches_by_lane,
         unflushed_frames_by_lane: unflushed.frames_by_lane,
         flushed,
+        latency_p0: core.latency().summary(proto_flat::Class::P0),
+        latency_p1: core.latency().summary(proto_flat::Class::P1),
+        latency_p2: core.latency().summary(proto_flat::Class::P2),
+        batch_log: core.batch_log().0.to_vec(),
         stats,
         spool,
     })
@@ -365,6 +384,7 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
         Ok(s) => s,
         Err(e) => return e.to_string(),
     };
+    let _ = ctl_send.set_priority(ringwatch_transport::CONTROL_PRIORITY);
     if let Err(e) = ctl_send.write_all(&CONTROL_PREFACE).await {
         return e.to_string();
     }
@@ -450,7 +470,7 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
                             if shipper_session == core.batcher().meta().shipper_session {
                                 ranges.clear();
                                 ranges.extend(r.iter().map(|x| (x.first.get(), x.last.get())));
-                                core.handle_ack(&ranges);
+                                core.handle_ack(&ranges, now);
                             }
                         }
                         ControlMessage::Nack { shipper_session, batch_seq, reason } => {

@@ -113,3 +113,59 @@ pub async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &s
     assert_eq!(status, 200, "GET {path}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
 }
+
+/// A simulation sink that keeps nothing (for computing ground truth).
+#[derive(Debug)]
+pub struct Discard;
+
+impl loadgen_sim::sim::Sink for Discard {
+    fn frame(&mut self, _: u32, _: &[u8]) {}
+    fn snapshot(&mut self, _: u32, _: &loadgen_sim::sim::Snapshot<'_>) {}
+    fn epoch(&mut self, _: u32, _: &loadgen_sim::sim::EpochInfo) {}
+}
+
+/// The generator's own account of a run (the simulator is deterministic: the same
+/// scenario and options give what the shippers' simulators produced).
+///
+/// # Panics
+/// An invalid scenario.
+#[must_use]
+pub fn truth(s: &loadgen_sim::Scenario, options: loadgen_sim::SimOptions) -> loadgen_sim::GroundTruth {
+    let mut sim = loadgen_sim::Simulation::new(s, options).expect("scenario");
+    sim.run(&mut Discard);
+    sim.ground_truth()
+}
+
+/// A shipper running in process, and how to stop it.
+pub type Running = (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<node_shipper::driver::Report>);
+
+/// Runs a shipper in process until [`stop`].
+#[must_use]
+pub fn spawn_shipper(
+    cfg: ShipperConfig,
+    source: Box<dyn node_shipper::source::Source>,
+    opts: node_shipper::driver::RunOptions,
+) -> Running {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        node_shipper::driver::run(&cfg, opts, source, async {
+            let _ = rx.await;
+        })
+        .await
+        .expect("shipper runs")
+    });
+    (tx, task)
+}
+
+/// SIGTERM-equivalent for in-process shippers: each flushes and reports.
+///
+/// # Panics
+/// A shipper task that panicked.
+pub async fn stop(shippers: Vec<Running>) -> Vec<node_shipper::driver::Report> {
+    let mut out = Vec::new();
+    for (tx, task) in shippers {
+        let _ = tx.send(());
+        out.push(task.await.expect("shipper task"));
+    }
+    out
+}

@@ -8,30 +8,12 @@ use std::time::{Duration, Instant};
 
 use aggregator::api::dto::{NodesDto, VerdictsDto};
 use aggregator::{Aggregator, AggregatorConfig};
-use loadgen_sim::sim::{EpochInfo, Sink, Snapshot};
-use loadgen_sim::{GroundTruth, Scenario, SimOptions, Simulation, builtin};
+use loadgen_sim::{Scenario, SimOptions, builtin};
 use node_shipper::config::Source;
-use node_shipper::driver::{self, Report, RunOptions};
+use node_shipper::driver::RunOptions;
 use node_shipper::source::SimSource;
 use ringwatch_core::MatcherConfig;
-use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config};
-use tokio::sync::oneshot;
-
-struct Discard;
-
-impl Sink for Discard {
-    fn frame(&mut self, _: u32, _: &[u8]) {}
-    fn snapshot(&mut self, _: u32, _: &Snapshot<'_>) {}
-    fn epoch(&mut self, _: u32, _: &EpochInfo) {}
-}
-
-/// The generator's own account of the run (the same seed and options as the shippers'
-/// simulators, which are deterministic).
-fn truth(s: &Scenario, options: SimOptions) -> GroundTruth {
-    let mut sim = Simulation::new(s, options).expect("scenario");
-    sim.run(&mut Discard);
-    sim.ground_truth()
-}
+use ringwatch_tests::{Running, TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
 
 fn matcher_config(s: &Scenario) -> MatcherConfig {
     MatcherConfig {
@@ -57,7 +39,7 @@ async fn cluster(
     options: SimOptions,
     agg_config: impl FnOnce(AggregatorConfig) -> AggregatorConfig,
     run_options: impl Fn(u32) -> RunOptions,
-) -> (Aggregator, Vec<(oneshot::Sender<()>, tokio::task::JoinHandle<Report>)>) {
+) -> (Aggregator, Vec<Running>) {
     let set = cert_set(dir.path(), s.cluster.nodes);
     let mut cfg = AggregatorConfig::local(&set);
     cfg.matcher = matcher_config(s);
@@ -68,27 +50,9 @@ async fn cluster(
         let source = SimSource::new(s, options, node, start).expect("sim source");
         let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
         let cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
-        let (tx, rx) = oneshot::channel::<()>();
-        let opts = run_options(node);
-        let task = tokio::spawn(async move {
-            driver::run(&cfg, opts, Box::new(source), async {
-                let _ = rx.await;
-            })
-            .await
-            .expect("shipper runs")
-        });
-        shippers.push((tx, task));
+        shippers.push(spawn_shipper(cfg, Box::new(source), run_options(node)));
     }
     (agg, shippers)
-}
-
-async fn stop(shippers: Vec<(oneshot::Sender<()>, tokio::task::JoinHandle<Report>)>) -> Vec<Report> {
-    let mut reports = Vec::new();
-    for (tx, task) in shippers {
-        let _ = tx.send(());
-        reports.push(task.await.expect("shipper task"));
-    }
-    reports
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

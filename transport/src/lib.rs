@@ -269,6 +269,10 @@ pub fn name_of(cert: &CertificateDer<'_>) -> Result<String, IdentityError> {
     ee.valid_dns_names().next().map(str::to_owned).ok_or(IdentityError::NoDnsName)
 }
 
+/// Priority of the control stream: above every lane, so the preface, acks and nacks
+/// never wait behind bulk (quinn sends lower-priority data only when higher has none).
+pub const CONTROL_PRIORITY: i32 = 16;
+
 /// Stream priority of a lane (quinn: higher goes first among buffered data).
 #[must_use]
 pub fn lane_priority(lane: proto_flat::Class) -> i32 {

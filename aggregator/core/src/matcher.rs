@@ -355,6 +355,13 @@ impl CollectiveMatcher {
 
     // ---------------------------------------------------------------- getters
 
+    /// The aggregator's own knowledge gaps about `node` (aggregator/cluster ns): from a
+    /// restart's snapshot time to the node's first batch after it.
+    #[must_use]
+    pub fn knowledge_gaps(&self, node: NodeId) -> &[(u64, u64)] {
+        self.nodes.get(&node).map_or(&[], |n| n.knowledge_gaps.as_slice())
+    }
+
     /// Counters.
     #[must_use]
     pub fn stats(&self) -> &MatcherStats {
@@ -471,7 +478,13 @@ impl CollectiveMatcher {
                 n.p0_losses.push((l.id, l.from_node_ns, l.to_node_ns.max(l.from_node_ns)));
             }
             Record::KnowledgeGap(g) => {
-                self.nodes.entry(g.node).or_default().knowledge_gaps.push((g.from_ns, g.to_ns));
+                // A fresh start's "gap" (nothing known before the first batch, and nothing
+                // happened that we could have known) is empty of ops; keep the list short.
+                let gaps = &mut self.nodes.entry(g.node).or_default().knowledge_gaps;
+                if gaps.len() >= 64 {
+                    gaps.remove(0);
+                }
+                gaps.push((g.from_ns, g.to_ns));
             }
             _ => {}
         }

@@ -28,6 +28,36 @@ pub struct HealthzDto {
     pub aggregator_epoch: u64,
     pub uptime_ms: u64,
     pub nodes_connected: u64,
+    /// Whether this instance restored its state from a snapshot.
+    pub restored: bool,
+}
+
+/// `GET /v1/ingest`: what the transport and ingest counted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IngestDto {
+    pub api_version: String,
+    pub aggregator_epoch: u64,
+    pub connections: u64,
+    pub handshake_failures: u64,
+    pub identity_refused: u64,
+    pub node_mismatch: u64,
+    pub batches_applied: u64,
+    pub batches_duplicate: u64,
+    /// Rejected (nacked) batches by reason name.
+    pub rejected: BTreeMap<String, u64>,
+    pub stream_errors: u64,
+    pub protocol_errors: u64,
+    pub connections_closed_abuse: u64,
+    pub snapshots_written: u64,
+    pub snapshot_failures: u64,
+    pub last_snapshot_bytes: u64,
+    pub verdicts_evicted: u64,
+    /// The core's own counters (frames, duplicates, malformed frames, loss intervals).
+    pub frames: u64,
+    pub duplicate_frames: u64,
+    pub malformed_frames: u64,
+    pub loss_intervals: u64,
+    pub ops_inferred_from_seq_gap: u64,
 }
 
 /// `GET /v1/nodes`.
@@ -58,7 +88,19 @@ pub struct NodeDto {
     /// Cluster time = node time + offset, ± epsilon (absent before the first heartbeat).
     pub clock_offset_ns: Option<i64>,
     pub clock_epsilon_ns: Option<u64>,
+    /// The aggregator's own gaps in what it knows of this node (a restart: from the
+    /// snapshot's time to the node's first batch after it), aggregator ms.
+    pub knowledge_gaps: Vec<GapDto>,
+    /// Restored from a snapshot and no batch from this node since: a gap still open.
+    pub awaiting_first_batch: bool,
     pub streams: Vec<StreamDto>,
+}
+
+/// A time range, aggregator (= cluster) ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GapDto {
+    pub from_ms: u64,
+    pub to_ms: u64,
 }
 
 /// Accounting of one stream `(node, epoch, stream_id)`.

@@ -21,8 +21,8 @@ use axum::routing::get;
 use ringwatch_core::NodeId;
 
 use self::dto::{
-    API_VERSION, ErrorDto, HealthzDto, NodeDto, NodesDto, StreamDto, VerdictDto, VerdictsDto, health_name,
-    liveness_name,
+    API_VERSION, ErrorDto, GapDto, HealthzDto, IngestDto, NodeDto, NodesDto, StreamDto, VerdictDto, VerdictsDto,
+    health_name, liveness_name,
 };
 use crate::state::Shared;
 
@@ -32,6 +32,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/healthz", get(healthz))
         .route("/v1/nodes", get(nodes))
         .route("/v1/verdicts", get(verdicts))
+        .route("/v1/ingest", get(ingest))
         .with_state(shared)
 }
 
@@ -46,6 +47,43 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Json<HealthzDto> {
         aggregator_epoch: s.epoch,
         uptime_ms: s.now() / 1_000_000,
         nodes_connected: s.nodes.iter().filter(|e| e.connected).count() as u64,
+        restored: s.restored,
+    })
+}
+
+async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &s.counters;
+    let (stats, matcher) = {
+        let core = s.core();
+        (*core.ingest.stats(), *core.matcher.stats())
+    };
+    Json(IngestDto {
+        api_version: API_VERSION.into(),
+        aggregator_epoch: s.epoch,
+        connections: c.connections.load(Relaxed),
+        handshake_failures: c.handshake_failures.load(Relaxed),
+        identity_refused: c.identity_refused.load(Relaxed),
+        node_mismatch: c.node_mismatch.load(Relaxed),
+        batches_applied: c.batches_applied.load(Relaxed),
+        batches_duplicate: c.batches_duplicate.load(Relaxed),
+        rejected: c
+            .rejected()
+            .into_iter()
+            .map(|(code, n)| (<proto_flat::codes::NackReason as proto_flat::WireEnum>::from_code(code).to_string(), n))
+            .collect(),
+        stream_errors: c.stream_errors.load(Relaxed),
+        protocol_errors: c.protocol_errors.load(Relaxed),
+        connections_closed_abuse: c.connections_closed_abuse.load(Relaxed),
+        snapshots_written: c.snapshots_written.load(Relaxed),
+        snapshot_failures: c.snapshot_failures.load(Relaxed),
+        last_snapshot_bytes: c.last_snapshot_bytes.load(Relaxed),
+        verdicts_evicted: c.verdicts_evicted.load(Relaxed),
+        frames: stats.frames,
+        duplicate_frames: stats.duplicate_frames,
+        malformed_frames: stats.malformed_frames,
+        loss_intervals: stats.loss_intervals,
+        ops_inferred_from_seq_gap: matcher.ops_inferred_from_seq_gap,
     })
 }
 
@@ -73,6 +111,14 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                 watermark_bulk_node_ns: state.map_or(0, |n| n.watermark_ns[2]),
                 clock_offset_ns: state.and_then(|n| n.clock.offset_ns()),
                 clock_epsilon_ns: state.and_then(|n| n.clock.epsilon_ns(now)),
+                knowledge_gaps: core
+                    .matcher
+                    .knowledge_gaps(id)
+                    .iter()
+                    .filter(|(from, to)| to > from)
+                    .map(|&(from, to)| GapDto { from_ms: from / 1_000_000, to_ms: to / 1_000_000 })
+                    .collect(),
+                awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
                 streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
             }
         })

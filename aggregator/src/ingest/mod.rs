@@ -10,7 +10,8 @@
 //!
 //! Memory per connection is bounded by the transport's receive window (unread stream
 //! data) plus [`STREAMS_IN_PROGRESS`] batches of at most [`MAX_BATCH_READ`] being read
-//! or validated (128 MiB worst case, 64 × 64 KiB typically).
+//! or validated (224 MiB worst case, a few MiB typically), plus a header per waiting
+//! stream (at most `max_streams`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -30,9 +31,10 @@ use crate::state::{Counters, NodeEntry, Shared};
 /// must not make us validate garbage forever).
 pub const REJECT_THRESHOLD: u64 = 64;
 
-/// Batch streams read at once per connection; the next stream is accepted when one is
-/// done. With [`MAX_BATCH_READ`] this bounds what one peer can make us hold.
-pub const STREAMS_IN_PROGRESS: usize = 64;
+/// Batch streams read at once per connection, per lane (P0, P1, bulk). Streams beyond
+/// it wait with only their header read; with [`MAX_BATCH_READ`] this bounds what one
+/// peer can make us hold.
+pub const STREAMS_IN_PROGRESS: [usize; 3] = [32, 16, 64];
 
 /// The largest batch read (the shipper's `max_batch_bytes` is at most 1 MiB of payload;
 /// header and summary add little). Longer streams are refused `too_large`.
@@ -104,9 +106,11 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
     let (tx, rx) = mpsc::channel::<Answer>(4096);
     let writer = tokio::spawn(control_writer(ctl_send, rx, Arc::clone(&shared)));
     let rejected = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let in_progress = Arc::new(tokio::sync::Semaphore::new(STREAMS_IN_PROGRESS));
+    // Per lane, how many batches may be read at once: a stream's lane is known from its
+    // header, so P0 and P1 never queue behind bulk streams being read (unread bulk data
+    // waits in quinn's flow-controlled buffers instead).
+    let lanes: Arc<[tokio::sync::Semaphore; 3]> = Arc::new(STREAMS_IN_PROGRESS.map(tokio::sync::Semaphore::new));
     loop {
-        let Ok(permit) = Arc::clone(&in_progress).acquire_owned().await else { break };
         let stream = match conn.accept_uni().await {
             Ok(s) => s,
             Err(e) => {
@@ -115,20 +119,39 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
             }
         };
         let (shared, tx, conn2, rejected) = (Arc::clone(&shared), tx.clone(), conn.clone(), Arc::clone(&rejected));
+        let lanes = Arc::clone(&lanes);
         tokio::spawn(async move {
-            let _permit = permit;
             let mut stream = stream;
-            let bytes = match stream.read_to_end(MAX_BATCH_READ).await {
-                Ok(b) => b,
-                Err(quinn::ReadToEndError::TooLong) => {
-                    reject(&shared, &rejected, &conn2, &tx, None, NackReason::TooLarge).await;
-                    return;
-                }
+            let mut head = [0u8; size_of::<BatchHeader>()];
+            let got = match stream.read_exact(&mut head).await {
+                Ok(()) => head.len(),
+                // Shorter than a header: validated (and rejected) as it is.
+                Err(quinn::ReadExactError::FinishedEarly(n)) => n,
                 Err(_) => {
                     Counters::inc(&shared.counters.stream_errors);
                     return;
                 }
             };
+            let lane = BatchHeader::read_from_bytes(&head).map_or(2, |h| usize::from(h.lane).min(2));
+            let Some(pool) = lanes.get(lane) else { return };
+            let Ok(_permit) = pool.acquire().await else { return };
+            let mut bytes = head.get(..got).unwrap_or(&[]).to_vec();
+            if got == head.len() {
+                match stream.read_to_end(MAX_BATCH_READ - head.len()).await {
+                    Ok(rest) => bytes.extend_from_slice(&rest),
+                    Err(quinn::ReadToEndError::TooLong) => {
+                        let ids = BatchHeader::read_from_bytes(&head)
+                            .ok()
+                            .map(|h| (h.shipper_session.get(), h.batch_seq.get()));
+                        reject(&shared, &rejected, &conn2, &tx, ids, NackReason::TooLarge).await;
+                        return;
+                    }
+                    Err(_) => {
+                        Counters::inc(&shared.counters.stream_errors);
+                        return;
+                    }
+                }
+            }
             let rtt = u64::try_from(conn2.rtt().as_nanos()).unwrap_or(u64::MAX);
             match apply(&shared, node, rtt, &bytes) {
                 Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
@@ -210,7 +233,9 @@ async fn reject(
     if let Some((session, seq)) = ids {
         let _ = tx.send(Answer::Nack(session, seq, reason)).await;
     }
-    if rejected.fetch_add(1, Ordering::Relaxed) + 1 >= REJECT_THRESHOLD {
+    if rejected.fetch_add(1, Ordering::Relaxed) + 1 == REJECT_THRESHOLD {
+        Counters::inc(&shared.counters.connections_closed_abuse);
+        tracing::warn!(remote = %conn.remote_address(), "closing: too many rejected batches");
         conn.close(close::ABUSE.into(), b"too many rejected batches");
     }
 }
@@ -218,6 +243,7 @@ async fn reject(
 /// Writes `hello`, then every answer, on the control stream; consecutive acks of one
 /// session and status are merged into ranges.
 async fn control_writer(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Answer>, shared: Arc<Shared>) {
+    let _ = send.set_priority(ringwatch_transport::CONTROL_PRIORITY);
     let mut out = Vec::with_capacity(4096);
     encode_hello(&mut out, shared.instance, shared.epoch);
     if send.write_all(&out).await.is_err() {
@@ -243,11 +269,12 @@ async fn control_writer(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Answ
 }
 
 fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared) {
+    let holding = shared.holding_acks();
     let mut acks: Vec<(u64, u8, u64)> = Vec::new();
     for a in pending.iter() {
         match *a {
             Answer::Ack(session, status, seq) => {
-                if shared.hold_acks {
+                if holding {
                     Counters::inc(&shared.counters.acks_held);
                 } else {
                     acks.push((session, status.code(), seq));

@@ -48,6 +48,8 @@ pub struct Batch {
     pub batch_seq: u64,
     pub frames: u32,
     pub bytes: Vec<u8>,
+    /// When its first frame arrived (caller's clock): latency is measured from here.
+    pub opened_ns: u64,
 }
 
 #[derive(Debug, Default)]
@@ -203,7 +205,7 @@ impl Batcher {
 
     fn cut(&mut self, i: usize) -> Option<Batch> {
         let lane = self.lanes.get_mut(i)?;
-        lane.opened_at.take()?;
+        let opened_ns = lane.opened_at.take()?;
         let replacement = self.pool.pop().unwrap_or_default();
         let frames = lane.writer.frame_count();
         let batch_seq = self.next_batch_seq;
@@ -212,7 +214,7 @@ impl Batcher {
         // Numbered at the cut, so batch_seq follows cut order across lanes.
         lane.writer.set_batch_seq(batch_seq);
         let bytes = lane.writer.finish_swap(&self.totals, replacement);
-        Some(Batch { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), batch_seq, frames, bytes })
+        Some(Batch { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), batch_seq, frames, bytes, opened_ns })
     }
 }
 

@@ -41,6 +41,44 @@ pub struct CoreConfig {
     pub heartbeat_interval_ns: u64,
     /// Bulk's share of the connection send window (window − P0/P1 reserve).
     pub bulk_window_bytes: usize,
+    /// Keep a log of every batch's fate (tests; bounded by [`BATCH_LOG_CAP`]).
+    pub batch_log: bool,
+}
+
+/// Entries a batch log keeps; later ones are counted, not kept.
+pub const BATCH_LOG_CAP: usize = 4 << 20;
+
+/// One step in a batch's life (the batch log, for tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchEvent {
+    Created {
+        batch_seq: u64,
+        lane: u8,
+        frames: u32,
+    },
+    /// Put on the wire on the `connection`-th connection of this session.
+    Sent {
+        batch_seq: u64,
+        connection: u64,
+    },
+    /// Acked by the aggregator instance that said `hello` on this connection.
+    Acked {
+        batch_seq: u64,
+        aggregator_instance: u64,
+    },
+    Nacked {
+        batch_seq: u64,
+        reason: u16,
+    },
+    /// Left the spool undelivered: named in loss records (P1: counted in the totals).
+    Lost {
+        batch_seq: u64,
+        cause: u16,
+    },
+    /// Unacked at the shutdown deadline.
+    Abandoned {
+        batch_seq: u64,
+    },
 }
 
 impl Default for CoreConfig {
@@ -50,6 +88,7 @@ impl Default for CoreConfig {
             spool: SpoolConfig::default(),
             heartbeat_interval_ns: 1_000_000_000,
             bulk_window_bytes: 8 << 20,
+            batch_log: false,
         }
     }
 }
@@ -108,6 +147,44 @@ pub struct ShipperStats {
     pub aggregator_epoch: u64,
 }
 
+/// Batch latency (first frame in → ack) per lane, microseconds.
+#[derive(Debug, Clone)]
+pub struct LaneLatency {
+    /// P0, P1, P2, P3.
+    pub lanes: [hdrhistogram::Histogram<u64>; 4],
+}
+
+impl Default for LaneLatency {
+    fn default() -> Self {
+        // 1 µs .. 1 h at 2 significant digits: a few KiB each.
+        let h = || hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("constant bounds are valid");
+        Self { lanes: [h(), h(), h(), h()] }
+    }
+}
+
+/// The percentiles of one lane's latency, microseconds (all 0 when nothing was acked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+impl LaneLatency {
+    /// The summary of `lane`.
+    #[must_use]
+    pub fn summary(&self, lane: Class) -> LatencySummary {
+        let Some(h) = self.lanes.get(usize::from(lane.code())) else { return LatencySummary::default() };
+        LatencySummary {
+            count: h.len(),
+            p50_us: h.value_at_quantile(0.5),
+            p99_us: h.value_at_quantile(0.99),
+            max_us: h.max(),
+        }
+    }
+}
+
 /// What was still unacked at the shutdown deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Unflushed {
@@ -135,6 +212,11 @@ pub struct ShipperCore {
     cut: Vec<Batch>,
     /// Loss records wait in the open P1 lane: cut it once the current offers are done.
     pending_loss_records: bool,
+    latency: LaneLatency,
+    /// Connections so far (the batch log's `Sent::connection`).
+    connections: u64,
+    batch_log: Option<Vec<BatchEvent>>,
+    batch_log_overflow: u64,
 }
 
 impl ShipperCore {
@@ -152,6 +234,10 @@ impl ShipperCore {
             stats: ShipperStats::default(),
             cut: Vec::new(),
             pending_loss_records: false,
+            latency: LaneLatency::default(),
+            connections: 0,
+            batch_log: config.batch_log.then(Vec::new),
+            batch_log_overflow: 0,
         }
     }
 
@@ -232,9 +318,36 @@ impl ShipperCore {
         self.stats.aggregator_epoch = aggregator_epoch;
     }
 
+    /// The batch log (empty unless enabled), and how many entries did not fit.
+    #[must_use]
+    pub fn batch_log(&self) -> (&[BatchEvent], u64) {
+        (self.batch_log.as_deref().unwrap_or(&[]), self.batch_log_overflow)
+    }
+
+    fn log(&mut self, e: BatchEvent) {
+        if let Some(log) = &mut self.batch_log {
+            if log.len() < BATCH_LOG_CAP {
+                log.push(e);
+            } else {
+                self.batch_log_overflow += 1;
+            }
+        }
+    }
+
+    /// Batch latency (first frame in → ack) per lane.
+    #[must_use]
+    pub fn latency(&self) -> &LaneLatency {
+        &self.latency
+    }
+
     /// `ack` of inclusive `batch_seq` ranges: those batches leave the spool.
-    pub fn handle_ack(&mut self, ranges: &[(u64, u64)]) {
+    pub fn handle_ack(&mut self, ranges: &[(u64, u64)], now: u64) {
+        let instance = self.stats.aggregator_instance;
         for b in self.spool.ack(ranges) {
+            self.log(BatchEvent::Acked { batch_seq: b.batch_seq, aggregator_instance: instance });
+            if let Some(h) = self.latency.lanes.get_mut(usize::from(b.lane.code()).min(3)) {
+                h.saturating_record((now.saturating_sub(b.opened_ns) / 1_000).max(1));
+            }
             self.stats.batches_acked += 1;
             self.stats.frames_acked += u64::from(b.frames);
             self.stats.frames_acked_by_lane[usize::from(b.lane.code()).min(3)] += u64::from(b.frames);
@@ -246,6 +359,7 @@ impl ShipperCore {
     /// poisoned batch never loops.
     pub fn handle_nack(&mut self, batch_seq: u64, reason: NackReason, now: u64) {
         let Some(b) = self.spool.nack(batch_seq) else { return };
+        self.log(BatchEvent::Nacked { batch_seq, reason: reason.code() });
         self.stats.batches_nacked += 1;
         let slot = usize::from(reason.code()).min(15);
         self.stats.nacks_by_reason[slot] += 1;
@@ -255,6 +369,7 @@ impl ShipperCore {
 
     /// A new connection: every unacked batch is sent again.
     pub fn reconnected(&mut self) {
+        self.connections += 1;
         self.spool.reconnected();
     }
 
@@ -287,6 +402,13 @@ impl ShipperCore {
 
     /// The next batch to send (P0, then P1, then bulk within its window).
     pub fn poll_transmit(&mut self) -> Option<(Class, u64, &[u8])> {
+        if self.batch_log.is_some() {
+            let (connection, window) = (self.connections, self.config.bulk_window_bytes);
+            let (lane, seq, _) = self.spool.next_to_send(window)?;
+            self.log(BatchEvent::Sent { batch_seq: seq, connection });
+            // Borrow again for the bytes (the log needed `self` in between).
+            return self.spool.iter().find(|b| b.batch_seq == seq).map(|b| (lane, seq, b.bytes.as_slice()));
+        }
         self.spool.next_to_send(self.config.bulk_window_bytes)
     }
 
@@ -321,6 +443,11 @@ impl ShipperCore {
         let u = self.unacked();
         let slot = LossCause::ShipperShutdown.drop_slot().unwrap_or(0);
         for b in self.spool.drain() {
+            if let Some(log) = &mut self.batch_log
+                && log.len() < BATCH_LOG_CAP
+            {
+                log.push(BatchEvent::Abandoned { batch_seq: b.batch_seq });
+            }
             if b.lane == Class::P1 {
                 self.stats.own_frames_lost += u64::from(b.frames);
             } else {
@@ -389,6 +516,7 @@ impl ShipperCore {
             // Cut order is batch_seq order; offer oldest first.
             for b in std::mem::take(&mut self.cut) {
                 self.stats.batches_cut += 1;
+                self.log(BatchEvent::Created { batch_seq: b.batch_seq, lane: b.lane.code(), frames: b.frames });
                 let adm = self.spool.offer(b);
                 for dropped in adm.dropped {
                     self.lose(dropped, LossCause::ShipperSpoolFull, 0, now);
@@ -410,6 +538,7 @@ impl ShipperCore {
     /// shipper's own P1 frames are not turned into loss records about themselves (that
     /// could loop); they are counted in the running totals every envelope carries.
     fn lose(&mut self, b: Batch, cause: LossCause, reason: u16, now: u64) {
+        self.log(BatchEvent::Lost { batch_seq: b.batch_seq, cause: cause.code() });
         let slot = cause.drop_slot().unwrap_or(0);
         self.batcher.note_loss(cause, u64::from(b.frames));
         if b.lane == Class::P1 {
@@ -454,6 +583,7 @@ mod tests {
             spool: SpoolConfig { cap_bytes: spool_cap, p0_reserve_bytes: 1000, p1_reserve_bytes: 4000 },
             heartbeat_interval_ns: 1000 * MS,
             bulk_window_bytes: 1 << 20,
+            batch_log: true,
         };
         ShipperCore::new(config, SessionMeta { node_id: 5, epoch: 1, shipper_session: 2 }, 0)
     }
@@ -496,7 +626,7 @@ mod tests {
         let last = sent.iter().map(|b| BatchView::parse(b).unwrap()).max_by_key(|v| v.header.batch_seq.get()).unwrap();
         assert_eq!(last.totals().lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
         // Ack everything: the spool empties, the stats add up.
-        c.handle_ack(&[(1, u64::MAX)]);
+        c.handle_ack(&[(1, u64::MAX)], 0);
         assert!(c.spool().is_empty());
         assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
     }
@@ -576,11 +706,43 @@ mod tests {
         }
         c.flush(MS);
         let _ = transmit(&mut c);
-        c.handle_ack(&[(1, 1)]);
+        c.handle_ack(&[(1, 1)], 0);
         let u = c.abandon();
         assert_eq!((u.batches, u.frames), (2, 15));
         assert_eq!(u.frames_by_lane[2], 15);
         assert_eq!(c.stats().frames_acked + u.frames, 25);
         assert!(c.spool().is_empty());
+    }
+
+    #[test]
+    fn the_batch_log_gives_every_created_batch_a_fate() {
+        let mut c = core(1 << 20);
+        c.reconnected();
+        c.handle_hello(7, 1);
+        for seq in 0..30 {
+            c.handle_frame(&bulk(0, seq), 0);
+        }
+        c.flush(MS);
+        let _ = transmit(&mut c);
+        c.handle_ack(&[(1, 1)], 2 * MS);
+        c.handle_nack(2, NackReason::BadMagic, 2 * MS);
+        let _ = c.abandon();
+        let (log, overflow) = c.batch_log();
+        assert_eq!(overflow, 0);
+        let created: Vec<u64> = log
+            .iter()
+            .filter_map(|e| if let BatchEvent::Created { batch_seq, .. } = e { Some(*batch_seq) } else { None })
+            .collect();
+        assert_eq!(created.len(), 4, "3 bulk batches and the loss records' P1 batch: {log:?}");
+        assert!(log.contains(&BatchEvent::Sent { batch_seq: 1, connection: 1 }));
+        assert!(log.contains(&BatchEvent::Acked { batch_seq: 1, aggregator_instance: 7 }));
+        assert!(log.contains(&BatchEvent::Nacked { batch_seq: 2, reason: NackReason::BadMagic.code() }));
+        assert!(log.contains(&BatchEvent::Lost { batch_seq: 2, cause: LossCause::Rejected.code() }));
+        for seq in created {
+            let fated = log.iter().any(|e| {
+                matches!(e, BatchEvent::Acked { batch_seq, .. } | BatchEvent::Lost { batch_seq, .. } | BatchEvent::Abandoned { batch_seq } if *batch_seq == seq)
+            });
+            assert!(fated, "batch {seq} has no fate: {log:?}");
+        }
     }
 }

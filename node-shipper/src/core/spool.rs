@@ -281,7 +281,7 @@ mod tests {
     use super::*;
 
     fn batch(lane: Class, seq: u64, size: usize) -> Batch {
-        Batch { lane, batch_seq: seq, frames: 1, bytes: vec![0; size] }
+        Batch { lane, batch_seq: seq, frames: 1, bytes: vec![0; size], opened_ns: 0 }
     }
 
     fn spool() -> Spool {

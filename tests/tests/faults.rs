@@ -1,0 +1,157 @@
+//! Network faults between shippers and the aggregator, through the UDP fault proxy
+//! (issue 8): a partition longer than the spool holds, and P0 under bulk saturation.
+//!
+//! Named `net_*`: real timers, run alone.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use aggregator::api::dto::{NodesDto, VerdictsDto};
+use aggregator::{Aggregator, AggregatorConfig};
+use loadgen_sim::{SimOptions, builtin};
+use node_shipper::config::Source;
+use node_shipper::core::spool::SpoolConfig;
+use node_shipper::driver::RunOptions;
+use node_shipper::source::SimSource;
+use ringwatch_faultproxy::{Direction, FaultProxy, Faults};
+use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
+use ringwatch_transport::Tuning;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_exactly() {
+    let dir = TempDir::new("partition");
+    let s = builtin::builtin("pipeline-p2p").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let proxy = FaultProxy::start("127.0.0.1:0".parse().expect("addr"), agg.quic_addr, 11).await.expect("proxy");
+    const CUT: u32 = 1;
+
+    let start = Instant::now();
+    let mut shippers = Vec::new();
+    for node in 0..s.cluster.nodes {
+        let source = SimSource::new(&s, options, node, start).expect("sim");
+        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
+        let mut cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
+        let mut opts = RunOptions::default();
+        if node == CUT {
+            // Node 1 talks through the proxy, with a spool whose bulk share (512 KiB)
+            // holds ~1.6 s of its bulk; its connection gives up after 2 s of silence.
+            cfg.aggregator = proxy.addr;
+            cfg.spool = SpoolConfig {
+                cap_bytes: (512 << 10) + (2 << 20),
+                p0_reserve_bytes: 1 << 20,
+                p1_reserve_bytes: 1 << 20,
+            };
+            opts.tuning = Tuning { idle_timeout_ms: 2000, keep_alive_ms: 300, ..Tuning::default() };
+        }
+        shippers.push(spawn_shipper(cfg, Box::new(source), opts));
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    proxy.set(Direction::Both, Faults { drop_all: true, ..Faults::default() });
+    let cut_at = start.elapsed();
+    // Past the silent timer (5 s): node 1 is silent or unreachable; nothing may be called degraded,
+    // stuck or not joined meanwhile.
+    tokio::time::sleep(Duration::from_millis(5800)).await;
+    let during: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
+    let verdicts_during: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?limit=100000").await;
+    proxy.heal();
+    let healed_at = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(6000)).await;
+    let after: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
+    let verdicts_after: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?limit=100000").await;
+    let reports = stop(shippers).await;
+    let pstats = proxy.stats();
+    agg.shutdown();
+    println!("partition {cut_at:?} → {healed_at:?}; proxy {pstats:?}");
+
+    let cut_name = aggregator::certs::node_name(CUT);
+    let liveness: BTreeMap<_, _> = during.nodes.iter().map(|n| (n.name.clone(), n.liveness.clone())).collect();
+    println!("during the partition: {liveness:?}");
+    // Silent (no data for 5 s), or unreachable once its connection timed out.
+    assert!(matches!(liveness.get(&cut_name).map(String::as_str), Some("silent" | "unreachable")), "{liveness:?}");
+    for (when, nodes, verdicts) in [("during", &during, &verdicts_during), ("after", &after, &verdicts_after)] {
+        assert!(nodes.nodes.iter().all(|n| n.health != "degraded"), "{when}: a node called degraded");
+        let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
+        for v in &verdicts.verdicts {
+            *outcomes.entry(v.outcome.split('(').next().unwrap_or("").to_owned()).or_default() += 1;
+        }
+        println!("{when}: {outcomes:?}");
+        for bad in ["stuck", "not_joined"] {
+            assert!(!outcomes.contains_key(bad), "{when}: {bad} verdicts while only telemetry was cut");
+        }
+    }
+    assert!(
+        verdicts_during
+            .verdicts
+            .iter()
+            .any(|v| v.outcome == "unknown_silent" && v.node.as_deref() == Some(cut_name.as_str())),
+        "the cut node's ranks are unknown_silent during the partition"
+    );
+
+    let cut_report = &reports[CUT as usize];
+    println!("{cut_name}: {cut_report:?}");
+    assert!(cut_report.frames_lost_spool_full > 0, "the partition outlasted the spool: bulk was evicted");
+    assert!(cut_report.connections >= 2, "it reconnected after healing");
+    // Accounting exact on every stream: P0 intact, bulk = received + evicted.
+    let truth = truth(&s, options);
+    let mut evicted_seen = 0;
+    for t in &truth.streams {
+        let name = aggregator::certs::node_name(t.node);
+        let node = after.nodes.iter().find(|n| n.name == name).expect("node");
+        let got = node.streams.iter().find(|x| x.epoch == t.epoch && x.stream_id == t.stream_id).expect("stream");
+        let evicted = got.lost.get("shipper_spool_full").copied().unwrap_or(0);
+        evicted_seen += evicted;
+        if t.class == "p0" || t.node != CUT {
+            assert_eq!((got.received, evicted), (t.delivered, 0), "{name} {:#x} ({})", t.stream_id, t.class);
+        } else {
+            assert_eq!(got.received + evicted, t.delivered, "{name} {:#x}", t.stream_id);
+        }
+        assert_eq!(got.received + got.lost_total + got.sampled_out, t.generated, "{name} {:#x}", t.stream_id);
+        assert_eq!((got.pending, got.in_transit), (0, 0), "{name} {:#x} settled", t.stream_id);
+    }
+    assert_eq!(evicted_seen, cut_report.frames_lost_spool_full, "the aggregator counts what the shipper evicted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_p0_latency_stays_low_while_bulk_saturates_the_link() {
+    let dir = TempDir::new("saturate");
+    let s = builtin::builtin("pipeline-p2p").expect("built in").expect("valid");
+    // Node 0 alone, bulk at 1e-3 of line rate: ≈ 3.2 MB/s offered through a 1 MB/s link.
+    let options = SimOptions { bulk_scale: 1e-3, seed: None };
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let proxy = FaultProxy::start("127.0.0.1:0".parse().expect("addr"), agg.quic_addr, 12).await.expect("proxy");
+    let one_way_ms = 2;
+    proxy.set(
+        Direction::ToServer,
+        Faults { delay_ms: one_way_ms, rate_limit_bytes_per_s: Some(1_000_000), ..Faults::default() },
+    );
+    proxy.set(Direction::ToClient, Faults { delay_ms: one_way_ms, ..Faults::default() });
+    let source = SimSource::new(&s, options, 0, Instant::now()).expect("sim");
+    let placeholder = Source::Sim { scenario: s.name.clone(), node: 0, bulk_scale_ppm: 0, seed: None };
+    let mut cfg = shipper_config(&set, proxy.addr, 0, placeholder);
+    cfg.shutdown_deadline_ms = 500;
+    let flush_ms = cfg.batcher.flush_interval_ns / 1_000_000;
+    let shipper = spawn_shipper(cfg, Box::new(source), RunOptions::default());
+    tokio::time::sleep(Duration::from_millis(s.duration_ms)).await;
+    let reports = stop(vec![shipper]).await;
+    let pstats = proxy.stats();
+    agg.shutdown();
+    let r = &reports[0];
+    let rtt_ms = 2 * one_way_ms;
+    let bound_ms = 2 * rtt_ms + flush_ms;
+    println!("offered {} frames; proxy to_server {:?}\n{r:?}", r.frames_in, pstats.to_server);
+    println!(
+        "batch latency, first frame in → ack (µs), RTT {rtt_ms} ms, flush {flush_ms} ms, 2·RTT + flush = {bound_ms} ms:"
+    );
+    println!("  P0 {:?}", r.latency_p0);
+    println!("  P1 {:?}", r.latency_p1);
+    println!("  P2 {:?}", r.latency_p2);
+    assert!(pstats.to_server.dropped_rate > 0, "bulk really exceeded the link");
+    assert!(r.latency_p0.count > 100, "{:?}", r.latency_p0);
+    assert!(r.latency_p2.p99_us > r.latency_p0.p99_us, "bulk queues, P0 does not");
+    // Generous: the target is 2·RTT + flush; a policed link also drops P0 packets now and
+    // then, and each costs a retransmission timeout.
+    assert!(r.latency_p0.p99_us < 25 * bound_ms * 1000, "P0 p99 {} µs", r.latency_p0.p99_us);
+}

@@ -52,6 +52,9 @@ pub struct AggregatorConfig {
     /// Where the core is snapshotted, and restored from at start (none: no snapshots).
     pub snapshot_path: Option<PathBuf>,
     pub snapshot_interval_ms: u64,
+    /// Aggregator time per real time (1 in production; `loadgen --time-scale` compresses
+    /// simulated runs, whose node clocks run as fast).
+    pub time_scale: f64,
 }
 
 impl AggregatorConfig {
@@ -72,6 +75,7 @@ impl AggregatorConfig {
             hold_acks_after_ms: None,
             snapshot_path: None,
             snapshot_interval_ms: 10_000,
+            time_scale: 1.0,
         }
     }
 }
@@ -117,7 +121,7 @@ impl Aggregator {
             None => None,
         };
         let hold = if cfg.hold_acks { Some(0) } else { cfg.hold_acks_after_ms.map(|ms| ms * 1_000_000) };
-        let shared = Arc::new(match restored {
+        let mut shared = match restored {
             Some(r) => {
                 tracing::info!(epoch = r.epoch, snapshot_ns = r.snapshot_ns, "restored from snapshot");
                 let hold = hold.map(|h| h.saturating_add(r.now_ns));
@@ -128,7 +132,9 @@ impl Aggregator {
                 s
             }
             None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), instance, 1, cfg.verdict_cap, hold),
-        });
+        };
+        shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
+        let shared = Arc::new(shared);
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await
             .map_err(|source| StartError::Http { addr: cfg.http, source })?;
@@ -199,6 +205,14 @@ async fn timers(shared: Arc<Shared>) {
             core.poll_timeout()
         };
         let wait = due.map_or(100_000_000, |d| d.saturating_sub(now)).clamp(1_000_000, 100_000_000);
-        tokio::time::sleep(Duration::from_nanos(wait)).await;
+        // Real time to wait: aggregator time runs `time_scale` times faster.
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss,
+            reason = "≤ 100 ms"
+        )]
+        let real = (wait as f64 / shared.time_scale) as u64;
+        tokio::time::sleep(Duration::from_nanos(real.max(500_000))).await;
     }
 }

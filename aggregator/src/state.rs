@@ -75,6 +75,8 @@ pub struct NodeEntry {
 #[derive(Debug, Default)]
 pub struct Verdicts {
     pub by_key: BTreeMap<(OpRef, u32), Verdict>,
+    /// Aggregator time each verdict became final (for time-to-final).
+    pub final_at: BTreeMap<(OpRef, u32), u64>,
     pub cap: usize,
 }
 
@@ -84,6 +86,9 @@ pub struct Shared {
     pub started: Instant,
     /// Aggregator time at `started` (0, or the restored snapshot's time plus downtime).
     pub base_ns: u64,
+    /// Aggregator time runs this many times faster than real time (1 in production;
+    /// `loadgen` compresses simulated runs with it, the simulator's clocks alike).
+    pub time_scale: f64,
     /// Whether the state was restored from a snapshot.
     pub restored: bool,
     core: Mutex<Core>,
@@ -106,9 +111,10 @@ impl Shared {
         Self {
             started: Instant::now(),
             base_ns: 0,
+            time_scale: 1.0,
             restored: false,
             core: Mutex::new(core),
-            verdicts: Mutex::new(Verdicts { by_key: BTreeMap::new(), cap: verdict_cap }),
+            verdicts: Mutex::new(Verdicts { by_key: BTreeMap::new(), final_at: BTreeMap::new(), cap: verdict_cap }),
             nodes: DashMap::new(),
             counters: Counters::default(),
             instance,
@@ -122,7 +128,19 @@ impl Shared {
     /// restarts from the snapshot.
     #[must_use]
     pub fn now(&self) -> u64 {
-        self.base_ns.saturating_add(u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        let elapsed = self.started.elapsed().as_nanos();
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss,
+            reason = "ns of a run"
+        )]
+        let scaled = if (self.time_scale - 1.0).abs() < f64::EPSILON {
+            u64::try_from(elapsed).unwrap_or(u64::MAX)
+        } else {
+            (elapsed as f64 * self.time_scale) as u64
+        };
+        self.base_ns.saturating_add(scaled)
     }
 
     /// The core, locked (a poisoned lock means a panic mid-update: the state is still the
@@ -156,9 +174,15 @@ impl Shared {
         while let Some(e) = core.poll_event() {
             let MatcherEvent::Verdict(v) = e else { continue };
             let s = store.get_or_insert_with(|| self.verdicts());
-            s.by_key.insert((v.op, v.rank), v);
+            let key = (v.op, v.rank);
+            if v.is_final {
+                s.final_at.entry(key).or_insert_with(|| self.now());
+            }
+            s.by_key.insert(key, v);
             while s.by_key.len() > s.cap {
-                s.by_key.pop_first();
+                if let Some((k, _)) = s.by_key.pop_first() {
+                    s.final_at.remove(&k);
+                }
                 Counters::inc(&self.counters.verdicts_evicted);
             }
         }

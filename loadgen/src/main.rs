@@ -1,9 +1,193 @@
-//! `loadgen`: run, score, demo, bench. Not functional yet: it says so and exits with the
-//! usage code. The demo cluster and scoring arrive with issue 9; until then the
-//! 8-shipper end-to-end test (`tests/tests/transport.rs`) is what runs the whole path.
+//! `loadgen`: run, score, demo. Exit codes: 0 ok, 1 runtime failure (or, with
+//! `--check`, a score that is not perfect), 2 usage.
 
-fn main() -> std::process::ExitCode {
-    eprintln!("loadgen: skeleton only — `loadgen run`, the demo and scoring arrive with issue 9");
-    eprintln!("today: node-shipper and aggregator run for real (QUIC + mTLS); see README for the end-to-end test");
-    std::process::ExitCode::from(2)
+use std::process::ExitCode;
+
+use clap::{Arg, ArgAction, ArgMatches, Command, value_parser};
+use loadgen::cluster::{self, RunResult, RunSpec};
+use loadgen::{demo, score};
+use loadgen_sim::{Scenario, builtin};
+
+fn common(cmd: Command) -> Command {
+    cmd.arg(Arg::new("seed").long("seed").value_parser(value_parser!(u64)).help("replace the scenario's seed"))
+        .arg(
+            Arg::new("scale")
+                .long("scale")
+                .value_parser(value_parser!(f64))
+                .help("bulk event rate as a fraction of the scenario's line rate"),
+        )
+        .arg(
+            Arg::new("time-scale")
+                .long("time-scale")
+                .default_value("1")
+                .value_parser(value_parser!(f64))
+                .help("run simulated time (and the aggregator's clock) this many times faster than real time"),
+        )
+        .arg(Arg::new("quiet").long("quiet").action(ArgAction::SetTrue).help("no progress bar"))
+}
+
+fn command() -> Command {
+    Command::new("loadgen")
+        .about("ringwatch load generator: run a simulated cluster for real and score the verdicts")
+        .subcommand_required(true)
+        .subcommand(
+            common(
+                Command::new("run")
+                    .about("run a scenario through real shippers and an embedded aggregator; score against the truth"),
+            )
+            .arg(Arg::new("scenario").required(true).help("a built-in scenario name, or a scenario TOML file"))
+            .arg(Arg::new("json").long("json").action(ArgAction::SetTrue).help("print the score as JSON"))
+            .arg(Arg::new("check").long("check").action(ArgAction::SetTrue).help("exit 1 unless the score is perfect")),
+        )
+        .subcommand(
+            common(Command::new("demo").about("the demo cluster: 8 nodes, a P0 overflow, a hung GPU, a dead node"))
+                .arg(
+                    Arg::new("hold")
+                        .long("hold")
+                        .action(ArgAction::SetTrue)
+                        .help("keep the aggregator serving; print its URL"),
+                ),
+        )
+        .subcommand(Command::new("list").about("list the built-in scenarios"))
+}
+
+fn scenario(name: &str) -> Result<Scenario, String> {
+    match builtin::builtin(name) {
+        Some(s) => s.map_err(|e| e.to_string()),
+        None => {
+            let text = std::fs::read_to_string(name).map_err(|e| {
+                format!("{name:?} is not a built-in scenario (`loadgen list`), and reading it as a file: {e}")
+            })?;
+            Scenario::parse(&text).map_err(|e| e.to_string())
+        }
+    }
+}
+
+fn spec(m: &ArgMatches, s: Scenario, default_scale: f64) -> RunSpec {
+    RunSpec {
+        scenario: s,
+        seed: m.get_one::<u64>("seed").copied(),
+        scale: m.get_one::<f64>("scale").copied().unwrap_or(default_scale),
+        time_scale: m.get_one::<f64>("time-scale").copied().unwrap_or(1.0).max(0.01),
+        progress: !m.get_flag("quiet"),
+    }
+}
+
+fn rate_note(r: &RunResult) {
+    let (t, a) = (r.target_frames_per_s, r.achieved_frames_per_s);
+    if a < 0.9 * t {
+        eprintln!(
+            "loadgen: the target rate was not reached: target {t:.0} frames/s, achieved {a:.0} ({:.0} %) — this machine could not generate and ship that fast; lower --scale or --time-scale",
+            100.0 * a / t.max(1e-9)
+        );
+    }
+}
+
+async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
+    let name = m.get_one::<String>("scenario").cloned().unwrap_or_default();
+    let s = scenario(&name)?;
+    let r = cluster::run(spec(m, s, 1e-4)).await.map_err(|e| e.to_string())?;
+    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, &r.spec.scenario.timers);
+    if m.get_flag("json") {
+        let out = serde_json::json!({
+            "score": sc,
+            "perfect": sc.perfect(),
+            "scale": r.spec.scale,
+            "time_scale": r.spec.time_scale,
+            "target_frames_per_s": r.target_frames_per_s,
+            "achieved_frames_per_s": r.achieved_frames_per_s,
+            "wall_ms": r.wall.as_millis(),
+        });
+        println!("{out}");
+    } else {
+        print!("{}", sc.table());
+        println!(
+            "rate: target {:.0} frames/s, achieved {:.0}; scale {:e}, time ×{}; wall {:.1} s; perfect: {}",
+            r.target_frames_per_s,
+            r.achieved_frames_per_s,
+            r.spec.scale,
+            r.spec.time_scale,
+            r.wall.as_secs_f64(),
+            sc.perfect()
+        );
+    }
+    rate_note(&r);
+    r.aggregator.shutdown();
+    Ok(sc.perfect())
+}
+
+async fn demo_cmd(m: &ArgMatches) -> Result<bool, String> {
+    let s = scenario("demo")?;
+    let mut r = cluster::run(spec(m, s, 1e-4)).await.map_err(|e| e.to_string())?;
+    let rows = demo::rows(&r.truth, &r.nodes, &r.verdicts);
+    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, &r.spec.scenario.timers);
+    println!(
+        "ringwatch demo — {} nodes × {} GPUs, seed {}, bulk scale {:e}: real shippers → QUIC + mTLS → aggregator, verdicts read from its HTTP API",
+        r.spec.scenario.cluster.nodes, r.spec.scenario.cluster.gpus_per_node, r.truth.seed, r.spec.scale
+    );
+    print!("{}", demo::table(&rows));
+    let matching = rows.iter().filter(|x| x.matches()).count();
+    println!(
+        "{matching}/{} GPUs match the ground truth; final verdicts right {}/{}; false degraded {}; streams exact {}/{}",
+        rows.len(),
+        sc.final_right,
+        sc.final_verdicts,
+        sc.false_degraded,
+        sc.conservation.iter().map(|c| c.exact).sum::<u64>(),
+        sc.conservation.iter().map(|c| c.streams).sum::<u64>()
+    );
+    rate_note(&r);
+    if m.get_flag("hold") {
+        r.certs.keep = true;
+        println!(
+            "aggregator serving at http://{} (QUIC {}); certificates in {}",
+            r.aggregator.http_addr,
+            r.aggregator.quic_addr,
+            r.certs.path.display()
+        );
+        println!(
+            "try: curl -s http://{}/v1/nodes ; curl -s 'http://{}/v1/verdicts?outcome=stuck'",
+            r.aggregator.http_addr, r.aggregator.http_addr
+        );
+        println!("Ctrl-C to stop");
+        ringwatch_transport::shell::terminated().await;
+    }
+    r.aggregator.shutdown();
+    Ok(matching == rows.len() && sc.perfect())
+}
+
+fn main() -> ExitCode {
+    let m = command().get_matches();
+    if let Some(("list", _)) = m.subcommand() {
+        for s in builtin::all().unwrap_or_default() {
+            println!(
+                "{:<20} {} s, {} nodes — {}",
+                s.name,
+                s.duration_ms / 1000,
+                s.cluster.nodes,
+                s.description.lines().next().unwrap_or("")
+            );
+        }
+        return ExitCode::SUCCESS;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("loadgen: runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let (result, check) = match m.subcommand() {
+        Some(("run", sub)) => (rt.block_on(run_cmd(sub)), sub.get_flag("check")),
+        Some(("demo", sub)) => (rt.block_on(demo_cmd(sub)), false),
+        _ => return ExitCode::from(2),
+    };
+    match result {
+        Ok(perfect) if check && !perfect => ExitCode::from(1),
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("loadgen: {e}");
+            ExitCode::from(1)
+        }
+    }
 }

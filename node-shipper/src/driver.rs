@@ -93,9 +93,11 @@ pub enum ShipperError {
     ServerName(String),
 }
 
-/// How to run: transport tuning, and test hooks.
-#[derive(Debug, Clone, Copy, Default)]
+/// How to run: transport tuning, live counters, and test hooks.
+#[derive(Debug, Clone, Default)]
 pub struct RunOptions {
+    /// Ring frames read so far, updated live (progress displays).
+    pub frames_in: Option<Arc<AtomicU64>>,
     pub tuning: Tuning,
     /// Test hook: corrupt the stream summary of the first bulk batch with
     /// `batch_seq ≥ n` as it is sent (the aggregator must nack it `summary_mismatch`).
@@ -193,12 +195,13 @@ pub async fn run(
     // Reader thread.
     let stop_reading = Arc::new(AtomicBool::new(false));
     let (reader_done_tx, mut reader_done_rx) = watch::channel(false);
+    let live = options.frames_in.clone();
     let reader = {
         let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop_reading));
         std::thread::Builder::new()
             .name("ring-reader".into())
             .spawn(move || {
-                let r = reader_loop(source, &shared, &stop);
+                let r = reader_loop(source, &shared, &stop, live.as_deref());
                 let _ = reader_done_tx.send(true);
                 r
             })
@@ -294,7 +297,12 @@ pub async fn run(
 
 /// Reads until told to stop or the node dies; returns the source (for the final
 /// counters) and its last state.
-fn reader_loop(mut source: Box<dyn Source>, shared: &Shared, stop: &AtomicBool) -> (Box<dyn Source>, SourceState) {
+fn reader_loop(
+    mut source: Box<dyn Source>,
+    shared: &Shared,
+    stop: &AtomicBool,
+    live: Option<&AtomicU64>,
+) -> (Box<dyn Source>, SourceState) {
     let mut state = SourceState::Running;
     while !stop.load(Ordering::Relaxed) {
         let now = shared.now();
@@ -322,6 +330,9 @@ fn reader_loop(mut source: Box<dyn Source>, shared: &Shared, stop: &AtomicBool) 
             }
             if now >= core.poll_timeout() {
                 core.handle_timeout(mono, now);
+            }
+            if let Some(l) = live {
+                l.store(core.stats().frames_in, Ordering::Relaxed);
             }
         }
         shared.ready.notify_one();

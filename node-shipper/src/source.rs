@@ -299,6 +299,8 @@ mod sim {
         counters: SourceCounters,
         /// Sim time through which output was handed on.
         through_ns: u64,
+        /// Simulated time per real time (1: real time).
+        speed: f64,
     }
 
     impl SimSource {
@@ -320,11 +322,34 @@ mod sim {
                 collect: Collect { node, ..Collect::default() },
                 counters: SourceCounters::default(),
                 through_ns: 0,
+                speed: 1.0,
             })
         }
 
+        /// Runs simulated time `speed` times faster than real time (the aggregator's clock
+        /// must run as fast: `AggregatorConfig::time_scale`).
+        #[must_use]
+        pub fn with_speed(mut self, speed: f64) -> Self {
+            self.speed = if speed > 0.0 { speed } else { 1.0 };
+            self
+        }
+
+        /// Simulated time reached so far, and the run's end.
+        #[must_use]
+        pub fn progress(&self) -> (u64, u64) {
+            (self.through_ns, self.sim.horizon_ns())
+        }
+
         fn sim_now(&self) -> u64 {
-            u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+            let elapsed = self.start.elapsed().as_nanos();
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                clippy::cast_precision_loss,
+                reason = "ns of a run"
+            )]
+            let scaled = (elapsed as f64 * self.speed) as u64;
+            scaled
         }
     }
 

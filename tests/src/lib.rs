@@ -10,7 +10,6 @@ use aggregator::certs::{self, CertSet};
 use node_shipper::config::{ShipperConfig, Source};
 use node_shipper::core::batcher::BatcherConfig;
 use node_shipper::core::spool::SpoolConfig;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The repository root (the workspace directory), for tests that read the project's
 /// own files.
@@ -79,29 +78,7 @@ pub fn shipper_config(set: &CertSet, aggregator: SocketAddr, node: u32, source: 
 /// # Panics
 /// When the server cannot be reached or answers something that is not HTTP.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect to the HTTP API");
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.expect("send request");
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.expect("read response");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("a status code");
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    (status, if chunked { dechunk(body) } else { body.to_owned() })
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(rest.get(..n).unwrap_or(rest));
-        body = rest.get(n + 2..).unwrap_or("");
-    }
-    out
+    aggregator::api::client::get(addr, path).await.expect("an HTTP answer")
 }
 
 /// `GET path` parsed as JSON into `T`.
@@ -109,9 +86,7 @@ fn dechunk(mut body: &str) -> String {
 /// # Panics
 /// A non-200 answer or a body that is not a `T`.
 pub async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> T {
-    let (status, body) = http_get(addr, path).await;
-    assert_eq!(status, 200, "GET {path}: {body}");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
+    aggregator::api::client::get_json(addr, path).await.unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A simulation sink that keeps nothing (for computing ground truth).

@@ -920,7 +920,11 @@ impl CollectiveMatcher {
         let mut outcomes: Vec<Outcome> = Vec::with_capacity(rs.len());
         let mut culprits: Vec<(u32, Option<NodeId>)> = Vec::new();
         for r in &rs {
-            let o = if op.key_collision || self.collided.contains(&comm) {
+            // Only this op's own evidence of two processes claiming one rank makes it a
+            // key collision: a communicator that once shared its key with another (seen
+            // in `collided`) still has ops no one else claimed, judged on their merits
+            // (the ground truth scores collisions per (key, comm_op_seq) alike).
+            let o = if op.key_collision {
                 Outcome::Indeterminate(Indeterminate::KeyCollision)
             } else if let Some(direct) = r.completed {
                 if direct { Outcome::Completed } else { Outcome::CompletedInferred }
@@ -976,6 +980,11 @@ impl CollectiveMatcher {
                 // once PROGRESS past the deadline still shows last_completed < k.
                 let frozen = r.progress.is_some_and(|p| snapshot_at(&p) >= stuck_at && p.last_completed < seq);
                 if frozen { Outcome::Stuck } else { Outcome::InFlight }
+            } else if r.started {
+                // Its kernel started: whatever else the rank has in flight on other
+                // streams, it is inside this op, waiting on peers (not blocked by an
+                // earlier op).
+                Outcome::WaitingOn(None)
             } else if let Some(b) = self.blocked_by(r.node, r.pid, r.local_op_seq, key) {
                 Outcome::BlockedBy(b)
             } else {
@@ -992,7 +1001,7 @@ impl CollectiveMatcher {
                     r.entered
                         && !r.started
                         && r.live == LivenessState::Fresh
-                        && matches!(outcomes[*i], Outcome::WaitingOn(_))
+                        && matches!(outcomes[*i], Outcome::WaitingOn(_) | Outcome::BlockedBy(_))
                         && r.progress.is_some_and(|p| snapshot_at(&p) >= stuck_at && p.last_kernel_started < seq)
                 })
                 .map(|(i, _)| i)
@@ -1001,7 +1010,7 @@ impl CollectiveMatcher {
                 .iter()
                 .enumerate()
                 .filter(|(i, _)| !not_started.contains(i))
-                .all(|(i, r)| r.started || !matches!(outcomes[i], Outcome::WaitingOn(_)));
+                .all(|(i, r)| r.started || !matches!(outcomes[i], Outcome::WaitingOn(_) | Outcome::BlockedBy(_)));
             if not_started.len() == 1 && others_started {
                 outcomes[not_started[0]] = Outcome::Stuck;
             }
@@ -1028,8 +1037,15 @@ impl CollectiveMatcher {
                 }
             }
         }
-        let culprit_nodes: BTreeSet<Option<NodeId>> = culprits.iter().map(|c| c.1).collect();
-        let waiting_on = if culprit_nodes.len() == 1 { culprits.first().map(|c| c.0) } else { None };
+        // A silent node's ranks do not gate (C3c): when a rank with real evidence is a
+        // culprit, the others wait on it, whatever a dead node's ranks are doing.
+        let silent_rank = |rank: u32| {
+            rs.iter().zip(outcomes.iter()).any(|(r, o)| r.rank == rank && matches!(o, Outcome::UnknownSilent))
+        };
+        let evidenced: Vec<(u32, Option<NodeId>)> = culprits.iter().copied().filter(|c| !silent_rank(c.0)).collect();
+        let named = if evidenced.is_empty() { &culprits } else { &evidenced };
+        let culprit_nodes: BTreeSet<Option<NodeId>> = named.iter().map(|c| c.1).collect();
+        let waiting_on = if culprit_nodes.len() == 1 { named.first().map(|c| c.0) } else { None };
         let decisive = culprits.iter().any(|c| {
             rs.iter().zip(outcomes.iter()).any(|(r, o)| r.rank == c.0 && !matches!(o, Outcome::UnknownSilent))
         });

@@ -91,9 +91,18 @@ pub struct NodeDto {
     /// The aggregator's own gaps in what it knows of this node (a restart: from the
     /// snapshot's time to the node's first batch after it), aggregator ms.
     pub knowledge_gaps: Vec<GapDto>,
+    /// Health per GPU (hex UUID) that has any verdict; absent GPUs are healthy.
+    pub gpus: Vec<GpuDto>,
     /// Restored from a snapshot and no batch from this node since: a gap still open.
     pub awaiting_first_batch: bool,
     pub streams: Vec<StreamDto>,
+}
+
+/// One GPU's health.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuDto {
+    pub gpu_uuid: String,
+    pub health: String,
 }
 
 /// A time range, aggregator (= cluster) ms.
@@ -153,6 +162,8 @@ pub struct VerdictDto {
     pub evidence: String,
     pub loss_intervals: Vec<u64>,
     pub revision: u32,
+    /// Aggregator time (ms) the verdict became final.
+    pub final_at_ms: Option<u64>,
 }
 
 /// Which op.
@@ -266,6 +277,7 @@ impl VerdictDto {
             evidence: v.evidence.rule.describe().to_owned(),
             loss_intervals: v.evidence.loss_intervals.clone(),
             revision: v.revision,
+            final_at_ms: None,
         }
     }
 }

@@ -7,6 +7,7 @@
 //! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX`
 //! (`stuck`, `waiting_on`, …), `final=true|false`, `limit=N` (1..=100000, default 10000).
 
+pub mod client;
 pub mod dto;
 
 use std::collections::BTreeMap;
@@ -21,8 +22,8 @@ use axum::routing::get;
 use ringwatch_core::NodeId;
 
 use self::dto::{
-    API_VERSION, ErrorDto, GapDto, HealthzDto, IngestDto, NodeDto, NodesDto, StreamDto, VerdictDto, VerdictsDto,
-    health_name, liveness_name,
+    API_VERSION, ErrorDto, GapDto, GpuDto, HealthzDto, IngestDto, NodeDto, NodesDto, StreamDto, VerdictDto,
+    VerdictsDto, health_name, liveness_name,
 };
 use crate::state::Shared;
 
@@ -96,6 +97,7 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
         s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.connected, e.connections)).collect();
     let core = s.core();
     let health = core.matcher.node_health(now, s.degraded_clear_ns);
+    let gpu_health = core.matcher.health(now, s.degraded_clear_ns);
     let mut out: Vec<NodeDto> = registry
         .into_iter()
         .map(|(id, name, connected, connections)| {
@@ -117,6 +119,13 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                     .iter()
                     .filter(|(from, to)| to > from)
                     .map(|&(from, to)| GapDto { from_ms: from / 1_000_000, to_ms: to / 1_000_000 })
+                    .collect(),
+                gpus: gpu_health
+                    .range((id, [0u8; 16])..=(id, [0xff; 16]))
+                    .map(|((_, uuid), h)| GpuDto {
+                        gpu_uuid: uuid.iter().map(|b| format!("{b:02x}")).collect(),
+                        health: health_name(*h).into(),
+                    })
                     .collect(),
                 awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
                 streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
@@ -158,8 +167,9 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String,
     let store = s.verdicts();
     let mut total = 0u64;
     let mut out = Vec::new();
-    for v in store.by_key.values() {
-        let dto = VerdictDto::from_verdict(v, |id| names.get(&id).cloned());
+    for (key, v) in &store.by_key {
+        let mut dto = VerdictDto::from_verdict(v, |id| names.get(&id).cloned());
+        dto.final_at_ms = store.final_at.get(key).map(|t| t / 1_000_000);
         if node.as_ref().is_some_and(|n| dto.node.as_ref() != Some(n))
             || outcome.as_ref().is_some_and(|o| !dto.outcome.starts_with(o.as_str()))
             || fin.is_some_and(|f| dto.is_final != f)

@@ -17,6 +17,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("pipeline-p2p", include_str!("../../scenarios/pipeline-p2p.toml")),
     ("enqueue-only", include_str!("../../scenarios/enqueue-only.toml")),
     ("mixed", include_str!("../../scenarios/mixed.toml")),
+    ("demo", include_str!("../../scenarios/demo.toml")),
 ];
 
 /// The built-in scenario `name`.

@@ -1,0 +1,277 @@
+//! Running a simulated cluster for real: an embedded aggregator, one in-process shipper
+//! per node (the simulator as its source), real QUIC with mutual TLS on loopback (a dev
+//! certificate set in a temporary directory), verdicts read back through the HTTP DTOs.
+//!
+//! Time: the simulator runs in real time, or `time_scale` times faster with the
+//! aggregator's clock and the shippers' timers scaled alike (everything the evidence
+//! rules see stays consistent). Network and processing delays look `time_scale` times
+//! longer to the aggregator, so the one timer that guards them — the reorder timeout —
+//! stays 500 ms of real time.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use aggregator::api::client::{self, ClientError};
+use aggregator::api::dto::{NodesDto, VerdictsDto};
+use aggregator::certs::{self, CertSet};
+use aggregator::{Aggregator, AggregatorConfig};
+use loadgen_sim::{GroundTruth, Scenario, SimOptions, Simulation};
+use node_shipper::config::{ShipperConfig, Source};
+use node_shipper::core::batcher::BatcherConfig;
+use node_shipper::core::spool::SpoolConfig;
+use node_shipper::driver::{self, Report, RunOptions};
+use node_shipper::source::SimSource;
+use ringwatch_core::{IngestConfig, MatcherConfig};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    pub scenario: Scenario,
+    /// Replaces the scenario's seed.
+    pub seed: Option<u64>,
+    /// Bulk event rate as a fraction of the scenario's line rate.
+    pub scale: f64,
+    /// Simulated (and aggregator) time per real time.
+    pub time_scale: f64,
+    /// Show progress bars on stderr.
+    pub progress: bool,
+}
+
+/// Errors running a cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("scenario: {0}")]
+    Scenario(String),
+    #[error("certificates: {0}")]
+    Certs(#[from] certs::CertError),
+    #[error("aggregator: {0}")]
+    Aggregator(#[from] aggregator::StartError),
+    #[error("API: {0}")]
+    Api(#[from] ClientError),
+    #[error("temporary directory: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A directory removed when dropped (unless kept).
+#[derive(Debug)]
+pub struct TempDir {
+    pub path: PathBuf,
+    pub keep: bool,
+}
+
+impl TempDir {
+    /// A fresh directory under the system temp dir.
+    ///
+    /// # Errors
+    /// It cannot be created.
+    pub fn new(tag: &str) -> std::io::Result<Self> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "ringwatch-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path)?;
+        Ok(Self { path, keep: false })
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// What a run produced.
+#[derive(Debug)]
+pub struct RunResult {
+    pub truth: GroundTruth,
+    pub nodes: NodesDto,
+    pub verdicts: VerdictsDto,
+    pub reports: Vec<Report>,
+    /// Real time from the first shipper's start to the end of the settle phase.
+    pub wall: Duration,
+    /// Bulk + P0 frames/s the scenario asks of the whole cluster, and what the shippers
+    /// read, per real second, while the simulation ran.
+    pub target_frames_per_s: f64,
+    pub achieved_frames_per_s: f64,
+    /// Aggregator time (ms) when the verdicts were read.
+    pub ended_at_ms: u64,
+    pub spec: RunSpec,
+    /// The aggregator, still serving (dropped: stopped).
+    pub aggregator: Aggregator,
+    pub certs: TempDir,
+}
+
+/// The matcher and ingest configured with the scenario's timers (the simulator judges
+/// `decidable` with the same ones).
+#[must_use]
+pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> AggregatorConfig {
+    let mut cfg = AggregatorConfig::local(set);
+    // The reorder timeout guards real network and processing delays, so it stays 500 ms
+    // of *real* time when the run is compressed (in aggregator time: 500 ms × scale).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ns")]
+    let reorder_ns = (REORDER_REAL_MS as f64 * 1e6 * time_scale.max(1.0)) as u64;
+    cfg.matcher = MatcherConfig {
+        stuck_min_ns: s.timers.stuck_deadline_ms * 1_000_000,
+        join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
+        reorder_timeout_ns: reorder_ns,
+        ..MatcherConfig::default()
+    };
+    cfg.ingest = IngestConfig {
+        silent_ns: s.timers.silent_ms * 1_000_000,
+        reorder_timeout_ns: reorder_ns,
+        ..IngestConfig::default()
+    };
+    cfg.time_scale = time_scale;
+    cfg
+}
+
+/// The shipper of node `node`, its timers scaled with the run.
+#[must_use]
+pub fn shipper_config(
+    set: &CertSet,
+    aggregator: SocketAddr,
+    s: &Scenario,
+    node: u32,
+    time_scale: f64,
+) -> ShipperConfig {
+    let name = certs::node_name(node);
+    let (cert, key) = set.node(&name);
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "ms timers"
+    )]
+    let scaled = |ms: f64| (ms / time_scale).max(1.0) as u64;
+    ShipperConfig {
+        aggregator,
+        server_name: "localhost".into(),
+        node_name: name,
+        ca: set.ca.clone(),
+        cert,
+        key,
+        source: Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None },
+        batcher: BatcherConfig {
+            max_batch_bytes: 64 * 1024,
+            flush_interval_ns: scaled(5.0) * 1_000_000,
+            pool_size: 64,
+        },
+        spool: SpoolConfig { cap_bytes: 64 << 20, p0_reserve_bytes: 4 << 20, p1_reserve_bytes: 4 << 20 },
+        #[allow(clippy::cast_precision_loss, reason = "ms")]
+        heartbeat_interval_ms: scaled(s.timers.heartbeat_ms as f64).max(10),
+        shutdown_deadline_ms: 3000,
+        log_json: false,
+    }
+}
+
+/// DESIGN's reorder timeout, kept in real time for compressed runs.
+pub const REORDER_REAL_MS: u64 = 500;
+
+/// How long after the simulated end to wait before reading verdicts: the reorder
+/// timeout (real ms) plus three heartbeats (simulated ms), so every gap settles and the
+/// watermarks pass the last ops.
+#[must_use]
+pub fn settle(s: &Scenario, time_scale: f64) -> Duration {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ms")]
+    let heartbeats = (3.0 * s.timers.heartbeat_ms as f64 / time_scale) as u64;
+    Duration::from_millis(REORDER_REAL_MS + heartbeats)
+}
+
+/// Runs `spec` to its end and reads the verdicts.
+///
+/// # Errors
+/// A scenario that does not validate, certificates or sockets that cannot be set up, or
+/// an API that does not answer.
+pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
+    let mut scenario = spec.scenario.clone();
+    if let Some(seed) = spec.seed {
+        scenario.seed = seed;
+    }
+    let options = SimOptions { bulk_scale: spec.scale, seed: spec.seed };
+    let truth = {
+        let mut sim = Simulation::new(&scenario, options).map_err(|e| RunError::Scenario(e.to_string()))?;
+        sim.run(&mut crate::Discard);
+        sim.ground_truth()
+    };
+    let dir = TempDir::new("loadgen")?;
+    let names: Vec<String> = (0..scenario.cluster.nodes).map(certs::node_name).collect();
+    let set = certs::init(&dir.path, &names)?;
+    let agg = Aggregator::start(aggregator_config(&set, &scenario, spec.time_scale)).await?;
+
+    let start = Instant::now();
+    let live: Vec<Arc<AtomicU64>> = (0..scenario.cluster.nodes).map(|_| Arc::new(AtomicU64::new(0))).collect();
+    let mut shippers = Vec::new();
+    for node in 0..scenario.cluster.nodes {
+        let source = SimSource::new(&scenario, options, node, start)
+            .map_err(|e| RunError::Scenario(e.to_string()))?
+            .with_speed(spec.time_scale);
+        let cfg = shipper_config(&set, agg.quic_addr, &scenario, node, spec.time_scale);
+        let opts = RunOptions { frames_in: Some(Arc::clone(&live[node as usize])), ..RunOptions::default() };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            driver::run(&cfg, opts, Box::new(source), async {
+                let _ = rx.await;
+            })
+            .await
+        });
+        shippers.push((tx, task));
+    }
+
+    // The run, with a progress bar of simulated time and live rates.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ms")]
+    let run_real = Duration::from_millis((scenario.duration_ms as f64 / spec.time_scale) as u64);
+    let target = crate::progress::target_frames_per_s(&truth, spec.time_scale);
+    let bar = crate::progress::bar(spec.progress, &scenario, spec.scale, spec.time_scale, target);
+    let frames_at_end;
+    loop {
+        let elapsed = start.elapsed();
+        let frames: u64 = live.iter().map(|l| l.load(Ordering::Relaxed)).sum();
+        crate::progress::tick(&bar, elapsed, spec.time_scale, frames);
+        if elapsed >= run_real {
+            frames_at_end = frames;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200).min(run_real - elapsed)).await;
+    }
+    tokio::time::sleep(settle(&scenario, spec.time_scale)).await;
+    crate::progress::finish(&bar);
+    let nodes: NodesDto = client::get_json(agg.http_addr, "/v1/nodes").await?;
+    let verdicts: VerdictsDto = client::get_json(agg.http_addr, "/v1/verdicts?limit=100000").await?;
+    let ended_at_ms = agg.shared.now() / 1_000_000;
+    let wall = start.elapsed();
+    let mut reports = Vec::new();
+    for (tx, task) in shippers {
+        let _ = tx.send(());
+        if let Ok(Ok(r)) = task.await {
+            reports.push(r);
+        }
+    }
+    #[allow(clippy::cast_precision_loss, reason = "rates")]
+    let achieved = frames_at_end as f64 / run_real.as_secs_f64().max(1e-9);
+    Ok(RunResult {
+        truth,
+        nodes,
+        verdicts,
+        reports,
+        wall,
+        target_frames_per_s: target,
+        achieved_frames_per_s: achieved,
+        ended_at_ms,
+        spec,
+        aggregator: agg,
+        certs: dir,
+    })
+}
+
+/// The certificate directory of a run (for `--hold`).
+#[must_use]
+pub fn cert_dir(r: &RunResult) -> &Path {
+    &r.certs.path
+}

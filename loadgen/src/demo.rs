@@ -1,0 +1,129 @@
+//! The README's demo table: per node and GPU, the aggregator's health, one line of
+//! evidence from its verdicts, and the ground truth beside it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use aggregator::api::dto::{NodesDto, VerdictDto, VerdictsDto};
+use loadgen_sim::GroundTruth;
+
+/// One row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub node: String,
+    pub gpu: u32,
+    pub health: String,
+    pub evidence: String,
+    pub truth: String,
+    pub truth_why: String,
+}
+
+impl Row {
+    /// Whether the aggregator's health equals the truth's (`silent` and `unreachable`
+    /// are one answer, "no news": see [`crate::score::same_health`]).
+    #[must_use]
+    pub fn matches(&self) -> bool {
+        crate::score::same_health(&self.health, &self.truth)
+    }
+}
+
+fn evidence(health: &str, mine: &[&VerdictDto], node_liveness: &str) -> String {
+    let count = |f: &dyn Fn(&VerdictDto) -> bool| mine.iter().filter(|v| f(v)).count();
+    let first = |outcome: &str| mine.iter().find(|v| v.outcome.starts_with(outcome) && v.is_final).copied();
+    match health {
+        "degraded" => first("stuck").map_or_else(
+            || "degraded (GPU-side evidence)".to_owned(),
+            |v| format!("stuck in {}#{} — {}", short(&v.op.comm), v.op.seq, v.evidence),
+        ),
+        "healthy_lossy" => {
+            let n = count(&|v| v.outcome == "completed_inferred" && v.tags.iter().any(|t| t == "telemetry_loss"));
+            let ids: Vec<u64> = mine
+                .iter()
+                .flat_map(|v| v.loss_intervals.iter().copied())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .take(3)
+                .collect();
+            format!("telemetry loss: {n} completions inferred (PROGRESS / later ops), loss intervals {ids:?}")
+        }
+        "silent" | "unreachable" => {
+            let n = count(&|v| v.outcome == "unknown_silent");
+            format!("node {node_liveness}: no frames or heartbeats; {n} rank-verdicts unknown_silent, nobody blamed")
+        }
+        "suspect" => first("waiting_on").map_or_else(
+            || "suspect".to_owned(),
+            |v| format!("{} in {}#{} — {}", v.outcome, short(&v.op.comm), v.op.seq, v.evidence),
+        ),
+        _ => {
+            let waiting = mine.iter().filter(|v| v.outcome.starts_with("waiting_on") && v.is_final).count();
+            let done = count(&|v| v.outcome == "completed" && v.is_final);
+            if waiting > 0 {
+                format!("{done} ops completed; waits on a culprit elsewhere in {waiting} rank-verdicts (not blamed)")
+            } else {
+                format!("{done} ops completed")
+            }
+        }
+    }
+}
+
+fn short(comm: &str) -> String {
+    comm.chars().take(8).collect()
+}
+
+/// The rows, one per GPU of the truth.
+#[must_use]
+pub fn rows(truth: &GroundTruth, nodes: &NodesDto, verdicts: &VerdictsDto) -> Vec<Row> {
+    let mut by_gpu: BTreeMap<&str, Vec<&VerdictDto>> = BTreeMap::new();
+    for v in &verdicts.verdicts {
+        by_gpu.entry(v.gpu_uuid.as_str()).or_default().push(v);
+    }
+    truth
+        .gpus
+        .iter()
+        .map(|g| {
+            let name = aggregator::certs::node_name(g.node);
+            let node = nodes.nodes.iter().find(|n| n.name == name);
+            let liveness = node.map_or("unreachable", |n| n.liveness.as_str());
+            let health = match liveness {
+                "silent" | "unreachable" => liveness.to_owned(),
+                _ => node
+                    .and_then(|n| n.gpus.iter().find(|x| x.gpu_uuid == g.gpu_uuid))
+                    .map_or_else(|| "healthy".to_owned(), |x| x.health.clone()),
+            };
+            let mine = by_gpu.get(g.gpu_uuid.as_str()).cloned().unwrap_or_default();
+            Row {
+                node: name,
+                gpu: g.gpu,
+                evidence: evidence(&health, &mine, liveness),
+                health,
+                truth: g.health.clone(),
+                truth_why: g.why.first().cloned().unwrap_or_default(),
+            }
+        })
+        .collect()
+}
+
+/// The table.
+#[must_use]
+pub fn table(rows: &[Row]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{:<8} {:>3}  {:<14} {:<14} {:<5}  evidence (ground truth's reason)",
+        "node", "gpu", "verdict", "truth", "match"
+    );
+    for r in rows {
+        let why = if r.truth_why.is_empty() { String::new() } else { format!("  ({})", r.truth_why) };
+        let _ = writeln!(
+            o,
+            "{:<8} {:>3}  {:<14} {:<14} {:<5}  {}{why}",
+            r.node,
+            r.gpu,
+            r.health,
+            r.truth,
+            if r.matches() { "yes" } else { "NO" },
+            r.evidence
+        );
+    }
+    o
+}

@@ -1,0 +1,407 @@
+//! Scoring verdicts against the simulator's ground truth. Pure: truth and the API's DTOs
+//! in, a [`Score`] out (a table for people, JSON for scripts).
+//!
+//! What counts as right (documented once, here):
+//! - the same outcome (arguments aside: `waiting_on(3)` and `waiting_on(5)` both are
+//!   `waiting_on`);
+//! - `completed_inferred` for a rank the truth says `completed` *and* whose frames the
+//!   kernel dropped (the completion was inferred because the telemetry was lost);
+//! - `unknown_silent` for a rank on a node that died (the aggregator cannot know more);
+//! - `completed` for a rank the truth calls `indeterminate(key_collision)` that did
+//!   complete, when the op sharing its key only appears later (the verdict was final,
+//!   and true, before the collision was visible).
+//!
+//! Only final verdicts of ranks the truth marks decidable are scored (ops no rank ever
+//! entered are not: nothing of them is on the wire); the rest are
+//! counted (`non_final`), and those whose op is older than the stuck deadline + reorder
+//! timeout + 2 heartbeats at the end are listed apart, with the ones a silent node gates.
+
+use std::collections::BTreeMap;
+
+use aggregator::api::dto::{NodesDto, VerdictDto, VerdictsDto};
+use loadgen_sim::GroundTruth;
+use serde::Serialize;
+
+/// Precision and recall of one outcome.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct OutcomeScore {
+    /// Decidable ranks the truth gives this outcome.
+    pub truth: u64,
+    /// Final verdicts with this outcome.
+    pub predicted: u64,
+    pub correct: u64,
+    pub precision: f64,
+    pub recall: f64,
+}
+
+/// Conservation of one node's streams.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct NodeConservation {
+    pub node: String,
+    pub streams: u64,
+    /// Streams where received + lost + sampled out = generated.
+    pub exact: u64,
+    /// Streams where received, lost by cause and sampled out each equal the generator's.
+    pub equal_to_generator: u64,
+    pub generated: u64,
+    pub received: u64,
+    pub lost: u64,
+    pub sampled_out: u64,
+    /// The node died: events after its last heartbeat were never reported by anyone, so
+    /// its streams are exact when everything its last heartbeat announced is accounted
+    /// for; `unknowable_tail` is what the generator made after that.
+    pub dead: bool,
+    pub unknowable_tail: u64,
+}
+
+/// Distribution summary, ms.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Distribution {
+    pub count: u64,
+    pub p50_ms: u64,
+    pub p99_ms: u64,
+    pub max_ms: u64,
+}
+
+/// The whole score.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Score {
+    pub scenario: String,
+    pub seed: u64,
+    pub scale: f64,
+    pub decidable_ranks: u64,
+    /// Ops in the schedule that no rank ever entered (hosts blocked by run-ahead behind a
+    /// hung op): nothing on the wire, no verdict possible; not scored.
+    pub ops_never_issued: u64,
+    pub final_verdicts: u64,
+    pub final_right: u64,
+    /// A few wrong ones: (op, rank, truth, verdict).
+    pub wrong_examples: Vec<(String, u32, String, String)>,
+    pub outcomes: BTreeMap<String, OutcomeScore>,
+    /// Decidable ranks with no final verdict, and those of them old enough to need one
+    /// (older than stuck deadline + reorder + 2 heartbeats at the end), and how many of
+    /// those a silent node gates.
+    pub non_final: u64,
+    pub non_final_old: u64,
+    pub non_final_old_gated_by_silent: u64,
+    /// A few old non-final ones not gated by a silent node: (op, rank, truth, verdict so far).
+    pub non_final_examples: Vec<(String, u32, String, String)>,
+    /// Nodes called degraded that the truth does not degrade, and the converse.
+    pub false_degraded: u64,
+    pub missed_degraded: u64,
+    /// Node health equal to the truth's.
+    pub nodes_right: u64,
+    pub nodes: u64,
+    /// Identifiable culprits (GPU hangs: a `stuck` verdict on their node; GPU-side
+    /// stragglers: their node degraded) found.
+    pub culprits: u64,
+    pub culprits_found: u64,
+    pub time_to_final: Distribution,
+    pub conservation: Vec<NodeConservation>,
+}
+
+fn base(s: &str) -> &str {
+    s.split('(').next().unwrap_or("")
+}
+
+/// Whether two health names are the same answer. `silent` and `unreachable` are one:
+/// "nothing heard" — the simulator calls a dead node unreachable after 60 s, while the
+/// aggregator also does as soon as the node's connection is gone (DESIGN: 60 s *or*
+/// connection closed), which a dead node's QUIC idle timeout brings sooner.
+#[must_use]
+pub fn same_health(a: &str, b: &str) -> bool {
+    a == b || (matches!(a, "silent" | "unreachable") && matches!(b, "silent" | "unreachable"))
+}
+
+/// Whether a verdict outcome is right for a truth outcome (see the module docs).
+#[must_use]
+pub fn agrees(truth: &str, verdict: &str, lost_frames: u32, node_dead: bool, completed: bool) -> bool {
+    base(truth) == base(verdict)
+        || (truth == "completed" && verdict == "completed_inferred" && lost_frames > 0)
+        || (verdict == "unknown_silent" && node_dead)
+        // A key shared with an op that only appears later: judged (correctly) before the
+        // collision could be seen.
+        || (truth == "indeterminate(key_collision)"
+            && completed
+            && (verdict == "completed" || (verdict == "completed_inferred" && lost_frames > 0)))
+}
+
+/// The op key a verdict and the truth share: (kind, comm hash hex, seq).
+fn truth_key(c: &loadgen_sim::truth::CollectiveTruth) -> Option<(String, String, u64)> {
+    let comm = format!("{:016x}", c.comm_hash);
+    if c.graph_replay.is_some() {
+        None
+    } else if let Some(p) = c.p2p_seq {
+        Some(("p2p".into(), comm, p))
+    } else if c.comm_op_seq > 0 {
+        Some(("collective".into(), comm, c.comm_op_seq))
+    } else {
+        None
+    }
+}
+
+/// Scores a run. `ended_at_ms` is the aggregator time the verdicts were read at.
+#[must_use]
+pub fn score(
+    truth: &GroundTruth,
+    nodes: &NodesDto,
+    verdicts: &VerdictsDto,
+    ended_at_ms: u64,
+    timers: &loadgen_sim::scenario::Timers,
+) -> Score {
+    let mut s =
+        Score { scenario: truth.scenario.clone(), seed: truth.seed, scale: truth.bulk_scale, ..Score::default() };
+    let by_key: BTreeMap<(String, String, u64, u32), &VerdictDto> =
+        verdicts.verdicts.iter().map(|v| ((v.op.kind.clone(), v.op.comm.clone(), v.op.seq, v.rank), v)).collect();
+    let dead: Vec<bool> = truth.nodes.iter().map(|n| n.dead_at_ms.is_some()).collect();
+    let old_before = ended_at_ms.saturating_sub(timers.stuck_deadline_ms + 500 + 2 * timers.heartbeat_ms);
+    let mut ttf = Vec::new();
+    for c in &truth.collectives {
+        let Some((kind, comm, seq)) = truth_key(c) else { continue };
+        if !c.ranks.iter().any(|r| r.entered) {
+            s.ops_never_issued += 1;
+            continue;
+        }
+        for r in c.ranks.iter().filter(|r| r.decidable) {
+            s.decidable_ranks += 1;
+            let t = base(&r.outcome).to_owned();
+            s.outcomes.entry(t.clone()).or_default().truth += 1;
+            let node_dead = dead.get(r.node as usize).copied().unwrap_or(false);
+            match by_key.get(&(kind.clone(), comm.clone(), seq, r.rank)).filter(|v| v.is_final) {
+                Some(v) => {
+                    s.final_verdicts += 1;
+                    let got = base(&v.outcome).to_owned();
+                    s.outcomes.entry(got.clone()).or_default().predicted += 1;
+                    if agrees(&r.outcome, &v.outcome, r.lost_frames, node_dead, r.completed) {
+                        s.final_right += 1;
+                        // Credit the truth's outcome (the equivalences map onto it).
+                        s.outcomes.entry(t.clone()).or_default().correct += 1;
+                        if got != t {
+                            // Counted as predicted for `got`, correct for `t`: move it.
+                            if let Some(o) = s.outcomes.get_mut(&got) {
+                                o.predicted -= 1;
+                            }
+                            s.outcomes.entry(t.clone()).or_default().predicted += 1;
+                        }
+                    } else if s.wrong_examples.len() < 10 {
+                        s.wrong_examples.push((
+                            format!("{}#{seq}", c.comm),
+                            r.rank,
+                            r.outcome.clone(),
+                            v.outcome.clone(),
+                        ));
+                    }
+                    if let Some(f) = v.final_at_ms {
+                        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
+                        ttf.push(f.saturating_sub(c.sched_ms.max(0.0) as u64));
+                    }
+                }
+                None => {
+                    s.non_final += 1;
+                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
+                    if (c.sched_ms.max(0.0) as u64) < old_before {
+                        s.non_final_old += 1;
+                        let gated = c.ranks.iter().any(|x| dead.get(x.node as usize).copied().unwrap_or(false));
+                        if gated {
+                            s.non_final_old_gated_by_silent += 1;
+                        } else if s.non_final_examples.len() < 10 {
+                            let so_far = by_key
+                                .get(&(kind.clone(), comm.clone(), seq, r.rank))
+                                .map_or_else(|| "none".to_owned(), |v| v.outcome.clone());
+                            s.non_final_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), so_far));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #[allow(clippy::cast_precision_loss, reason = "ratios")]
+    for o in s.outcomes.values_mut() {
+        o.precision = if o.predicted == 0 { 1.0 } else { o.correct as f64 / o.predicted as f64 };
+        o.recall = if o.truth == 0 { 1.0 } else { o.correct as f64 / o.truth as f64 };
+    }
+    ttf.sort_unstable();
+    let q = |p: f64| {
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss,
+            reason = "index"
+        )]
+        let i = ((ttf.len().saturating_sub(1)) as f64 * p).round() as usize;
+        ttf.get(i).copied().unwrap_or(0)
+    };
+    s.time_to_final = Distribution {
+        count: ttf.len() as u64,
+        p50_ms: q(0.5),
+        p99_ms: q(0.99),
+        max_ms: ttf.last().copied().unwrap_or(0),
+    };
+
+    // Health.
+    for n in &truth.nodes {
+        s.nodes += 1;
+        let got = nodes.nodes.iter().find(|x| x.name == n.name).map_or("unknown", |x| x.health.as_str());
+        if same_health(got, &n.health) {
+            s.nodes_right += 1;
+        }
+        if got == "degraded" && n.health != "degraded" {
+            s.false_degraded += 1;
+        }
+        if n.health == "degraded" && got != "degraded" {
+            s.missed_degraded += 1;
+        }
+    }
+    for f in truth.faults.iter().filter(|f| f.identifiable) {
+        match &f.fault {
+            loadgen_sim::Fault::GpuHang { node, .. } => {
+                s.culprits += 1;
+                let name = aggregator::certs::node_name(*node);
+                if verdicts.verdicts.iter().any(|v| v.outcome == "stuck" && v.node.as_deref() == Some(name.as_str())) {
+                    s.culprits_found += 1;
+                }
+            }
+            loadgen_sim::Fault::GpuStraggler { node, .. } => {
+                s.culprits += 1;
+                let name = aggregator::certs::node_name(*node);
+                if nodes.nodes.iter().any(|x| x.name == name && x.health == "degraded") {
+                    s.culprits_found += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    // Conservation per node.
+    let mut per: BTreeMap<u32, NodeConservation> = BTreeMap::new();
+    for t in &truth.streams {
+        let name = aggregator::certs::node_name(t.node);
+        let dead_node = dead.get(t.node as usize).copied().unwrap_or(false);
+        let c = per.entry(t.node).or_insert_with(|| NodeConservation {
+            node: name.clone(),
+            dead: dead_node,
+            ..NodeConservation::default()
+        });
+        c.streams += 1;
+        c.generated += t.generated;
+        let got = nodes
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .and_then(|n| n.streams.iter().find(|x| x.epoch == t.epoch && x.stream_id == t.stream_id));
+        if let Some(g) = got {
+            c.received += g.received;
+            c.lost += g.lost_total;
+            c.sampled_out += g.sampled_out;
+            let accounted = g.received + g.lost_total + g.sampled_out;
+            if dead_node {
+                // Everything announced (attempted + sampled out at the last heartbeat) is
+                // accounted for; the rest was never on the wire.
+                let settled = g.pending == 0 && g.in_transit == 0;
+                if settled && g.received + g.lost_total >= g.attempted && accounted <= t.generated {
+                    c.exact += 1;
+                }
+                c.unknowable_tail += t.generated - accounted.min(t.generated);
+            } else if accounted == t.generated {
+                c.exact += 1;
+            }
+            if g.received == t.delivered && g.lost == t.dropped && g.sampled_out == t.sampled_out {
+                c.equal_to_generator += 1;
+            }
+        }
+    }
+    s.conservation = per.into_values().collect();
+    s
+}
+
+impl Score {
+    /// Every final verdict right, nothing falsely degraded, every stream exact, every
+    /// identifiable culprit found, nothing old left non-final except behind a silent node.
+    #[must_use]
+    pub fn perfect(&self) -> bool {
+        self.final_right == self.final_verdicts
+            && self.false_degraded == 0
+            && self.conservation.iter().all(|c| c.exact == c.streams)
+            && self.culprits_found == self.culprits
+            && self.non_final_old == self.non_final_old_gated_by_silent
+    }
+
+    /// The table for people.
+    #[must_use]
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let _ = writeln!(o, "scenario {}  seed {}  scale {:e}", self.scenario, self.seed, self.scale);
+        let _ = writeln!(
+            o,
+            "final verdicts right: {}/{}  (decidable ranks {}, not final {}, old and not final {} of which gated by a silent node {})",
+            self.final_right,
+            self.final_verdicts,
+            self.decidable_ranks,
+            self.non_final,
+            self.non_final_old,
+            self.non_final_old_gated_by_silent
+        );
+        let _ = writeln!(
+            o,
+            "{:<28} {:>8} {:>9} {:>8} {:>9} {:>7}",
+            "outcome", "truth", "predicted", "correct", "precision", "recall"
+        );
+        for (name, x) in &self.outcomes {
+            let _ = writeln!(
+                o,
+                "{name:<28} {:>8} {:>9} {:>8} {:>9.3} {:>7.3}",
+                x.truth, x.predicted, x.correct, x.precision, x.recall
+            );
+        }
+        let _ = writeln!(
+            o,
+            "node health right {}/{}; false degraded {}; missed degraded {}; identifiable culprits found {}/{}",
+            self.nodes_right, self.nodes, self.false_degraded, self.missed_degraded, self.culprits_found, self.culprits
+        );
+        let t = &self.time_to_final;
+        let _ = writeln!(
+            o,
+            "time to final (ms after the op was scheduled): p50 {}  p99 {}  max {}  ({} verdicts)",
+            t.p50_ms, t.p99_ms, t.max_ms, t.count
+        );
+        let _ = writeln!(
+            o,
+            "{:<10} {:>8} {:>6} {:>10} {:>12} {:>12} {:>10} {:>12}  note",
+            "node", "streams", "exact", "= gen", "generated", "received", "lost", "sampled out"
+        );
+        for c in &self.conservation {
+            let note = if c.dead {
+                format!("died: {} events after its last heartbeat never reported", c.unknowable_tail)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                o,
+                "{:<10} {:>8} {:>6} {:>10} {:>12} {:>12} {:>10} {:>12}  {note}",
+                c.node, c.streams, c.exact, c.equal_to_generator, c.generated, c.received, c.lost, c.sampled_out
+            );
+        }
+        for (op, rank, t, v) in &self.wrong_examples {
+            let _ = writeln!(o, "WRONG {op} rank {rank}: truth {t}, verdict {v}");
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equivalences_are_narrow() {
+        assert!(agrees("waiting_on(3)", "waiting_on(5)", 0, false, false));
+        assert!(agrees("completed", "completed_inferred", 2, false, true));
+        assert!(!agrees("completed", "completed_inferred", 0, false, true), "inferred without loss is not right");
+        assert!(agrees("blocked_by(world#3)", "unknown_silent", 0, true, false));
+        assert!(!agrees("stuck", "unknown_silent", 0, false, false), "silence only excuses a dead node's ranks");
+        assert!(!agrees("completed", "stuck", 0, false, true));
+        assert!(agrees("indeterminate(key_collision)", "completed", 0, false, true));
+        assert!(!agrees("indeterminate(key_collision)", "completed", 0, false, false));
+    }
+}

@@ -18,7 +18,7 @@ use aggregator::api::client::{self, ClientError};
 use aggregator::api::dto::{NodesDto, VerdictsDto};
 use aggregator::certs::{self, CertSet};
 use aggregator::{Aggregator, AggregatorConfig};
-use loadgen_sim::{GroundTruth, Scenario, SimOptions, Simulation};
+use loadgen_sim::{GroundTruth, Scenario, SimOptions};
 use node_shipper::config::{ShipperConfig, Source};
 use node_shipper::core::batcher::BatcherConfig;
 use node_shipper::core::spool::SpoolConfig;
@@ -132,12 +132,14 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
     cfg
 }
 
-/// The shipper of node `node`, its timers scaled with the run.
+/// The shipper of node `node` with a simulator source, heartbeating every
+/// `heartbeat_ms` of simulated time, its timers scaled with the run.
 #[must_use]
 pub fn shipper_config(
     set: &CertSet,
     aggregator: SocketAddr,
-    s: &Scenario,
+    scenario: &str,
+    heartbeat_ms: u64,
     node: u32,
     time_scale: f64,
 ) -> ShipperConfig {
@@ -157,7 +159,7 @@ pub fn shipper_config(
         ca: set.ca.clone(),
         cert,
         key,
-        source: Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None },
+        source: Source::Sim { scenario: scenario.to_owned(), node, bulk_scale_ppm: 0, seed: None },
         batcher: BatcherConfig {
             max_batch_bytes: 64 * 1024,
             flush_interval_ns: scaled(5.0) * 1_000_000,
@@ -165,7 +167,7 @@ pub fn shipper_config(
         },
         spool: SpoolConfig { cap_bytes: 64 << 20, p0_reserve_bytes: 4 << 20, p1_reserve_bytes: 4 << 20 },
         #[allow(clippy::cast_precision_loss, reason = "ms")]
-        heartbeat_interval_ms: scaled(s.timers.heartbeat_ms as f64).max(10),
+        heartbeat_interval_ms: scaled(heartbeat_ms as f64).max(10),
         shutdown_deadline_ms: 3000,
         log_json: false,
     }
@@ -195,11 +197,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         scenario.seed = seed;
     }
     let options = SimOptions { bulk_scale: spec.scale, seed: spec.seed };
-    let truth = {
-        let mut sim = Simulation::new(&scenario, options).map_err(|e| RunError::Scenario(e.to_string()))?;
-        sim.run(&mut crate::Discard);
-        sim.ground_truth()
-    };
+    let truth = crate::truth(&scenario, options).map_err(|e| RunError::Scenario(e.to_string()))?;
     let dir = TempDir::new("loadgen")?;
     let names: Vec<String> = (0..scenario.cluster.nodes).map(certs::node_name).collect();
     let set = certs::init(&dir.path, &names)?;
@@ -212,7 +210,8 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         let source = SimSource::new(&scenario, options, node, start)
             .map_err(|e| RunError::Scenario(e.to_string()))?
             .with_speed(spec.time_scale);
-        let cfg = shipper_config(&set, agg.quic_addr, &scenario, node, spec.time_scale);
+        let cfg =
+            shipper_config(&set, agg.quic_addr, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
         let opts = RunOptions { frames_in: Some(Arc::clone(&live[node as usize])), ..RunOptions::default() };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {

@@ -23,3 +23,17 @@ impl loadgen_sim::sim::Sink for Discard {
     fn snapshot(&mut self, _: u32, _: &loadgen_sim::sim::Snapshot<'_>) {}
     fn epoch(&mut self, _: u32, _: &loadgen_sim::sim::EpochInfo) {}
 }
+
+/// The generator's own account of a run (the simulator is deterministic: the same
+/// scenario and options give what the shippers' simulators produce).
+///
+/// # Errors
+/// The scenario does not validate.
+pub fn truth(
+    s: &loadgen_sim::Scenario,
+    options: loadgen_sim::SimOptions,
+) -> Result<loadgen_sim::GroundTruth, loadgen_sim::ScenarioError> {
+    let mut sim = loadgen_sim::Simulation::new(s, options)?;
+    sim.run(&mut Discard);
+    Ok(sim.ground_truth())
+}

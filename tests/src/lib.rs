@@ -8,8 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use aggregator::certs::{self, CertSet};
 use node_shipper::config::{ShipperConfig, Source};
-use node_shipper::core::batcher::BatcherConfig;
-use node_shipper::core::spool::SpoolConfig;
 
 /// The repository root (the workspace directory), for tests that read the project's
 /// own files.
@@ -52,25 +50,13 @@ pub fn cert_set(dir: &Path, nodes: u32) -> CertSet {
     certs::init(dir, &names).expect("certificates")
 }
 
-/// A shipper configuration for node `node` of the set, shipping `source` to `aggregator`.
+/// A shipper configuration for node `node` of the set, shipping `source` to `aggregator`
+/// (loadgen's, in real time).
 #[must_use]
 pub fn shipper_config(set: &CertSet, aggregator: SocketAddr, node: u32, source: Source) -> ShipperConfig {
-    let name = certs::node_name(node);
-    let (cert, key) = set.node(&name);
-    ShipperConfig {
-        aggregator,
-        server_name: "localhost".into(),
-        node_name: name,
-        ca: set.ca.clone(),
-        cert,
-        key,
-        source,
-        batcher: BatcherConfig { max_batch_bytes: 64 * 1024, flush_interval_ns: 5_000_000, pool_size: 64 },
-        spool: SpoolConfig { cap_bytes: 64 << 20, p0_reserve_bytes: 4 << 20, p1_reserve_bytes: 4 << 20 },
-        heartbeat_interval_ms: 1000,
-        shutdown_deadline_ms: 5000,
-        log_json: false,
-    }
+    let mut cfg = loadgen::cluster::shipper_config(set, aggregator, "", 1000, node, 1.0);
+    cfg.source = source;
+    cfg
 }
 
 /// `GET path` over HTTP/1.1; returns the status and the body.
@@ -89,26 +75,15 @@ pub async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &s
     aggregator::api::client::get_json(addr, path).await.unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A simulation sink that keeps nothing (for computing ground truth).
-#[derive(Debug)]
-pub struct Discard;
+pub use loadgen::Discard;
 
-impl loadgen_sim::sim::Sink for Discard {
-    fn frame(&mut self, _: u32, _: &[u8]) {}
-    fn snapshot(&mut self, _: u32, _: &loadgen_sim::sim::Snapshot<'_>) {}
-    fn epoch(&mut self, _: u32, _: &loadgen_sim::sim::EpochInfo) {}
-}
-
-/// The generator's own account of a run (the simulator is deterministic: the same
-/// scenario and options give what the shippers' simulators produced).
+/// The generator's own account of a run.
 ///
 /// # Panics
 /// An invalid scenario.
 #[must_use]
 pub fn truth(s: &loadgen_sim::Scenario, options: loadgen_sim::SimOptions) -> loadgen_sim::GroundTruth {
-    let mut sim = loadgen_sim::Simulation::new(s, options).expect("scenario");
-    sim.run(&mut Discard);
-    sim.ground_truth()
+    loadgen::truth(s, options).expect("scenario")
 }
 
 /// A shipper running in process, and how to stop it.

@@ -1270,7 +1270,9 @@ impl CollectiveMatcher {
                     _ if is_final && gpu_straggler => f.0 = now,
                     Outcome::NotJoined | Outcome::NotJoinedExited if is_final => f.1 = now,
                     Outcome::WaitingOn(None) if is_final => f.1 = now,
-                    Outcome::CompletedInferred if !tags.is_empty() => f.2 = now,
+                    // Only a final inference: one revised to `completed` when the late frame
+                    // arrived was no loss after all.
+                    Outcome::CompletedInferred if is_final && !tags.is_empty() => f.2 = now,
                     _ => {}
                 }
             }

@@ -38,6 +38,21 @@ pub struct RunSpec {
     pub time_scale: f64,
     /// Show progress bars on stderr.
     pub progress: bool,
+    /// Faults on the network between every shipper and the aggregator (through the UDP
+    /// fault proxy), if any.
+    pub net_faults: Option<ringwatch_faultproxy::Faults>,
+    /// An aggregator already running elsewhere instead of the embedded one.
+    pub external: Option<External>,
+}
+
+/// A running aggregator to drive: where its QUIC and HTTP listen, and a certificate
+/// directory written by `aggregator certs init --nodes N` for it (its CA signed the node
+/// certificates the shippers present). Its matcher timers should be the scenario's.
+#[derive(Debug, Clone)]
+pub struct External {
+    pub quic: SocketAddr,
+    pub http: SocketAddr,
+    pub certs: PathBuf,
 }
 
 /// Errors running a cluster.
@@ -53,6 +68,8 @@ pub enum RunError {
     Api(#[from] ClientError),
     #[error("temporary directory: {0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// A directory removed when dropped (unless kept).
@@ -102,9 +119,13 @@ pub struct RunResult {
     pub achieved_frames_per_s: f64,
     /// Aggregator time (ms) when the verdicts were read.
     pub ended_at_ms: u64,
+    /// What the fault proxy did, when there was one.
+    pub proxy: Option<ringwatch_faultproxy::ProxyStats>,
     pub spec: RunSpec,
-    /// The aggregator, still serving (dropped: stopped).
-    pub aggregator: Aggregator,
+    /// The embedded aggregator, still serving (dropped: stopped); none with an external one.
+    pub aggregator: Option<Aggregator>,
+    /// Where the verdicts were read.
+    pub http_addr: SocketAddr,
     pub certs: TempDir,
 }
 
@@ -198,10 +219,45 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     }
     let options = SimOptions { bulk_scale: spec.scale, seed: spec.seed };
     let truth = crate::truth(&scenario, options).map_err(|e| RunError::Scenario(e.to_string()))?;
-    let dir = TempDir::new("loadgen")?;
-    let names: Vec<String> = (0..scenario.cluster.nodes).map(certs::node_name).collect();
-    let set = certs::init(&dir.path, &names)?;
-    let agg = Aggregator::start(aggregator_config(&set, &scenario, spec.time_scale)).await?;
+    let mut dir = TempDir::new("loadgen")?;
+    let (set, agg, quic, http) = match &spec.external {
+        Some(x) => {
+            if (spec.time_scale - 1.0).abs() > f64::EPSILON {
+                return Err(RunError::Usage(
+                    "--time-scale needs the embedded aggregator (its clock is scaled too)".into(),
+                ));
+            }
+            let set = CertSet::at(&x.certs);
+            if !set.ca.exists() || !set.node(&certs::node_name(scenario.cluster.nodes - 1)).0.exists() {
+                return Err(RunError::Usage(format!(
+                    "{} lacks ca.pem or node certificates for {} nodes (write them with `aggregator certs init --dir {} --nodes {}`)",
+                    x.certs.display(),
+                    scenario.cluster.nodes,
+                    x.certs.display(),
+                    scenario.cluster.nodes
+                )));
+            }
+            dir.keep = true;
+            (set, None, x.quic, x.http)
+        }
+        None => {
+            let names: Vec<String> = (0..scenario.cluster.nodes).map(certs::node_name).collect();
+            let set = certs::init(&dir.path, &names)?;
+            let agg = Aggregator::start(aggregator_config(&set, &scenario, spec.time_scale)).await?;
+            let (q, h) = (agg.quic_addr, agg.http_addr);
+            (set, Some(agg), q, h)
+        }
+    };
+    let proxy = match spec.net_faults {
+        Some(f) => {
+            let p = ringwatch_faultproxy::FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], 0)), quic, scenario.seed)
+                .await?;
+            p.set(ringwatch_faultproxy::Direction::Both, f);
+            Some(p)
+        }
+        None => None,
+    };
+    let ship_to = proxy.as_ref().map_or(quic, |p| p.addr);
 
     let start = Instant::now();
     let live: Vec<Arc<AtomicU64>> = (0..scenario.cluster.nodes).map(|_| Arc::new(AtomicU64::new(0))).collect();
@@ -210,8 +266,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         let source = SimSource::new(&scenario, options, node, start)
             .map_err(|e| RunError::Scenario(e.to_string()))?
             .with_speed(spec.time_scale);
-        let cfg =
-            shipper_config(&set, agg.quic_addr, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
+        let cfg = shipper_config(&set, ship_to, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
         let opts = RunOptions { frames_in: Some(Arc::clone(&live[node as usize])), ..RunOptions::default() };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -241,10 +296,14 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     }
     tokio::time::sleep(settle(&scenario, spec.time_scale)).await;
     crate::progress::finish(&bar);
-    let nodes: NodesDto = client::get_json(agg.http_addr, "/v1/nodes").await?;
-    let verdicts: VerdictsDto = client::get_json(agg.http_addr, "/v1/verdicts?limit=100000").await?;
-    let ended_at_ms = agg.shared.now() / 1_000_000;
+    let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
+    let verdicts: VerdictsDto = client::get_json(http, "/v1/verdicts?limit=100000").await?;
+    let ended_at_ms = match &agg {
+        Some(a) => a.shared.now() / 1_000_000,
+        None => client::get_json::<aggregator::api::dto::HealthzDto>(http, "/healthz").await?.uptime_ms,
+    };
     let wall = start.elapsed();
+    let proxy_stats = proxy.as_ref().map(ringwatch_faultproxy::FaultProxy::stats);
     let mut reports = Vec::new();
     for (tx, task) in shippers {
         let _ = tx.send(());
@@ -263,8 +322,10 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         target_frames_per_s: target,
         achieved_frames_per_s: achieved,
         ended_at_ms,
+        proxy: proxy_stats,
         spec,
         aggregator: agg,
+        http_addr: http,
         certs: dir,
     })
 }

@@ -5,10 +5,12 @@
 //!   through the HTTP API;
 //! - [`score`]: score them against the simulator's ground truth (pure);
 //! - [`demo`]: the README's demo table;
-//! - [`progress`]: progress bars with live rates.
+//! - [`progress`]: progress bars with live rates;
+//! - [`bench`]: per-component figures (`loadgen bench`, perf profile).
 //!
 //! It depends on `loadgen-sim` for the truth, never the other way round.
 
+pub mod bench;
 pub mod cluster;
 pub mod demo;
 pub mod progress;

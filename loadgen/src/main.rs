@@ -1,4 +1,4 @@
-//! `loadgen`: run, score, demo. Exit codes: 0 ok, 1 runtime failure (or, with
+//! `loadgen`: run, score, demo, bench. Exit codes: 0 ok, 1 runtime failure (or, with
 //! `--check`, a score that is not perfect), 2 usage.
 
 use std::process::ExitCode;
@@ -49,6 +49,17 @@ fn command() -> Command {
                 ),
         )
         .subcommand(Command::new("list").about("list the built-in scenarios"))
+        .subcommand(
+            Command::new("bench")
+                .about("per-component figures: shipper core, aggregator ingest, end to end over QUIC, raw quinn, protobuf (use --profile perf)")
+                .arg(
+                    Arg::new("seconds")
+                        .long("seconds")
+                        .default_value("5")
+                        .value_parser(value_parser!(f64))
+                        .help("length of the end-to-end run"),
+                ),
+        )
 }
 
 fn scenario(name: &str) -> Result<Scenario, String> {
@@ -70,7 +81,28 @@ fn spec(m: &ArgMatches, s: Scenario, default_scale: f64) -> RunSpec {
         scale: m.get_one::<f64>("scale").copied().unwrap_or(default_scale),
         time_scale: m.get_one::<f64>("time-scale").copied().unwrap_or(1.0).max(0.01),
         progress: !m.get_flag("quiet"),
+        net_faults: net_faults(m),
+        external: external(m),
     }
+}
+
+fn external(m: &ArgMatches) -> Option<cluster::External> {
+    let quic = m.try_get_one::<std::net::SocketAddr>("aggregator").ok().flatten().copied()?;
+    let http = m.try_get_one::<std::net::SocketAddr>("api").ok().flatten().copied()?;
+    let certs = m.try_get_one::<std::path::PathBuf>("certs").ok().flatten().cloned()?;
+    Some(cluster::External { quic, http, certs })
+}
+
+fn net_faults(m: &ArgMatches) -> Option<ringwatch_faultproxy::Faults> {
+    let get_f = |k: &str| m.try_get_one::<f64>(k).ok().flatten().copied();
+    let get_u = |k: &str| m.try_get_one::<u64>(k).ok().flatten().copied();
+    let (drop, delay, jitter) = (get_f("net-drop"), get_u("net-delay-ms"), get_u("net-jitter-ms"));
+    (drop.is_some() || delay.is_some() || jitter.is_some()).then(|| ringwatch_faultproxy::Faults {
+        drop_fraction: drop.unwrap_or(0.0).clamp(0.0, 1.0),
+        delay_ms: delay.unwrap_or(0),
+        jitter_ms: jitter.unwrap_or(0),
+        ..ringwatch_faultproxy::Faults::default()
+    })
 }
 
 fn rate_note(r: &RunResult) {
@@ -101,6 +133,12 @@ async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
         println!("{out}");
     } else {
         print!("{}", sc.table());
+        if let Some(p) = &r.proxy {
+            println!(
+                "network faults (proxy): to aggregator {} datagrams, {} dropped; to shippers {}, {} dropped",
+                p.to_server.received, p.to_server.dropped_random, p.to_client.received, p.to_client.dropped_random
+            );
+        }
         println!(
             "rate: target {:.0} frames/s, achieved {:.0}; scale {:e}, time ×{}; wall {:.1} s; perfect: {}",
             r.target_frames_per_s,
@@ -112,7 +150,9 @@ async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
         );
     }
     rate_note(&r);
-    r.aggregator.shutdown();
+    if let Some(a) = &r.aggregator {
+        a.shutdown();
+    }
     Ok(sc.perfect())
 }
 
@@ -139,20 +179,17 @@ async fn demo_cmd(m: &ArgMatches) -> Result<bool, String> {
     rate_note(&r);
     if m.get_flag("hold") {
         r.certs.keep = true;
-        println!(
-            "aggregator serving at http://{} (QUIC {}); certificates in {}",
-            r.aggregator.http_addr,
-            r.aggregator.quic_addr,
-            r.certs.path.display()
-        );
+        println!("aggregator serving at http://{}; certificates in {}", r.http_addr, r.certs.path.display());
         println!(
             "try: curl -s http://{}/v1/nodes ; curl -s 'http://{}/v1/verdicts?outcome=stuck'",
-            r.aggregator.http_addr, r.aggregator.http_addr
+            r.http_addr, r.http_addr
         );
         println!("Ctrl-C to stop");
         ringwatch_transport::shell::terminated().await;
     }
-    r.aggregator.shutdown();
+    if let Some(a) = &r.aggregator {
+        a.shutdown();
+    }
     Ok(matching == rows.len() && sc.perfect())
 }
 
@@ -169,6 +206,19 @@ fn main() -> ExitCode {
             );
         }
         return ExitCode::SUCCESS;
+    }
+    if let Some(("bench", sub)) = m.subcommand() {
+        let secs = sub.get_one::<f64>("seconds").copied().unwrap_or(5.0);
+        return match loadgen::bench::run(secs) {
+            Ok(table) => {
+                print!("{table}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("loadgen bench: {e}");
+                ExitCode::from(1)
+            }
+        };
     }
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,

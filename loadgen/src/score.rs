@@ -48,8 +48,9 @@ pub struct NodeConservation {
     pub lost: u64,
     pub sampled_out: u64,
     /// The node died: events after its last heartbeat were never reported by anyone, so
-    /// its streams are exact when everything its last heartbeat announced is accounted
-    /// for; `unknowable_tail` is what the generator made after that.
+    /// its streams are exact when every seq its last heartbeat announced is in an explicit
+    /// state (received, lost, pending, or in transit with the dead shipper);
+    /// `unknowable_tail` is what the generator made that the aggregator never received.
     pub dead: bool,
     pub unknowable_tail: u64,
 }
@@ -297,8 +298,10 @@ pub fn score(
             if dead_node {
                 // Everything announced (attempted + sampled out at the last heartbeat) is
                 // accounted for; the rest was never on the wire.
-                let settled = g.pending == 0 && g.in_transit == 0;
-                if settled && g.received + g.lost_total >= g.attempted && accounted <= t.generated {
+                // Every seq its last heartbeat announced is in an explicit state —
+                // received, lost, pending or in transit (the shipper died with it).
+                let known = g.received + g.lost_total + g.pending + g.in_transit;
+                if known >= g.attempted && accounted <= t.generated {
                     c.exact += 1;
                 }
                 c.unknowable_tail += t.generated - accounted.min(t.generated);

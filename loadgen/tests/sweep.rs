@@ -19,6 +19,8 @@ fn spec(name: &str, seed: u64) -> RunSpec {
         scale: 1e-4,
         time_scale: 4.0,
         progress: false,
+        net_faults: None,
+        external: None,
     }
 }
 
@@ -27,7 +29,9 @@ async fn sweep(name: &str) {
         let r = cluster::run(spec(name, seed)).await.expect("run");
         let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, &r.spec.scenario.timers);
         println!("{}", sc.table());
-        r.aggregator.shutdown();
+        if let Some(a) = &r.aggregator {
+            a.shutdown();
+        }
         assert_eq!(
             sc.final_right, sc.final_verdicts,
             "{name} seed {seed}: wrong final verdicts {:?}",
@@ -88,7 +92,9 @@ async fn net_demo_table_matches_the_truth_on_four_seeds() {
         let r = cluster::run(spec("demo", seed)).await.expect("run");
         let rows = demo::rows(&r.truth, &r.nodes, &r.verdicts);
         print!("{}", demo::table(&rows));
-        r.aggregator.shutdown();
+        if let Some(a) = &r.aggregator {
+            a.shutdown();
+        }
         let bad: Vec<_> = rows.iter().filter(|x| !x.matches()).collect();
         assert!(bad.is_empty(), "seed {seed}: {bad:?}");
         // The demo's story: node 3 lossy but healthy, node 5 degraded alone, node 7 silent.

@@ -116,6 +116,9 @@ struct NetCounters {
 
 struct Shared {
     core: Mutex<ShipperCore>,
+    /// The network side wants the core's lock: the reader steps aside between polls (a
+    /// plain mutex is not fair, and a busy reader re-takes it at once).
+    net_waiting: AtomicU64,
     /// Batches are ready, or the window opened.
     ready: Notify,
     start: Instant,
@@ -127,6 +130,14 @@ struct Shared {
 impl Shared {
     fn core(&self) -> MutexGuard<'_, ShipperCore> {
         self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The lock, for the network side: announces itself so the reader yields.
+    fn core_for_net(&self) -> MutexGuard<'_, ShipperCore> {
+        self.net_waiting.fetch_add(1, Ordering::AcqRel);
+        let g = self.core();
+        self.net_waiting.fetch_sub(1, Ordering::AcqRel);
+        g
     }
 
     fn now(&self) -> u64 {
@@ -153,6 +164,7 @@ pub fn core_config(cfg: &ShipperConfig, tuning: &Tuning) -> CoreConfig {
         heartbeat_interval_ns: cfg.heartbeat_interval_ms * 1_000_000,
         bulk_window_bytes: usize::try_from(tuning.bulk_window_bytes).unwrap_or(usize::MAX),
         batch_log: false,
+        ..CoreConfig::default()
     }
 }
 
@@ -180,6 +192,7 @@ pub async fn run(
     let session = new_session_id();
     let meta = SessionMeta { node_id: proto_flat::node_id_of(&cfg.node_name), epoch: 0, shipper_session: session };
     let shared = Arc::new(Shared {
+        net_waiting: AtomicU64::new(0),
         core: Mutex::new(ShipperCore::new(
             CoreConfig { batch_log: options.batch_log, ..core_config(cfg, &tuning) },
             meta,
@@ -310,7 +323,7 @@ fn reader_loop(
         let mut events = 0usize;
         {
             let mut core = shared.core();
-            state = source.poll(16_384, &mut |ev| {
+            state = source.poll(2048, &mut |ev| {
                 events += 1;
                 match ev {
                     SourceEvent::Frame(f) => core.handle_frame(f, now),
@@ -336,6 +349,12 @@ fn reader_loop(
             }
         }
         shared.ready.notify_one();
+        // Step aside while the network side waits for the lock (bounded).
+        let mut spins = 0;
+        while shared.net_waiting.load(Ordering::Acquire) > 0 && spins < 10_000 {
+            std::thread::yield_now();
+            spins += 1;
+        }
         if events < 16 {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -365,7 +384,7 @@ async fn network(
             Ok(conn) => {
                 backoff.reset();
                 shared.net.connections.fetch_add(1, Ordering::Relaxed);
-                shared.core().reconnected();
+                shared.core_for_net().reconnected();
                 tracing::info!(%addr, "connected");
                 let why = connection(&conn, &shared, &mut stop).await;
                 tracing::info!(%addr, reason = %why, "connection ended");
@@ -402,25 +421,38 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
     let reader = tokio::spawn(control_reader(ctl_recv, Arc::clone(shared), conn.clone()));
     let streams = Arc::new(Semaphore::new(512));
     let why = loop {
-        let next = {
-            let mut core = shared.core();
-            core.poll_transmit().map(|(lane, seq, bytes)| (lane, seq, bytes.to_vec()))
+        // Up to 64 batches per turn of the lock: one handoff per batch would let a busy
+        // reader starve the sender.
+        let next: Vec<(proto_flat::Class, u64, Vec<u8>)> = {
+            let mut core = shared.core_for_net();
+            std::iter::from_fn(|| core.poll_transmit().map(|(lane, seq, bytes)| (lane, seq, bytes.to_vec())))
+                .take(64)
+                .collect()
         };
-        if let Some((lane, seq, mut bytes)) = next {
-            poison_hook(shared, lane, seq, &mut bytes);
-            let Ok(permit) = Arc::clone(&streams).acquire_owned().await else { break "closed".to_owned() };
-            let conn = conn.clone();
-            tokio::spawn(async move {
-                // A failure leaves the batch unacked in the spool; it is sent again
-                // after the reconnect.
-                if let Ok(mut s) = conn.open_uni().await {
-                    let _ = s.set_priority(lane_priority(lane));
-                    if s.write_all(&bytes).await.is_ok() {
-                        let _ = s.finish();
+        if !next.is_empty() {
+            let mut closed = false;
+            for (lane, seq, mut bytes) in next {
+                poison_hook(shared, lane, seq, &mut bytes);
+                let Ok(permit) = Arc::clone(&streams).acquire_owned().await else {
+                    closed = true;
+                    break;
+                };
+                let conn = conn.clone();
+                tokio::spawn(async move {
+                    // A failure leaves the batch unacked in the spool; it is sent again
+                    // after the reconnect.
+                    if let Ok(mut s) = conn.open_uni().await {
+                        let _ = s.set_priority(lane_priority(lane));
+                        if s.write_all(&bytes).await.is_ok() {
+                            let _ = s.finish();
+                        }
                     }
-                }
-                drop(permit);
-            });
+                    drop(permit);
+                });
+            }
+            if closed {
+                break "closed".to_owned();
+            }
             continue;
         }
         tokio::select! {
@@ -472,7 +504,7 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
                 Ok(Some((msg, n))) => {
                     used += n;
                     let now = shared.now();
-                    let mut core = shared.core();
+                    let mut core = shared.core_for_net();
                     match msg {
                         ControlMessage::Hello { aggregator_instance, aggregator_epoch } => {
                             core.handle_hello(aggregator_instance, aggregator_epoch);

@@ -36,6 +36,9 @@ pub const REJECT_THRESHOLD: u64 = 64;
 /// peer can make us hold.
 pub const STREAMS_IN_PROGRESS: [usize; 3] = [32, 16, 64];
 
+/// How long one batch stream may take to arrive once its header did.
+pub const STREAM_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The largest batch read (the shipper's `max_batch_bytes` is at most 1 MiB of payload;
 /// header and summary add little). Longer streams are refused `too_large`.
 pub const MAX_BATCH_READ: usize = 2 << 20;
@@ -137,7 +140,15 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
             let Ok(_permit) = pool.acquire().await else { return };
             let mut bytes = head.get(..got).unwrap_or(&[]).to_vec();
             if got == head.len() {
-                match stream.read_to_end(MAX_BATCH_READ - head.len()).await {
+                // A stream that stalls must not hold its lane's permit forever: the
+                // shipper sends the batch again when its acks stall.
+                let read = tokio::time::timeout(STREAM_READ_TIMEOUT, stream.read_to_end(MAX_BATCH_READ - head.len()));
+                let Ok(read) = read.await else {
+                    Counters::inc(&shared.counters.stream_errors);
+                    let _ = stream.stop(0u32.into());
+                    return;
+                };
+                match read {
                     Ok(rest) => bytes.extend_from_slice(&rest),
                     Err(quinn::ReadToEndError::TooLong) => {
                         let ids = BatchHeader::read_from_bytes(&head)

@@ -43,6 +43,9 @@ pub struct CoreConfig {
     pub bulk_window_bytes: usize,
     /// Keep a log of every batch's fate (tests; bounded by [`BATCH_LOG_CAP`]).
     pub batch_log: bool,
+    /// A lane with batches in flight and no ack for this long is sent again on the same
+    /// connection (a stalled stream must not hold its batches forever).
+    pub lane_stall_ns: u64,
 }
 
 /// Entries a batch log keeps; later ones are counted, not kept.
@@ -89,6 +92,7 @@ impl Default for CoreConfig {
             heartbeat_interval_ns: 1_000_000_000,
             bulk_window_bytes: 8 << 20,
             batch_log: false,
+            lane_stall_ns: 5_000_000_000,
         }
     }
 }
@@ -142,6 +146,8 @@ pub struct ShipperStats {
     /// Batches whose loss records could not be built (corrupted spool bytes).
     pub loss_record_errors: u64,
     pub hellos: u64,
+    /// Lanes sent again because their acks stalled.
+    pub lane_resends: u64,
     /// The aggregator instance of the last hello.
     pub aggregator_instance: u64,
     pub aggregator_epoch: u64,
@@ -215,6 +221,8 @@ pub struct ShipperCore {
     latency: LaneLatency,
     /// Connections so far (the batch log's `Sent::connection`).
     connections: u64,
+    /// Per lane: when it last made progress (an ack, or idle with nothing in flight).
+    lane_progress_ns: [u64; 4],
     batch_log: Option<Vec<BatchEvent>>,
     batch_log_overflow: u64,
 }
@@ -236,6 +244,7 @@ impl ShipperCore {
             pending_loss_records: false,
             latency: LaneLatency::default(),
             connections: 0,
+            lane_progress_ns: [now; 4],
             batch_log: config.batch_log.then(Vec::new),
             batch_log_overflow: 0,
         }
@@ -344,6 +353,9 @@ impl ShipperCore {
     pub fn handle_ack(&mut self, ranges: &[(u64, u64)], now: u64) {
         let instance = self.stats.aggregator_instance;
         for b in self.spool.ack(ranges) {
+            if let Some(p) = self.lane_progress_ns.get_mut(usize::from(b.lane.code()).min(3)) {
+                *p = now;
+            }
             self.log(BatchEvent::Acked { batch_seq: b.batch_seq, aggregator_instance: instance });
             if let Some(h) = self.latency.lanes.get_mut(usize::from(b.lane.code()).min(3)) {
                 h.saturating_record((now.saturating_sub(b.opened_ns) / 1_000).max(1));
@@ -389,6 +401,15 @@ impl ShipperCore {
     /// Cuts batches whose flush interval passed; heartbeats when due (also when idle,
     /// with the last counters).
     pub fn handle_timeout(&mut self, node_mono_ns: u64, now: u64) {
+        for lane in 0..4 {
+            if self.spool.in_flight(lane) == 0 {
+                self.lane_progress_ns[lane] = now;
+            } else if now.saturating_sub(self.lane_progress_ns[lane]) >= self.config.lane_stall_ns {
+                self.spool.resend_lane(lane);
+                self.stats.lane_resends += 1;
+                self.lane_progress_ns[lane] = now;
+            }
+        }
         while let Some(b) = self.batcher.poll_cut(now) {
             self.cut.push(b);
         }
@@ -584,6 +605,7 @@ mod tests {
             heartbeat_interval_ns: 1000 * MS,
             bulk_window_bytes: 1 << 20,
             batch_log: true,
+            lane_stall_ns: 5_000 * MS,
         };
         ShipperCore::new(config, SessionMeta { node_id: 5, epoch: 1, shipper_session: 2 }, 0)
     }

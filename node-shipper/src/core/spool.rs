@@ -246,6 +246,22 @@ impl Spool {
         Some(b)
     }
 
+    /// Batches of `lane` sent and not yet acked.
+    #[must_use]
+    pub fn in_flight(&self, lane: usize) -> usize {
+        self.sent.get(lane).copied().unwrap_or(0)
+    }
+
+    /// Every unacked batch of `lane` is sent again on the same connection (its sends
+    /// stalled: no ack for too long). The aggregator dedups the copies.
+    pub fn resend_lane(&mut self, lane: usize) {
+        if let (Some(s), Some(b)) = (self.sent.get_mut(lane), self.sent_bytes.get_mut(lane)) {
+            self.counters.resent += *s as u64;
+            *s = 0;
+            *b = 0;
+        }
+    }
+
     /// After a reconnect every unacked batch is sent again (the aggregator dedups by
     /// `(node, shipper_session, batch_seq)`).
     pub fn reconnected(&mut self) {

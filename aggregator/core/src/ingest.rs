@@ -139,6 +139,10 @@ pub struct Ingest {
     next_loss_id: u64,
     /// Aggregator start, or the time of the snapshot restored.
     known_since_ns: u64,
+    /// Restored from a snapshot: what was applied (and acked) between the snapshot and the
+    /// crash is gone, so each node's first batch closes a knowledge gap. A fresh start has
+    /// none — shippers spool until they are acked, nothing acked was forgotten.
+    restored: bool,
     stats: IngestStats,
     out: crate::outbox::Outbox<Record>,
     /// Which batches are settled (applied, or reported lost by their shipper).
@@ -156,6 +160,7 @@ impl Ingest {
             next_order: 0,
             next_loss_id: 0,
             known_since_ns: now,
+            restored: false,
             stats: IngestStats::default(),
             out: crate::outbox::Outbox::default(),
             dedup: BatchDedup::new(DedupConfig::default()),
@@ -313,7 +318,13 @@ impl Ingest {
             set_liveness(&mut self.out, node, n, LivenessState::Fresh, now);
             if !n.heard_since_start {
                 n.heard_since_start = true;
-                self.out.push(Record::KnowledgeGap(KnowledgeGap { node, from_ns: self.known_since_ns, to_ns: now }));
+                if self.restored {
+                    self.out.push(Record::KnowledgeGap(KnowledgeGap {
+                        node,
+                        from_ns: self.known_since_ns,
+                        to_ns: now,
+                    }));
+                }
             }
         }
         let epoch = batch.header.epoch.get();
@@ -689,6 +700,7 @@ impl Ingest {
     /// knowledge gap runs from the snapshot to each node's first batch).
     pub fn restart_knowledge(&mut self, snapshot_ns: u64) {
         self.known_since_ns = snapshot_ns;
+        self.restored = true;
         for n in self.nodes.values_mut() {
             n.heard_since_start = false;
         }

@@ -9,7 +9,7 @@
 //! stays 500 ms of real time.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -328,10 +328,4 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         http_addr: http,
         certs: dir,
     })
-}
-
-/// The certificate directory of a run (for `--hold`).
-#[must_use]
-pub fn cert_dir(r: &RunResult) -> &Path {
-    &r.certs.path
 }

@@ -12,23 +12,7 @@ use loadgen_sim::{Scenario, SimOptions, builtin};
 use node_shipper::config::Source;
 use node_shipper::driver::RunOptions;
 use node_shipper::source::SimSource;
-use ringwatch_core::MatcherConfig;
 use ringwatch_tests::{Running, TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
-
-fn matcher_config(s: &Scenario) -> MatcherConfig {
-    MatcherConfig {
-        stuck_min_ns: s.timers.stuck_deadline_ms * 1_000_000,
-        join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
-        ..MatcherConfig::default()
-    }
-}
-
-/// A truth outcome and a verdict outcome agree: the same name, or a completion the
-/// aggregator could only infer because the rank's completion frames were lost.
-fn agrees(truth: &str, verdict: &str, lost_frames: u32) -> bool {
-    let base = |s: &str| s.split('(').next().unwrap_or("").to_owned();
-    base(truth) == base(verdict) || (truth == "completed" && verdict == "completed_inferred" && lost_frames > 0)
-}
 
 /// Runs `nodes` shippers (simulator sources, one per node, sharing one start instant)
 /// into one aggregator; returns the aggregator (still running) and the shippers'
@@ -41,8 +25,8 @@ async fn cluster(
     run_options: impl Fn(u32) -> RunOptions,
 ) -> (Aggregator, Vec<Running>) {
     let set = cert_set(dir.path(), s.cluster.nodes);
-    let mut cfg = AggregatorConfig::local(&set);
-    cfg.matcher = matcher_config(s);
+    // The scenario's timers, as loadgen configures them (time not compressed).
+    let cfg = loadgen::cluster::aggregator_config(&set, s, 1.0);
     let agg = Aggregator::start(agg_config(cfg)).await.expect("aggregator starts");
     let start = Instant::now();
     let mut shippers = Vec::new();
@@ -159,7 +143,7 @@ async fn net_eight_shippers_from_the_simulator_match_ground_truth() {
             let v = by_key.get(&key).unwrap_or_else(|| panic!("no verdict for {key:?} (truth {})", r.outcome));
             assert!(v.is_final, "{key:?} not final: {}", v.outcome);
             assert!(
-                agrees(&r.outcome, &v.outcome, r.lost_frames),
+                loadgen::score::agrees(&r.outcome, &v.outcome, r.lost_frames, false, r.completed),
                 "{key:?}: truth {} verdict {}",
                 r.outcome,
                 v.outcome

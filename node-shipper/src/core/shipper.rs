@@ -202,6 +202,17 @@ pub struct Unflushed {
     pub frames_by_lane: [u64; 4],
 }
 
+/// Appends to an enabled batch log, counting what its cap turns away.
+fn push_log(log: &mut Option<Vec<BatchEvent>>, overflow: &mut u64, e: BatchEvent) {
+    if let Some(log) = log {
+        if log.len() < BATCH_LOG_CAP {
+            log.push(e);
+        } else {
+            *overflow += 1;
+        }
+    }
+}
+
 /// The shipper core. See the module docs.
 #[derive(Debug)]
 pub struct ShipperCore {
@@ -287,11 +298,7 @@ impl ShipperCore {
     /// One ring record, copied unparsed into its lane's open batch.
     pub fn handle_frame(&mut self, frame: &[u8], now: u64) {
         self.stats.frames_in += 1;
-        match self.batcher.push(frame, now) {
-            Ok(Some(b)) => self.cut.push(b),
-            Ok(None) => {}
-            Err(_) => self.stats.frames_malformed += 1,
-        }
+        self.push_into_lane(frame, now);
         self.offer_cut(now);
     }
 
@@ -307,7 +314,7 @@ impl ShipperCore {
         f.epoch = U64::new(e.epoch);
         f.start_realtime_ns = U64::new(e.start_realtime_ns);
         f.boot_id = e.boot_id;
-        self.push_own(f.as_bytes(), now);
+        self.push_into_lane(f.as_bytes(), now);
         self.counters.epoch = e.epoch;
     }
 
@@ -334,13 +341,7 @@ impl ShipperCore {
     }
 
     fn log(&mut self, e: BatchEvent) {
-        if let Some(log) = &mut self.batch_log {
-            if log.len() < BATCH_LOG_CAP {
-                log.push(e);
-            } else {
-                self.batch_log_overflow += 1;
-            }
-        }
+        push_log(&mut self.batch_log, &mut self.batch_log_overflow, e);
     }
 
     /// Batch latency (first frame in → ack) per lane.
@@ -423,14 +424,14 @@ impl ShipperCore {
 
     /// The next batch to send (P0, then P1, then bulk within its window).
     pub fn poll_transmit(&mut self) -> Option<(Class, u64, &[u8])> {
-        if self.batch_log.is_some() {
-            let (connection, window) = (self.connections, self.config.bulk_window_bytes);
-            let (lane, seq, _) = self.spool.next_to_send(window)?;
-            self.log(BatchEvent::Sent { batch_seq: seq, connection });
-            // Borrow again for the bytes (the log needed `self` in between).
-            return self.spool.iter().find(|b| b.batch_seq == seq).map(|b| (lane, seq, b.bytes.as_slice()));
-        }
-        self.spool.next_to_send(self.config.bulk_window_bytes)
+        let (lane, seq, bytes) = self.spool.next_to_send(self.config.bulk_window_bytes)?;
+        // Disjoint fields: the spool stays borrowed for the bytes.
+        push_log(
+            &mut self.batch_log,
+            &mut self.batch_log_overflow,
+            BatchEvent::Sent { batch_seq: seq, connection: self.connections },
+        );
+        Some((lane, seq, bytes))
     }
 
     // ---------------------------------------------------------------- shutdown
@@ -464,11 +465,7 @@ impl ShipperCore {
         let u = self.unacked();
         let slot = LossCause::ShipperShutdown.drop_slot().unwrap_or(0);
         for b in self.spool.drain() {
-            if let Some(log) = &mut self.batch_log
-                && log.len() < BATCH_LOG_CAP
-            {
-                log.push(BatchEvent::Abandoned { batch_seq: b.batch_seq });
-            }
+            self.log(BatchEvent::Abandoned { batch_seq: b.batch_seq });
             if b.lane == Class::P1 {
                 self.stats.own_frames_lost += u64::from(b.frames);
             } else {
@@ -485,8 +482,9 @@ impl ShipperCore {
         self.p1_seq - 1
     }
 
-    /// A frame the shipper writes itself goes into the P1 lane.
-    fn push_own(&mut self, frame: &[u8], now: u64) {
+    /// Copies a frame into its lane's open batch (ring records and the shipper's own P1
+    /// frames alike); a cut batch waits for `offer_cut`.
+    fn push_into_lane(&mut self, frame: &[u8], now: u64) {
         match self.batcher.push(frame, now) {
             Ok(Some(b)) => self.cut.push(b),
             Ok(None) => {}
@@ -522,7 +520,7 @@ impl ShipperCore {
         let mut w = SectionedFrameWriter::heartbeat(SHIPPER_STREAM, seq, node_mono_ns, self.counters.mono_ns);
         w.section(&streams).section(&self.counters.progress).section(&[state]);
         let frame = w.finish();
-        self.push_own(&frame, now);
+        self.push_into_lane(&frame, now);
         let cut = self.batcher.flush();
         self.cut.extend(cut);
         self.offer_cut(now);
@@ -571,7 +569,7 @@ impl ShipperCore {
                     for r in ranges {
                         let seq = self.next_p1_seq();
                         let f = r.to_frame(SHIPPER_STREAM, seq, r.last_ts);
-                        self.push_own(f.as_bytes(), now);
+                        self.push_into_lane(f.as_bytes(), now);
                         self.stats.loss_records += 1;
                         self.pending_loss_records = true;
                     }

@@ -5,7 +5,8 @@
 //! - the same outcome (arguments aside: `waiting_on(3)` and `waiting_on(5)` both are
 //!   `waiting_on`);
 //! - `completed_inferred` for a rank the truth says `completed` *and* whose frames the
-//!   kernel dropped (the completion was inferred because the telemetry was lost);
+//!   kernel dropped, or whose node died (its last frames died with its shipper: the
+//!   completion was inferred because the telemetry was lost);
 //! - `unknown_silent` for a rank on a node that died (the aggregator cannot know more);
 //! - `completed` for a rank the truth calls `indeterminate(key_collision)` that did
 //!   complete, when the op sharing its key only appears later (the verdict was final,
@@ -118,7 +119,7 @@ pub fn same_health(a: &str, b: &str) -> bool {
 #[must_use]
 pub fn agrees(truth: &str, verdict: &str, lost_frames: u32, node_dead: bool, completed: bool) -> bool {
     base(truth) == base(verdict)
-        || (truth == "completed" && verdict == "completed_inferred" && lost_frames > 0)
+        || (truth == "completed" && verdict == "completed_inferred" && (lost_frames > 0 || node_dead))
         || (verdict == "unknown_silent" && node_dead)
         // A key shared with an op that only appears later: judged (correctly) before the
         // collision could be seen.
@@ -401,6 +402,7 @@ mod tests {
         assert!(agrees("waiting_on(3)", "waiting_on(5)", 0, false, false));
         assert!(agrees("completed", "completed_inferred", 2, false, true));
         assert!(!agrees("completed", "completed_inferred", 0, false, true), "inferred without loss is not right");
+        assert!(agrees("completed", "completed_inferred", 0, true, true), "frames that died with the node's shipper");
         assert!(agrees("blocked_by(world#3)", "unknown_silent", 0, true, false));
         assert!(!agrees("stuck", "unknown_silent", 0, false, false), "silence only excuses a dead node's ranks");
         assert!(!agrees("completed", "stuck", 0, false, true));

@@ -13,6 +13,11 @@
 //!    ratio = (3)'s bytes/s ÷ this.
 //! 5. A fair protobuf baseline (prost, 2,048 events per message, reused buffers): encode
 //!    + decode ns per event, against our shipper + aggregator CPU per frame.
+//! 6. Real eBPF (where it loads): a bulk ring pre-filled by `BPF_PROG_TEST_RUN`, drained
+//!    by one thread (per-stream seq accounting only, then through the shipper core with
+//!    acks); and kernel → aggregator with the XDP program as producer on its own CPU,
+//!    paced at the node rate and unthrottled: offered, delivered, dropped (exactly
+//!    accounted), CPU.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -197,6 +202,34 @@ impl Source for Synthetic {
 }
 
 /// 3: result of the end-to-end run.
+/// One aggregator (on threads named `agg-rt`) and a runtime for one shipper (`shp-rt`),
+/// so thread CPU can be told apart.
+struct Bench {
+    dir: crate::cluster::TempDir,
+    set: aggregator::certs::CertSet,
+    agg_rt: tokio::runtime::Runtime,
+    agg: Aggregator,
+    shp_rt: tokio::runtime::Runtime,
+}
+
+impl Bench {
+    fn start(tag: &str) -> Result<Self, String> {
+        let runtime = |name: &str| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name(name)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        };
+        let dir = crate::cluster::TempDir::new(tag).map_err(|e| e.to_string())?;
+        let set = aggregator::certs::init(&dir.path, &[aggregator::certs::node_name(0)]).map_err(|e| e.to_string())?;
+        let agg_rt = runtime("agg-rt")?;
+        let agg = agg_rt.block_on(Aggregator::start(AggregatorConfig::local(&set))).map_err(|e| e.to_string())?;
+        Ok(Self { dir, set, agg_rt, agg, shp_rt: runtime("shp-rt")? })
+    }
+}
+
 struct EndToEnd {
     frames_per_s: f64,
     bytes_per_s: f64,
@@ -207,22 +240,8 @@ struct EndToEnd {
 }
 
 fn end_to_end(secs: f64, rate: f64) -> Result<EndToEnd, String> {
-    let dir = crate::cluster::TempDir::new("bench").map_err(|e| e.to_string())?;
-    let set = aggregator::certs::init(&dir.path, &[aggregator::certs::node_name(0)]).map_err(|e| e.to_string())?;
-    // The aggregator on its own runtime threads ("agg-…"), the shipper on its own ("shp-…").
-    let agg_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("agg-rt")
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let agg = agg_rt.block_on(Aggregator::start(AggregatorConfig::local(&set))).map_err(|e| e.to_string())?;
-    let shp_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("shp-rt")
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    // The aggregator's runtime must outlive the run: bound, not dropped.
+    let Bench { dir: _dir, set, agg_rt: _agg_rt, agg, shp_rt } = Bench::start("bench")?;
     let stop = Arc::new(AtomicBool::new(false));
     let src = Synthetic {
         rate,
@@ -524,5 +543,276 @@ pub fn run(e2e_secs: f64) -> Result<String, String> {
         o,
         "\nextrapolated: an 8-node cluster at 8 × 100 Gbit/s (66.7 M frames/s per node) needs ≈ {cores:.1} cores of shipper-core + ingest work, plus transport (not measured at that rate here)"
     );
+    kernel::section(&mut o, e2e_secs);
     Ok(o)
+}
+
+/// Part 6: real BPF rings.
+mod kernel {
+    use std::fmt::Write as _;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    use node_shipper::bpf::{self, BpfConfig, Producer, RingSource};
+    use node_shipper::core::batcher::SessionMeta;
+    use node_shipper::core::{CoreConfig, ShipperCore};
+    use node_shipper::driver::{self, RunOptions};
+    use node_shipper::source::{Source, SourceEvent};
+
+    use super::{NODE_RATE, thread_cpu};
+
+    struct Pins(PathBuf);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = bpf::remove_pins(&self.0);
+        }
+    }
+
+    fn pins(tag: &str) -> Pins {
+        let p = PathBuf::from(format!("/sys/fs/bpf/ringwatch-bench-{}-{tag}", std::process::id()));
+        let _ = bpf::remove_pins(&p);
+        Pins(p)
+    }
+
+    fn cpus() -> usize {
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+    }
+
+    /// Fills the bulk ring with `n` events from a thread on the last CPU.
+    fn fill(cfg: &BpfConfig, n: u32) -> Result<(), String> {
+        let producer = Producer::open(cfg).map_err(|e| e.to_string())?;
+        let cpu = cpus() - 1;
+        std::thread::spawn(move || {
+            let _ = bpf::pin_current_thread(&[cpu]);
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(100_000);
+                producer.bulk(k).map_err(|e| e.to_string())?;
+                left -= k;
+            }
+            Ok::<(), String>(())
+        })
+        .join()
+        .map_err(|_| "producer thread panicked".to_owned())?
+    }
+
+    /// ns per frame draining `n` pre-filled frames, with `sink` per frame.
+    fn drain(cfg: &BpfConfig, n: u32, mut sink: impl FnMut(&[u8])) -> Result<f64, String> {
+        let mut src = RingSource::open(cfg.clone()).map_err(|e| e.to_string())?;
+        // One untimed round first: the reader's first touch of each page of the ring's
+        // mmap faults (≈ 30 ns per frame here), which is start-up, not steady state.
+        let mut got = 0u64;
+        let mut t0 = Instant::now();
+        for round in 0..2 {
+            fill(cfg, n)?;
+            got = 0;
+            t0 = Instant::now();
+            while got < u64::from(n) && t0.elapsed() < Duration::from_secs(30) {
+                src.poll(usize::MAX, &mut |ev| {
+                    if let SourceEvent::Frame(f) = ev {
+                        got += 1;
+                        if round == 1 {
+                            sink(f);
+                        }
+                    }
+                });
+            }
+        }
+        #[allow(clippy::cast_precision_loss, reason = "a rate")]
+        let ns = t0.elapsed().as_nanos() as f64 / got.max(1) as f64;
+        Ok(ns)
+    }
+
+    struct Flow {
+        offered: f64,
+        delivered: f64,
+        dropped_pct: f64,
+        exact: bool,
+        cpu_reader: f64,
+        cpu_ship: f64,
+        cpu_agg: f64,
+        fill_max_ppm: u32,
+    }
+
+    /// Kernel → aggregator for `secs`: the XDP program on the last CPU, paced at `rate`
+    /// events/s (0: unthrottled).
+    fn flow(secs: f64, rate: f64) -> Result<Flow, String> {
+        let p = pins("flow");
+        let super::Bench { dir: _dir, set, agg_rt, agg, shp_rt } = super::Bench::start("bench-bpf")?;
+        let bpf_cfg = BpfConfig { bulk_ring_bytes: 16 << 20, ..BpfConfig::new(p.0.clone()) };
+        let mut cfg = crate::cluster::shipper_config(&set, agg.quic_addr, "bpf", 1000, 0, 1.0);
+        cfg.source = node_shipper::config::Source::Bpf(bpf_cfg.clone());
+        cfg.spool.cap_bytes = 256 << 20;
+        cfg.shutdown_deadline_ms = 3000;
+        let source = RingSource::open(bpf_cfg.clone()).map_err(|e| e.to_string())?;
+        let epoch = source.epoch();
+        let producer = Arc::new(Producer::open(&bpf_cfg).map_err(|e| e.to_string())?);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = shp_rt.spawn(async move {
+            driver::run(&cfg, RunOptions::default(), Box::new(source), async {
+                let _ = rx.await;
+            })
+            .await
+        });
+        let shipper = std::thread::spawn(move || shp_rt.block_on(task));
+        std::thread::sleep(Duration::from_millis(300));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c0r, c0s, c0a) = (thread_cpu("ring-reader"), thread_cpu("shp-rt"), thread_cpu("agg-rt"));
+        let t0 = Instant::now();
+        let prod = {
+            let (producer, stop) = (Arc::clone(&producer), Arc::clone(&stop));
+            let cpu = cpus() - 1;
+            std::thread::spawn(move || {
+                let _ = bpf::pin_current_thread(&[cpu]);
+                let start = Instant::now();
+                let mut sent = 0f64;
+                while !stop.load(Ordering::Relaxed) {
+                    if rate > 0.0 {
+                        let due = start.elapsed().as_secs_f64() * rate;
+                        if due - sent < 1_000.0 {
+                            std::thread::sleep(Duration::from_micros(200));
+                            continue;
+                        }
+                        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "a chunk")]
+                        let k = (due - sent).min(100_000.0) as u32;
+                        let _ = producer.bulk(k);
+                        sent += f64::from(k);
+                    } else {
+                        let _ = producer.bulk(100_000);
+                    }
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        stop.store(true, Ordering::Relaxed);
+        let _ = prod.join();
+        let elapsed = t0.elapsed().as_secs_f64();
+        let (c1r, c1s, c1a) = (thread_cpu("ring-reader"), thread_cpu("shp-rt"), thread_cpu("agg-rt"));
+        // Let the shipper drain and the aggregator settle, then compare with the kernel.
+        let counters = producer.counters().map_err(|e| e.to_string())?;
+        let generated: u64 = counters.iter().map(|(_, c)| c.seq.get()).sum();
+        let dropped: u64 = counters.iter().map(|(_, c)| c.drops.iter().map(|d| d.get()).sum::<u64>()).sum();
+        let by = Instant::now() + Duration::from_secs(20);
+        let mut exact = false;
+        let mut delivered = 0;
+        while Instant::now() < by {
+            let nodes: aggregator::api::dto::NodesDto = agg_rt
+                .block_on(aggregator::api::client::get_json(agg.http_addr, "/v1/nodes"))
+                .map_err(|e| e.to_string())?;
+            let streams: Vec<_> =
+                nodes.nodes.iter().flat_map(|n| &n.streams).filter(|s| s.epoch == epoch && s.class == "p2").collect();
+            delivered = streams.iter().map(|s| s.received).sum::<u64>();
+            let lost: u64 = streams.iter().map(|s| s.lost.get("kernel_ring_full").copied().unwrap_or(0)).sum();
+            let unsettled: u64 = streams.iter().map(|s| s.pending + s.in_transit).sum();
+            let attempted: u64 = streams.iter().map(|s| s.attempted).sum();
+            if attempted == generated && unsettled == 0 {
+                exact = delivered + lost == generated && lost == dropped;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let _ = tx.send(());
+        let report = shipper
+            .join()
+            .map_err(|_| "shipper thread panicked".to_owned())?
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        agg.shutdown();
+        drop(p);
+        #[allow(clippy::cast_precision_loss, reason = "rates")]
+        Ok(Flow {
+            offered: generated as f64 / elapsed,
+            delivered: delivered as f64 / elapsed,
+            dropped_pct: 100.0 * dropped as f64 / generated.max(1) as f64,
+            exact,
+            cpu_reader: (c1r - c0r) / elapsed,
+            cpu_ship: (c1s - c0s) / elapsed,
+            cpu_agg: (c1a - c0a) / elapsed,
+            fill_max_ppm: report.rings.map_or(0, |r| r.fill_max_ppm_ever[1]),
+        })
+    }
+
+    pub(super) fn section(o: &mut String, secs: f64) {
+        let probe = pins("probe");
+        if let Err(e) = Producer::open(&BpfConfig::new(probe.0.clone())) {
+            let _ = writeln!(o, "\nreal eBPF rings: skipped here ({e})");
+            return;
+        }
+        drop(probe);
+        const N: u32 = 1_000_000;
+        let p = pins("drain");
+        let cfg = BpfConfig { bulk_ring_bytes: 64 << 20, ..BpfConfig::new(p.0.clone()) };
+        // Per-stream seq accounting, as the aggregator's tracker would do it.
+        let mut next = std::collections::HashMap::<u32, u64>::new();
+        let mut holes = 0u64;
+        let seq_only = drain(&cfg, N, |f| {
+            let sid = u32::from_le_bytes([f[12], f[13], f[14], f[15]]);
+            let seq = u64::from_le_bytes([f[16], f[17], f[18], f[19], f[20], f[21], f[22], f[23]]);
+            let e = next.entry(sid).or_insert(seq);
+            holes += u64::from(seq != *e);
+            *e = seq + 1;
+        });
+        drop(p);
+        let p = pins("drain-core");
+        let cfg = BpfConfig { bulk_ring_bytes: 64 << 20, ..BpfConfig::new(p.0.clone()) };
+        let mut core = ShipperCore::new(
+            CoreConfig {
+                spool: node_shipper::core::SpoolConfig { cap_bytes: 1 << 30, ..Default::default() },
+                ..CoreConfig::default()
+            },
+            SessionMeta { node_id: 1, epoch: 1, shipper_session: 1 },
+            0,
+        );
+        let mut tick = 0u64;
+        let with_core = drain(&cfg, N, |f| {
+            tick += 1;
+            core.handle_frame(f, tick);
+            if tick.is_multiple_of(1024) {
+                core.handle_timeout(tick, tick);
+                let mut seqs = Vec::new();
+                while let Some((_, s, _)) = core.poll_transmit() {
+                    seqs.push((s, s));
+                }
+                core.handle_ack(&seqs, tick);
+            }
+        });
+        drop(p);
+        let _ = writeln!(o, "\nreal eBPF rings (XDP program, BPF_PROG_TEST_RUN producer, 48-byte bulk frames):");
+        match (seq_only, with_core) {
+            (Ok(a), Ok(b)) => {
+                let _ = writeln!(
+                    o,
+                    "  drain from a pre-filled ring, one core: {a:.1} ns/frame ({:.0} M frames/s) with per-stream seq accounting ({holes} holes); {b:.1} ns/frame ({:.1} M frames/s) into the shipper core (batch + spool + ack)",
+                    1e3 / a,
+                    1e3 / b
+                );
+            }
+            (a, b) => {
+                let _ = writeln!(o, "  drain: failed ({a:?}, {b:?})");
+            }
+        }
+        for (label, rate) in [("paced at the node rate", NODE_RATE), ("unthrottled", 0.0)] {
+            match flow(secs, rate) {
+                Ok(f) => {
+                    let _ = writeln!(
+                        o,
+                        "  kernel → aggregator, {label}: offered {:.2} M/s, delivered {:.2} M/s, kernel drops {:.1} % (aggregator = kernel counters: {}), bulk ring fill max {:.0} %; CPU reader {:.2}, shipper network {:.2}, aggregator {:.2}",
+                        f.offered / 1e6,
+                        f.delivered / 1e6,
+                        f.dropped_pct,
+                        if f.exact { "exact" } else { "NOT EXACT" },
+                        f64::from(f.fill_max_ppm) / 1e4,
+                        f.cpu_reader,
+                        f.cpu_ship,
+                        f.cpu_agg
+                    );
+                }
+                Err(e) => {
+                    let _ = writeln!(o, "  kernel → aggregator, {label}: failed: {e}");
+                }
+            }
+        }
+    }
 }

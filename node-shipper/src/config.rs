@@ -40,8 +40,13 @@ impl fmt::Display for Layer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Text,
+    /// Text that may be empty (an optional value).
+    OptText,
     Addr,
-    Int { min: u64, max: u64 },
+    Int {
+        min: u64,
+        max: u64,
+    },
 }
 
 /// Every field: name (TOML key; flag `--name-with-dashes`; env upper case), kind, default,
@@ -53,7 +58,7 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
     ("ca", Kind::Text, None, "CA certificate (PEM) that signed the aggregator's certificate"),
     ("cert", Kind::Text, None, "this node's client certificate (PEM)"),
     ("key", Kind::Text, None, "this node's private key (PEM)"),
-    ("source", Kind::Text, None, "frame source: capture:PATH or sim:SCENARIO"),
+    ("source", Kind::Text, None, "frame source: bpf (the eBPF rings), capture:PATH or sim:SCENARIO"),
     ("source_node", Kind::Int { min: 0, max: 1 << 20 }, Some("0"), "which node of the capture or scenario to ship"),
     (
         "sim_bulk_scale_ppm",
@@ -76,6 +81,51 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
     ("heartbeat_interval_ms", Kind::Int { min: 10, max: 60_000 }, Some("1000"), "heartbeat period"),
     ("shutdown_deadline_ms", Kind::Int { min: 0, max: 600_000 }, Some("5000"), "SIGTERM flush deadline"),
     ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
+    (
+        "bpf_pin_dir",
+        Kind::Text,
+        Some("/sys/fs/bpf/ringwatch"),
+        "bpf source: bpffs directory of the pinned rings, counters and programs (one per shipper)",
+    ),
+    (
+        "p0_ring_bytes",
+        Kind::Int { min: 4096, max: 1 << 30 },
+        Some("1048576"),
+        "bpf source: P0 ring size, a power of two (a pinned ring keeps its size)",
+    ),
+    (
+        "bulk_ring_bytes",
+        Kind::Int { min: 4096, max: 1 << 31 },
+        Some("16777216"),
+        "bpf source: bulk ring size, a power of two: peak bytes/s × p99.9 drain gap × 3",
+    ),
+    (
+        "bpf_object",
+        Kind::OptText,
+        Some(""),
+        "bpf source: a compiled ringwatch.bpf.o to load instead of the embedded one",
+    ),
+    ("kernel_btf", Kind::Text, Some("/sys/kernel/btf/vmlinux"), "bpf source: the kernel's BTF, checked before loading"),
+    (
+        "ring_drain_interval_us",
+        Kind::Int { min: 50, max: 1_000_000 },
+        Some("1000"),
+        "bpf source: drain period (producers submit without wakeups)",
+    ),
+    ("reader_cpus", Kind::OptText, Some(""), "CPUs to pin the ring reader thread to, e.g. 2,3 (empty: not pinned)"),
+    (
+        "xdp_interfaces",
+        Kind::OptText,
+        Some(""),
+        "bpf source: interfaces to attach the bulk XDP program to, comma-separated (links pinned)",
+    ),
+    ("bulk_sampling_level", Kind::Int { min: 0, max: 15 }, Some("0"), "bulk keeps 1 in 2^level events (the floor)"),
+    (
+        "bulk_sampling_max_level",
+        Kind::Int { min: 0, max: 15 },
+        Some("8"),
+        "spool pressure may raise bulk sampling up to this level",
+    ),
 ];
 
 /// The field names, in documentation order, with their help (for `--help` and docs).
@@ -96,6 +146,8 @@ pub enum Source {
     Capture { path: PathBuf, node: u32, speed_pct: u64 },
     /// A built-in scenario name or a scenario file, one node of it (feature `sim-source`).
     Sim { scenario: String, node: u32, bulk_scale_ppm: u64, seed: Option<u64> },
+    /// The eBPF rings.
+    Bpf(crate::bpf::BpfConfig),
 }
 
 /// The validated configuration.
@@ -114,6 +166,10 @@ pub struct ShipperConfig {
     pub shutdown_deadline_ms: u64,
     /// JSON log lines (production) instead of text.
     pub log_json: bool,
+    /// CPUs the ring reader thread is pinned to (empty: not pinned).
+    pub reader_cpus: Vec<usize>,
+    /// Bulk sampling: the floor and how far spool pressure may raise it.
+    pub sampling: crate::core::SamplingConfig,
 }
 
 /// One problem.
@@ -248,7 +304,7 @@ impl Inputs {
             let bad = |message: String| ConfigError { field: name.into(), layer, message };
             match kind {
                 Kind::Text if value.trim().is_empty() => errors.push(bad("must not be empty".into())),
-                Kind::Text => {
+                Kind::Text | Kind::OptText => {
                     text.insert(name, (layer, value));
                 }
                 Kind::Addr => match value.parse::<SocketAddr>() {
@@ -278,13 +334,26 @@ impl Inputs {
                     bulk_scale_ppm: ints.get("sim_bulk_scale_ppm").copied().unwrap_or(1000),
                     seed: ints.get("sim_seed").copied().filter(|&s| s != 0),
                 }),
+                None if s == "bpf" => Some(Source::Bpf(crate::bpf::BpfConfig {
+                    pin_dir: PathBuf::from(text.get("bpf_pin_dir").map(|t| t.1.clone()).unwrap_or_default()),
+                    p0_ring_bytes: u32::try_from(ints.get("p0_ring_bytes").copied().unwrap_or(0)).unwrap_or(0),
+                    bulk_ring_bytes: u32::try_from(ints.get("bulk_ring_bytes").copied().unwrap_or(0)).unwrap_or(0),
+                    object: text.get("bpf_object").map(|t| t.1.trim()).filter(|t| !t.is_empty()).map(PathBuf::from),
+                    kernel_btf: PathBuf::from(text.get("kernel_btf").map(|t| t.1.clone()).unwrap_or_default()),
+                    drain_interval_us: ints.get("ring_drain_interval_us").copied().unwrap_or(1000),
+                    counters_interval_ms: ints.get("heartbeat_interval_ms").copied().unwrap_or(1000),
+                    xdp_interfaces: text
+                        .get("xdp_interfaces")
+                        .map(|t| t.1.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect())
+                        .unwrap_or_default(),
+                })),
                 _ => None,
             };
             if parsed.is_none() {
                 errors.push(ConfigError {
                     field: "source".into(),
                     layer: *layer,
-                    message: format!("{s:?} is neither capture:PATH nor sim:SCENARIO"),
+                    message: format!("{s:?} is none of bpf, capture:PATH, sim:SCENARIO"),
                 });
             }
             parsed
@@ -300,6 +369,30 @@ impl Inputs {
                 layer: *layer,
                 message: format!("{f:?} is neither text nor json"),
             });
+        }
+        for ring in ["p0_ring_bytes", "bulk_ring_bytes"] {
+            if let Some(&v) = ints.get(ring)
+                && let Err(e) = crate::bpf::check_ring_size(
+                    if ring == "p0_ring_bytes" { "p0_ring_bytes" } else { "bulk_ring_bytes" },
+                    u32::try_from(v).unwrap_or(u32::MAX),
+                )
+            {
+                let layer = self.values.get(ring).map_or(Layer::Default, |v| v.0);
+                errors.push(ConfigError { field: ring.into(), layer, message: e.to_string() });
+            }
+        }
+        let mut reader_cpus = Vec::new();
+        if let Some((layer, list)) = text.get("reader_cpus") {
+            for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                match part.parse::<usize>() {
+                    Ok(c) if c < 1024 => reader_cpus.push(c),
+                    _ => errors.push(ConfigError {
+                        field: "reader_cpus".into(),
+                        layer: *layer,
+                        message: format!("{part:?} is not a CPU number (0..1023)"),
+                    }),
+                }
+            }
         }
         if ints.contains_key("spool_bytes") && ints.contains_key("max_batch_bytes") {
             let reserves = int("p0_reserve_bytes") + int("p1_reserve_bytes");
@@ -349,6 +442,12 @@ impl Inputs {
             heartbeat_interval_ms: int("heartbeat_interval_ms"),
             shutdown_deadline_ms: int("shutdown_deadline_ms"),
             log_json: string("log_format") == "json",
+            reader_cpus,
+            sampling: crate::core::SamplingConfig {
+                floor: u8::try_from(int("bulk_sampling_level")).unwrap_or(0),
+                ceiling: u8::try_from(int("bulk_sampling_max_level")).unwrap_or(0),
+                ..crate::core::SamplingConfig::default()
+            },
         })
     }
 }

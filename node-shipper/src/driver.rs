@@ -82,6 +82,9 @@ pub struct Report {
     pub stats: ShipperStats,
     #[serde(skip)]
     pub spool: SpoolCounters,
+    /// The rings' drain and fill figures (eBPF source only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rings: Option<crate::bpf::RingStats>,
 }
 
 /// Errors before shipping starts.
@@ -105,6 +108,13 @@ pub struct RunOptions {
     pub poison_bulk_batch_from: Option<u64>,
     /// Keep every batch's fate ([`Report::batch_log`]); tests.
     pub batch_log: bool,
+}
+
+/// What the reader thread is set up with.
+#[derive(Debug, Clone)]
+struct ReaderSetup {
+    cpus: Vec<usize>,
+    sampling: crate::core::SamplingConfig,
 }
 
 /// Process-wide counters the network side keeps.
@@ -209,12 +219,13 @@ pub async fn run(
     let stop_reading = Arc::new(AtomicBool::new(false));
     let (reader_done_tx, mut reader_done_rx) = watch::channel(false);
     let live = options.frames_in.clone();
+    let setup = ReaderSetup { cpus: cfg.reader_cpus.clone(), sampling: cfg.sampling };
     let reader = {
         let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop_reading));
         std::thread::Builder::new()
             .name("ring-reader".into())
             .spawn(move || {
-                let r = reader_loop(source, &shared, &stop, live.as_deref());
+                let r = reader_loop(source, &shared, &stop, live.as_deref(), &setup);
                 let _ = reader_done_tx.send(true);
                 r
             })
@@ -240,6 +251,7 @@ pub async fn run(
     stop_reading.store(true, Ordering::Relaxed);
     let (source, state) = tokio::task::spawn_blocking(move || reader.join()).await.ok().and_then(Result::ok).unzip();
     let ended = if state == Some(SourceState::NodeDead) { Ended::NodeDead } else { ended };
+    let rings = source.as_ref().and_then(|s| s.ring_stats());
 
     let mut flushed = true;
     if ended == Ended::Shutdown {
@@ -305,6 +317,7 @@ pub async fn run(
         batch_log: core.batch_log().0.to_vec(),
         stats,
         spool,
+        rings,
     })
 }
 
@@ -315,12 +328,25 @@ fn reader_loop(
     shared: &Shared,
     stop: &AtomicBool,
     live: Option<&AtomicU64>,
+    reader: &ReaderSetup,
 ) -> (Box<dyn Source>, SourceState) {
     let mut state = SourceState::Running;
+    if let Err(e) = crate::bpf::pin_current_thread(&reader.cpus) {
+        tracing::warn!(cpus = ?reader.cpus, error = %e, "could not pin the ring reader thread; it runs unpinned");
+    }
+    let mut sampling = crate::core::SamplingPolicy::new(reader.sampling);
+    {
+        let mut core = shared.core();
+        core.set_shipper_stream_index(source.shipper_stream_index());
+        if source.set_sampling_level(sampling.level()) {
+            core.set_sampling_level(sampling.level());
+        }
+    }
     while !stop.load(Ordering::Relaxed) {
         let now = shared.now();
         let mono = source.node_mono_ns();
         let mut events = 0usize;
+        let mut counters_seen = false;
         {
             let mut core = shared.core();
             state = source.poll(2048, &mut |ev| {
@@ -328,9 +354,30 @@ fn reader_loop(
                 match ev {
                     SourceEvent::Frame(f) => core.handle_frame(f, now),
                     SourceEvent::Epoch(e) => core.handle_epoch(&e, now),
-                    SourceEvent::Counters(c) => core.handle_counters(c, mono, now),
+                    SourceEvent::Counters(c) => {
+                        counters_seen = true;
+                        core.handle_counters(c, mono, now);
+                    }
+                    SourceEvent::SessionStart(s) => core.handle_session_start(s, mono, now),
                 }
             });
+            if counters_seen {
+                // Once per heartbeat: spool pressure moves the kernel's bulk sampling.
+                let cap = core.spool_cap_bytes();
+                let before = sampling.level();
+                let level = sampling.decide(core.spool().used_bytes(), cap);
+                if level != before {
+                    if source.set_sampling_level(level) {
+                        tracing::info!(
+                            from = before,
+                            to = level,
+                            spool_bytes = core.spool().used_bytes(),
+                            "bulk sampling level changed"
+                        );
+                    }
+                    core.set_sampling_level(level);
+                }
+            }
             if state == SourceState::NodeDead {
                 break;
             }

@@ -66,7 +66,10 @@ fn main() -> ExitCode {
         Ok(s) => s,
         Err(e) => {
             eprintln!("node-shipper: source: {e}");
-            return ExitCode::from(2);
+            // The kernel refusing the eBPF side is a runtime failure; a bad capture or
+            // scenario is the configuration's.
+            let code = if matches!(e, node_shipper::source::SourceError::Bpf(_)) { 1 } else { 2 };
+            return ExitCode::from(code);
         }
     };
     // quinn costs less CPU on a current-thread runtime (quic.md); the ring reader has its

@@ -8,8 +8,8 @@
 //!
 //! Sources now: [`CaptureSource`] (loadgen-sim capture files, one node's records, paced
 //! by their timestamps) and `SimSource` (feature `sim-source`: the simulator in process,
-//! one node of the simulated cluster, in real time). The eBPF ring source arrives with
-//! issue 10.
+//! one node of the simulated cluster, in real time); the eBPF rings are
+//! [`crate::bpf::RingSource`].
 //!
 //! Sources read the clock (they pace themselves); the shipper core never does.
 
@@ -28,6 +28,9 @@ pub enum SourceEvent<'a> {
     Epoch(EpochStart),
     /// Fresh kernel counters (see the module's contract).
     Counters(&'a SourceCounters),
+    /// This shipper session took over kernel counters an earlier session left running
+    /// (same epoch): every stream's `attempted_seq` at the takeover.
+    SessionStart(&'a [proto_flat::sections::SessionStreamEntry]),
 }
 
 /// Whether a source has more to give.
@@ -55,6 +58,22 @@ pub trait Source: Send {
 
     /// For logs.
     fn describe(&self) -> String;
+
+    /// Index of this session's own P1 stream within the epoch (0 unless the source's
+    /// counters outlive shipper sessions).
+    fn shipper_stream_index(&self) -> u16 {
+        0
+    }
+
+    /// Sets the kernel's bulk sampling level; false if this source has no such control.
+    fn set_sampling_level(&mut self, _level: u8) -> bool {
+        false
+    }
+
+    /// Ring drain and fill figures, for sources that read rings.
+    fn ring_stats(&self) -> Option<crate::bpf::RingStats> {
+        None
+    }
 }
 
 /// Errors opening a source.
@@ -68,6 +87,8 @@ pub enum SourceError {
     NoSuchNode { path: String, nodes: u32, node: u32 },
     #[error("scenario: {0}")]
     Scenario(String),
+    #[error("eBPF: {0}")]
+    Bpf(#[from] crate::bpf::LoadError),
 }
 
 /// Replays one node's records of a capture file, paced by their node timestamps
@@ -434,6 +455,7 @@ pub fn open(source: &crate::config::Source, start: Instant) -> Result<Box<dyn So
             let options = loadgen_sim::SimOptions { bulk_scale: *bulk_scale_ppm as f64 / 1e6, seed: *seed };
             Ok(Box::new(SimSource::new(&s, options, *node, start)?))
         }
+        crate::config::Source::Bpf(cfg) => Ok(Box::new(crate::bpf::RingSource::open(cfg.clone())?)),
         #[cfg(not(feature = "sim-source"))]
         crate::config::Source::Sim { .. } => {
             Err(SourceError::Scenario("this node-shipper was built without the `sim-source` feature".into()))

@@ -423,6 +423,35 @@ struct rw_nack_body { /* 24 B */
 	__u8 _reserved0[6];
 };
 
+
+/* ---- kernel maps the shipper shares with the eBPF programs (not on the wire) ---- */
+
+#define RW_RING_P0 0   /* ring index of the P0 ring (key of rw_counters) */
+#define RW_RING_BULK 1 /* ring index of the bulk ring */
+#define RW_RING_COUNT 2
+#define RW_MAX_SAMPLING_LEVEL 15 /* bulk keeps 1 in 2^level events; weight = 2^level */
+
+struct rw_ring_counters { /* 96 B: PERCPU_ARRAY value, key = ring index */
+	__u64 seq;                  /* next seq = attempted_seq (exclusive) */
+	__u64 drops[RW_DROP_SLOTS]; /* slot = loss cause - 1 */
+	__u64 sampled_out;          /* events sampling decided against: no seq taken */
+	__u64 sample_tick;          /* events offered to the sampler */
+	__u64 shedding;             /* bulk: 1 after a failed reserve, until the ring is half empty */
+};
+
+struct rw_sampling_control { /* 8 B: ARRAY value, key 0; the shipper writes it */
+	__u32 bulk_level; /* 0: keep every bulk event */
+	__u32 _reserved0;
+};
+
+struct rw_epoch_meta { /* 48 B: ARRAY value, key 0; written by the shipper that created the maps */
+	__u64 epoch;
+	__u64 start_realtime_ns;
+	__u64 start_mono_ns;
+	__u64 sessions; /* shipper sessions that took the rings over, this one included */
+	__u8 boot_id[16];
+};
+
 #define RW_ASSERT_SIZE(type, size) _Static_assert(sizeof(struct type) == (size), #type " size")
 RW_ASSERT_SIZE(rw_frame_header, 32);
 RW_ASSERT_SIZE(rw_collective_frame, 144);
@@ -448,6 +477,9 @@ RW_ASSERT_SIZE(rw_hello_body, 16);
 RW_ASSERT_SIZE(rw_ack_head, 16);
 RW_ASSERT_SIZE(rw_ack_range, 16);
 RW_ASSERT_SIZE(rw_nack_body, 24);
+RW_ASSERT_SIZE(rw_ring_counters, 96);
+RW_ASSERT_SIZE(rw_sampling_control, 8);
+RW_ASSERT_SIZE(rw_epoch_meta, 48);
 #undef RW_ASSERT_SIZE
 
 #endif /* RINGWATCH_H */

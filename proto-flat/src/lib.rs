@@ -32,6 +32,7 @@ pub mod error;
 pub mod frames;
 pub mod header;
 pub mod identity;
+pub mod kernel;
 #[cfg(feature = "alloc")]
 pub mod sample;
 pub mod sections;

@@ -22,6 +22,7 @@ use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
 };
 use proto_flat::header::FrameHeader;
+use proto_flat::kernel::{EpochMeta, RingCounters, SamplingControl};
 use proto_flat::sections::{
     ClockGpuEntry, ClockRealtimeEntry, HeartbeatHead, ProgressEntry, SectionHeader, SessionStartHead,
     SessionStreamEntry, ShipperStateEntry, StreamEntry, StreamSummaryEntry,
@@ -62,6 +63,9 @@ macro_rules! layout {
 fn rust_layouts() -> Vec<Layout> {
     vec![
         layout!(FrameHeader, "rw_frame_header", [version, kind, flags, length, stream_id, seq, ts_ns]),
+        layout!(RingCounters, "rw_ring_counters", [seq, drops, sampled_out, sample_tick, shedding]),
+        layout!(SamplingControl, "rw_sampling_control", [bulk_level, _reserved0]),
+        layout!(EpochMeta, "rw_epoch_meta", [epoch, start_realtime_ns, start_mono_ns, sessions, boot_id]),
         layout!(
             CollectiveFrame,
             "rw_collective_frame",
@@ -230,6 +234,10 @@ fn rust_consts() -> BTreeMap<String, u64> {
     out.insert("RW_BATCH_MAGIC".into(), u64::from(proto_flat::BATCH_MAGIC));
     out.insert("RW_DROP_SLOTS".into(), proto_flat::codes::DROP_SLOTS as u64);
     out.insert("RW_FRAME_ALIGN".into(), proto_flat::header::FRAME_ALIGN as u64);
+    out.insert("RW_RING_P0".into(), u64::from(proto_flat::kernel::RING_P0));
+    out.insert("RW_RING_BULK".into(), u64::from(proto_flat::kernel::RING_BULK));
+    out.insert("RW_RING_COUNT".into(), u64::from(proto_flat::kernel::RING_COUNT));
+    out.insert("RW_MAX_SAMPLING_LEVEL".into(), u64::from(proto_flat::kernel::MAX_SAMPLING_LEVEL));
     out
 }
 
@@ -448,7 +456,17 @@ fn c_header_btf_matches_rust_layout() {
         .iter()
         .filter(|(n, _)| !n.starts_with("RW_FLAG_") && !n.starts_with("RW_ACTIVATION_") && !n.contains("RW_WIRE"))
     {
-        if ["RW_BATCH_MAGIC", "RW_DROP_SLOTS", "RW_FRAME_ALIGN"].contains(&name.as_str()) {
+        if [
+            "RW_BATCH_MAGIC",
+            "RW_DROP_SLOTS",
+            "RW_FRAME_ALIGN",
+            "RW_RING_P0",
+            "RW_RING_BULK",
+            "RW_RING_COUNT",
+            "RW_MAX_SAMPLING_LEVEL",
+        ]
+        .contains(&name.as_str())
+        {
             continue; // preprocessor constants leave no BTF; the gcc probe checks them.
         }
         match btf_consts.get(name) {

@@ -366,9 +366,20 @@ impl SeqTracker {
         // kernel had attempted those seqs when it snapshotted its drop counters, so the
         // counters already include any drop among them.
         let limit = if self.closed { u64::MAX } else { hb.attempted };
-        let eligible: Vec<u64> = self.gaps.range(..limit).map(|(s, _)| *s).collect();
         let _ = announced_ns;
-        for start in eligible {
+        // Kernel counts go first to holes at or above a session's takeover floor: the
+        // session that reads there ships or reports everything it reads, so only the
+        // kernel can have made them. Below the floor a hole may also be the last
+        // session's unshipped tail (`shipper_restart`). Without a restart the floor is 0
+        // and this is one pass in seq order.
+        let floor = self.restart_floor;
+        let above: Vec<u64> = self.gaps.range(..limit).filter(|(_, g)| g.end > floor).map(|(s, _)| *s).collect();
+        for start in above {
+            let Some(gap) = self.gaps.get(&start).copied() else { continue };
+            self.resolve_from(start, start.max(floor), gap.end.min(limit), &mut unexplained, now, out, ids);
+        }
+        let below: Vec<u64> = self.gaps.range(..limit.min(floor)).map(|(s, _)| *s).collect();
+        for start in below {
             let Some(gap) = self.gaps.get(&start).copied() else { continue };
             self.resolve(start, gap.end.min(limit), &mut unexplained, now, out, ids);
         }
@@ -401,7 +412,25 @@ impl SeqTracker {
         out: &mut Vec<LossInterval>,
         ids: &mut u64,
     ) {
-        let mut lo = start;
+        self.resolve_from(start, start, end, unexplained, now, out, ids);
+    }
+
+    /// Declares `[from, end)` of the gap that starts at `gap_start` lost (the part below
+    /// `from` stays pending), causes in order: kernel counts, then the fallback.
+    #[allow(clippy::too_many_arguments, reason = "the settle loop's state, passed through")]
+    fn resolve_from(
+        &mut self,
+        gap_start: u64,
+        from: u64,
+        end: u64,
+        unexplained: &mut [u64; 2],
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) {
+        let mut lo = from;
+        // After the first piece the rest of the gap starts where that piece ended.
+        let mut at = gap_start;
         while lo < end {
             let (slot_now, n) = if unexplained[0] > 0 {
                 (RING_FULL_SLOT, (end - lo).min(unexplained[0]))
@@ -415,8 +444,9 @@ impl SeqTracker {
             if slot_now <= OVERSIZED_SLOT {
                 unexplained[slot_now] -= n;
             }
-            self.declare(lo, lo, lo + n, slot_now, 0, now, out, ids);
+            self.declare(at, lo, lo + n, slot_now, 0, now, out, ids);
             lo += n;
+            at = lo;
         }
     }
 

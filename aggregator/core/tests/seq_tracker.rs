@@ -232,3 +232,27 @@ fn gap_cap_evicts_oldest_as_unknown() {
     assert_eq!(out.len(), 2);
     assert_eq!((out[0].first_seq, out[0].last_seq), (1, 1));
 }
+
+/// Issue 10's restart test: the kernel dropped frames both while the shipper was down
+/// (below the takeover) and after the new session took over (above it). Holes above the
+/// takeover can only be the kernel's (the new session reports whatever it loses), so the
+/// kernel count goes there first; the rest below the takeover is the old session's
+/// unshipped tail. Before: the kernel count went to the lowest holes first, and the
+/// hole above the takeover was left `unknown`.
+#[test]
+fn kernel_drops_go_above_the_takeover_first_issue_10() {
+    let mut t = T::new();
+    t.frames(&[0, 1], 0);
+    // Old session read 2..=4 and died with them; the ring dropped 5 while it was down.
+    t.t.on_session_start(6);
+    // The new session reads 6 from the ring; the kernel drops 7..=8 after the takeover.
+    t.frames(&[6, 9], MS);
+    let hb = t.hb(10, 10, 3); // 5, 7, 8: three kernel drops in all
+    t.settle(hb, MS, 501 * MS);
+    let c = t.t.counts();
+    assert_eq!(c.lost[LossCause::KernelRingFull.drop_slot().unwrap()], 3);
+    assert_eq!(c.lost[LossCause::ShipperRestart.drop_slot().unwrap()], 3);
+    assert_eq!(c.lost[LossCause::Unknown.drop_slot().unwrap()], 0, "{:?}", t.losses());
+    assert!(t.losses().contains(&(7, 8, Some(2), "kernel_ring_full".into())), "{:?}", t.losses());
+    conserved(&t, 10);
+}

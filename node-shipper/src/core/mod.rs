@@ -11,10 +11,12 @@
 pub mod backoff;
 pub mod batcher;
 pub mod loss;
+pub mod sampling;
 pub mod shipper;
 pub mod spool;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
 pub use loss::{LostRange, lost_ranges};
+pub use sampling::{SamplingConfig, SamplingPolicy};
 pub use shipper::{CoreConfig, EpochStart, SHIPPER_STREAM, ShipperCore, ShipperStats, SourceCounters, Unflushed};
 pub use spool::{Admission, Spool, SpoolConfig, SpoolCounters};

@@ -22,7 +22,7 @@ use proto_flat::codes::{Class, LossCause, NackReason, WireEnum};
 use proto_flat::encode::SectionedFrameWriter;
 use proto_flat::frames::{EpochStartFrame, FixedFrame};
 use proto_flat::header::StreamId;
-use proto_flat::sections::{ProgressEntry, ShipperStateEntry, StreamEntry};
+use proto_flat::sections::{ProgressEntry, SessionStreamEntry, ShipperStateEntry, StreamEntry};
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromZeros, IntoBytes};
 
@@ -128,6 +128,8 @@ pub struct ShipperStats {
     pub frames_malformed: u64,
     pub batches_cut: u64,
     pub heartbeats: u64,
+    /// `session_start` frames (a takeover of pinned kernel counters).
+    pub session_starts: u64,
     pub loss_records: u64,
     /// Frames of batches acked by the aggregator, all lanes.
     pub frames_acked: u64,
@@ -221,6 +223,9 @@ pub struct ShipperCore {
     spool: Spool,
     /// Next seq on the shipper's own stream (per epoch).
     p1_seq: u64,
+    /// The shipper's own P1 stream: [`SHIPPER_STREAM`], or another index of it when the
+    /// epoch outlives shipper sessions (pinned kernel counters).
+    shipper_stream: StreamId,
     next_heartbeat_ns: u64,
     counters: SourceCounters,
     sampling_level: u8,
@@ -247,6 +252,7 @@ impl ShipperCore {
             batcher: Batcher::new(config.batcher, meta),
             spool: Spool::new(config.spool),
             p1_seq: 0,
+            shipper_stream: SHIPPER_STREAM,
             next_heartbeat_ns: now + config.heartbeat_interval_ns,
             counters: SourceCounters::default(),
             sampling_level: 0,
@@ -287,6 +293,12 @@ impl ShipperCore {
         self.next_heartbeat_ns
     }
 
+    /// The spool's cap.
+    #[must_use]
+    pub fn spool_cap_bytes(&self) -> usize {
+        self.config.spool.cap_bytes
+    }
+
     /// The latest kernel counters handed in.
     #[must_use]
     pub fn counters(&self) -> &SourceCounters {
@@ -310,7 +322,7 @@ impl ShipperCore {
         self.offer_cut(now);
         self.p1_seq = 0;
         let mut f = EpochStartFrame::new_zeroed();
-        f.hdr = EpochStartFrame::make_header(0, SHIPPER_STREAM, self.next_p1_seq(), e.mono_ns);
+        f.hdr = EpochStartFrame::make_header(0, self.shipper_stream, self.next_p1_seq(), e.mono_ns);
         f.epoch = U64::new(e.epoch);
         f.start_realtime_ns = U64::new(e.start_realtime_ns);
         f.boot_id = e.boot_id;
@@ -325,6 +337,28 @@ impl ShipperCore {
         let sampled: u64 = counters.streams.iter().map(|s| s.sampled_out.get()).sum();
         self.batcher.set_sampled_out(sampled);
         self.heartbeat(node_mono_ns, now);
+    }
+
+    /// This session took over kernel counters an earlier session of the same epoch left
+    /// running: a `session_start` names every stream's `attempted_seq` at the takeover
+    /// (seqs below it that nobody ships are `shipper_restart` losses at the aggregator).
+    /// Call before any frame of the session.
+    pub fn handle_session_start(&mut self, streams: &[SessionStreamEntry], node_mono_ns: u64, now: u64) {
+        let seq = self.next_p1_seq();
+        let session = self.batcher.meta().shipper_session;
+        let mut w = SectionedFrameWriter::session_start(self.shipper_stream, seq, node_mono_ns, session);
+        w.section(streams);
+        let frame = w.finish();
+        self.push_into_lane(&frame, now);
+        self.stats.session_starts += 1;
+        self.pending_loss_records = true;
+        self.offer_cut(now);
+    }
+
+    /// Uses P1 stream `index` of the shipper ring for this session's own frames (before
+    /// the first frame: one stream per session of an epoch that outlives sessions).
+    pub fn set_shipper_stream_index(&mut self, index: u16) {
+        self.shipper_stream = StreamId::new(Class::P1, StreamId::SHIPPER_RING, index);
     }
 
     /// `hello` from the aggregator.
@@ -517,7 +551,7 @@ impl ShipperCore {
             _reserved0: [0; 6],
         };
         let seq = self.next_p1_seq();
-        let mut w = SectionedFrameWriter::heartbeat(SHIPPER_STREAM, seq, node_mono_ns, self.counters.mono_ns);
+        let mut w = SectionedFrameWriter::heartbeat(self.shipper_stream, seq, node_mono_ns, self.counters.mono_ns);
         w.section(&streams).section(&self.counters.progress).section(&[state]);
         let frame = w.finish();
         self.push_into_lane(&frame, now);
@@ -568,7 +602,7 @@ impl ShipperCore {
                 Ok(ranges) => {
                     for r in ranges {
                         let seq = self.next_p1_seq();
-                        let f = r.to_frame(SHIPPER_STREAM, seq, r.last_ts);
+                        let f = r.to_frame(self.shipper_stream, seq, r.last_ts);
                         self.push_into_lane(f.as_bytes(), now);
                         self.stats.loss_records += 1;
                         self.pending_loss_records = true;

@@ -1,0 +1,84 @@
+//! Compiles the eBPF programs (`bpf/*.bpf.c`) with clang when it is installed.
+//!
+//! A machine with only Rust still builds the shipper: the build then carries no BPF object
+//! (`cfg(ringwatch_bpf)` unset), the `bpf` source says why it cannot load, and the kernel
+//! tests skip with that reason (under `CI=true` they fail instead). Nothing compiled is
+//! committed, so there is no stale object to check: every build compiles its own.
+//!
+//! `RINGWATCH_CLANG` names another clang; `RINGWATCH_NO_BPF=1` builds without the object
+//! (to try the fallback).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const PROGRAMS: &[&str] = &["ringwatch"];
+
+fn main() {
+    println!("cargo::rustc-check-cfg=cfg(ringwatch_bpf)");
+    println!("cargo::rerun-if-env-changed=RINGWATCH_CLANG");
+    println!("cargo::rerun-if-env-changed=RINGWATCH_NO_BPF");
+    println!("cargo::rerun-if-changed=../proto-flat/include/ringwatch.h");
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
+    let clang = std::env::var("RINGWATCH_CLANG").unwrap_or_else(|_| "clang".to_owned());
+    let why_not = if std::env::var_os("RINGWATCH_NO_BPF").is_some_and(|v| v == "1") {
+        Some("RINGWATCH_NO_BPF=1".to_owned())
+    } else {
+        let mut failed = None;
+        for p in PROGRAMS {
+            let src = manifest.join("bpf").join(format!("{p}.bpf.c"));
+            println!("cargo::rerun-if-changed={}", src.display());
+            let obj = out.join(format!("{p}.bpf.o"));
+            let arch = match std::env::var("CARGO_CFG_TARGET_ARCH").as_deref() {
+                Ok("aarch64") => ("arm64", "aarch64-linux-gnu"),
+                _ => ("x86", "x86_64-linux-gnu"),
+            };
+            let result = Command::new(&clang)
+                .args(["-O2", "-g", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror"])
+                .arg(format!("-D__TARGET_ARCH_{}", arch.0))
+                .arg(format!("-I/usr/include/{}", arch.1))
+                .arg("-I")
+                .arg(manifest.join("../proto-flat/include"))
+                .arg("-c")
+                .arg(&src)
+                .arg("-o")
+                .arg(&obj)
+                .output();
+            match result {
+                Ok(o) if o.status.success() => {}
+                Ok(o) => {
+                    failed = Some(format!(
+                        "{clang} failed on {}: {}",
+                        src.display(),
+                        String::from_utf8_lossy(&o.stderr).lines().take(8).collect::<Vec<_>>().join(" | ")
+                    ));
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(format!("{clang} not runnable ({e}); install clang and libbpf-dev"));
+                    break;
+                }
+            }
+        }
+        failed
+    };
+    let clang_version = Command::new(&clang)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_owned))
+        .unwrap_or_default();
+    match why_not {
+        None => {
+            println!("cargo::rustc-cfg=ringwatch_bpf");
+            println!("cargo::rustc-env=RINGWATCH_BPF_BUILT_WITH={clang_version}");
+            println!("cargo::rustc-env=RINGWATCH_BPF_MISSING=");
+        }
+        Some(why) => {
+            println!("cargo::warning=node-shipper is built without its eBPF object: {why}");
+            println!("cargo::rustc-env=RINGWATCH_BPF_BUILT_WITH=");
+            println!("cargo::rustc-env=RINGWATCH_BPF_MISSING={why}");
+        }
+    }
+}

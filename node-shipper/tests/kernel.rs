@@ -1,0 +1,673 @@
+//! Real eBPF (issue 10): the shipper's ring source against real BPF ring buffers filled
+//! by real programs, `BPF_PROG_TEST_RUN` as the producer, real QUIC into a real
+//! aggregator, and the kernel's own counters as the judge.
+//!
+//! Named `kernel_*`: run one at a time (nextest group `kernel`). Where the machine cannot
+//! load eBPF (no clang at build time, no privileges, no bpffs) each test prints why and
+//! passes; under `CI=true` that is a failure instead.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aggregator::api::dto::{NodesDto, StreamDto};
+use aggregator::{Aggregator, AggregatorConfig, certs};
+use node_shipper::bpf::{self, BpfConfig, LoadError, Producer, RingSource};
+use node_shipper::config::{Inputs, ShipperConfig};
+use node_shipper::driver::RunOptions;
+use proto_flat::StreamId;
+use proto_flat::kernel::RingCounters;
+
+/// A pin directory under bpffs, removed (with everything pinned in it) on drop.
+struct Pins(PathBuf);
+
+impl Pins {
+    fn new(tag: &str) -> Self {
+        let p = PathBuf::from(format!("/sys/fs/bpf/ringwatch-test-{}-{tag}", std::process::id()));
+        let _ = bpf::remove_pins(&p);
+        Self(p)
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let _ = bpf::remove_pins(&self.0);
+    }
+}
+
+/// None when eBPF runs here; else why not. Under `CI=true` a reason is a failure.
+fn kernel_unavailable(test: &str) -> Option<String> {
+    let pins = Pins::new("probe");
+    let reason = match Producer::open(&BpfConfig::new(pins.0.clone())) {
+        Ok(_) => return None,
+        Err(
+            e @ (LoadError::NotBuilt { .. }
+            | LoadError::Permission { .. }
+            | LoadError::NoBpfFs { .. }
+            | LoadError::NoBtf { .. }),
+        ) => e.to_string(),
+        Err(e) => panic!("loading the eBPF object failed for a reason that is a bug, not the machine: {e}"),
+    };
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "CI=true: {test} must run, but eBPF cannot be loaded here: {reason}"
+    );
+    println!("SKIP {test}: {reason}");
+    Some(reason)
+}
+
+fn cpus() -> Vec<usize> {
+    (0..std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(4)).collect()
+}
+
+fn shipper_cfg(set: &certs::CertSet, agg: &Aggregator, pins: &Path, extra: &[(&str, String)]) -> ShipperConfig {
+    let (cert, key) = set.node(&certs::node_name(0));
+    let mut i = Inputs::default();
+    for (k, v) in [
+        ("aggregator", agg.quic_addr.to_string()),
+        ("server_name", "localhost".into()),
+        ("node_name", certs::node_name(0)),
+        ("ca", set.ca.display().to_string()),
+        ("cert", cert.display().to_string()),
+        ("key", key.display().to_string()),
+        ("source", "bpf".into()),
+        ("bpf_pin_dir", pins.display().to_string()),
+        ("heartbeat_interval_ms", "250".into()),
+    ] {
+        i.flag(k, &v);
+    }
+    for (k, v) in extra {
+        i.flag(k, v);
+    }
+    i.validate().unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn bpf_of(cfg: &ShipperConfig) -> BpfConfig {
+    match &cfg.source {
+        node_shipper::config::Source::Bpf(b) => b.clone(),
+        other => panic!("not a bpf source: {other:?}"),
+    }
+}
+
+/// Runs `f` on a thread pinned to `cpu` (BPF_PROG_TEST_RUN runs on the caller's CPU, so
+/// this decides which per-CPU stream the events land in).
+fn on_cpu<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> T + Send + 'static) -> std::thread::JoinHandle<T> {
+    std::thread::spawn(move || {
+        bpf::pin_current_thread(&[cpu]).expect("pin the producer thread");
+        f()
+    })
+}
+
+/// `/v1/nodes`' streams of node 0 in `epoch`, keyed by stream id.
+async fn streams(agg: &Aggregator, epoch: u64) -> BTreeMap<u32, StreamDto> {
+    let nodes: NodesDto = aggregator::api::client::get_json(agg.http_addr, "/v1/nodes").await.expect("/v1/nodes");
+    nodes
+        .nodes
+        .into_iter()
+        .filter(|n| n.name == certs::node_name(0))
+        .flat_map(|n| n.streams)
+        .filter(|s| s.epoch == epoch)
+        .map(|s| (s.stream_id, s))
+        .collect()
+}
+
+/// Waits until the aggregator has settled every kernel stream up to the kernel's
+/// counters (nothing pending or in transit, attempted = the kernel's seq); returns the
+/// kernel counters and the aggregator's streams at that point.
+async fn settle(
+    agg: &Aggregator,
+    producer: &Producer,
+    epoch: u64,
+    within: Duration,
+) -> (Vec<(StreamId, RingCounters)>, BTreeMap<u32, StreamDto>) {
+    let by = Instant::now() + within;
+    loop {
+        let kernel = producer.counters().expect("kernel counters");
+        let got = streams(agg, epoch).await;
+        let done = kernel.iter().filter(|(_, c)| c.seq.get() > 0).all(|(id, c)| {
+            got.get(&id.0).is_some_and(|s| {
+                s.attempted == c.seq.get()
+                    && s.pending == 0
+                    && s.in_transit == 0
+                    && s.received + s.lost_total == s.attempted
+            })
+        });
+        if done || Instant::now() > by {
+            return (kernel, got);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn slot(cause: proto_flat::LossCause) -> usize {
+    cause.drop_slot().expect("a drop slot")
+}
+
+/// Prints and checks, per kernel stream: delivered + lost + sampled_out = generated, the
+/// aggregator's `kernel_ring_full` = the kernel's drop counter, nothing `unknown`.
+fn check_exact(kernel: &[(StreamId, RingCounters)], got: &BTreeMap<u32, StreamDto>) -> (u64, u64, u64) {
+    let mut totals = (0, 0, 0);
+    println!("stream        attempted   received  ring_full(agg)  ring_full(kernel)  other_lost  sampled_out");
+    for (id, c) in kernel.iter().filter(|(_, c)| c.seq.get() + c.sampled_out.get() > 0) {
+        let s = got.get(&id.0).unwrap_or_else(|| panic!("stream {:#x} missing at the aggregator: {got:?}", id.0));
+        let kernel_full = c.drops[slot(proto_flat::LossCause::KernelRingFull)].get();
+        let agg_full = s.lost.get("kernel_ring_full").copied().unwrap_or(0);
+        println!(
+            "{:#010x} {:>11} {:>10} {:>15} {:>18} {:>11} {:>12}",
+            id.0,
+            s.attempted,
+            s.received,
+            agg_full,
+            kernel_full,
+            s.lost_total - agg_full,
+            s.sampled_out
+        );
+        assert_eq!(agg_full, kernel_full, "stream {:#x}: aggregator ring-full loss = kernel drop counter; {s:?}", id.0);
+        assert_eq!(s.lost.get("unknown").copied().unwrap_or(0), 0, "stream {:#x}: nothing lost silently", id.0);
+        assert_eq!(s.attempted, c.seq.get(), "stream {:#x}: attempted", id.0);
+        assert_eq!(s.sampled_out, c.sampled_out.get(), "stream {:#x}: sampled out", id.0);
+        assert_eq!(
+            s.received + s.lost_total + s.sampled_out,
+            c.seq.get() + c.sampled_out.get(),
+            "stream {:#x}: delivered + lost + sampled_out = generated",
+            id.0
+        );
+        assert_eq!((s.pending, s.in_transit), (0, 0), "stream {:#x} settled", id.0);
+        totals.0 += s.received;
+        totals.1 += agg_full;
+        totals.2 += s.lost_total - agg_full;
+    }
+    totals
+}
+
+fn collective_template() -> proto_flat::frames::CollectiveFrame {
+    let mut f = proto_flat::sample::collective(StreamId(0), 0, 0, 1, proto_flat::codes::Phase::KernelEnd);
+    // A one-rank communicator: each event is a whole collective, complete.
+    f.nranks = zerocopy::little_endian::U32::new(1);
+    f.rank = zerocopy::little_endian::U32::new(0);
+    f
+}
+
+/// An aggregator and an in-process shipper reading fresh pinned rings, plus a producer
+/// loaded against the same pins.
+struct Harness {
+    dir: PathBuf,
+    agg: Aggregator,
+    pins: Pins,
+    epoch: u64,
+    producer: std::sync::Arc<Producer>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    shipper: tokio::task::JoinHandle<node_shipper::driver::Report>,
+}
+
+impl Harness {
+    async fn start(tag: &str, hold_acks: bool, extra: &[(&str, String)]) -> Self {
+        let dir = std::env::temp_dir().join(format!("rw-kernel-{tag}-{}", std::process::id()));
+        let set = certs::init(&dir, &[certs::node_name(0)]).expect("certificates");
+        let mut agg_cfg = AggregatorConfig::local(&set);
+        agg_cfg.hold_acks = hold_acks;
+        let agg = Aggregator::start(agg_cfg).await.expect("aggregator");
+        let pins = Pins::new(tag);
+        let cfg = shipper_cfg(&set, &agg, &pins.0, extra);
+        let bpf_cfg = bpf_of(&cfg);
+        let source = RingSource::open(bpf_cfg.clone()).expect("ring source");
+        let epoch = source.epoch();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let shipper = tokio::spawn(async move {
+            node_shipper::driver::run(&cfg, RunOptions::default(), Box::new(source), async {
+                let _ = stop_rx.await;
+            })
+            .await
+            .expect("shipper runs")
+        });
+        let producer = std::sync::Arc::new(Producer::open(&bpf_cfg).expect("producer"));
+        Self { dir, agg, pins, epoch, producer, stop: Some(stop), shipper }
+    }
+
+    /// Stops the shipper (SIGTERM-equivalent) and the aggregator; the shipper's report.
+    async fn finish(mut self) -> node_shipper::driver::Report {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let report = (&mut self.shipper).await.expect("shipper task");
+        self.agg.shutdown();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = &self.pins;
+        report
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_ring_overflow_is_counted_exactly_end_to_end() {
+    if kernel_unavailable("kernel_ring_overflow_is_counted_exactly_end_to_end").is_some() {
+        return;
+    }
+    // A 64 KiB bulk ring (≈ 1,170 frames) drained every 2 ms, fed at millions per second.
+    let h = Harness::start(
+        "overflow",
+        false,
+        &[
+            ("bulk_ring_bytes", "65536".into()),
+            ("p0_ring_bytes", "65536".into()),
+            ("ring_drain_interval_us", "2000".into()),
+        ],
+    )
+    .await;
+    let producer = std::sync::Arc::clone(&h.producer);
+    let started = Instant::now();
+    let mut threads = Vec::new();
+    for cpu in cpus() {
+        let p = std::sync::Arc::clone(&producer);
+        threads.push(on_cpu(cpu, move || {
+            let mut per_event = Duration::ZERO;
+            for _ in 0..20 {
+                per_event = p.bulk(100_000).expect("test run");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            per_event
+        }));
+    }
+    let per_event: Vec<Duration> = threads.into_iter().map(|t| t.join().expect("producer thread")).collect();
+    let produce_s = started.elapsed().as_secs_f64();
+    let (kernel, got) = settle(&h.agg, &producer, h.epoch, Duration::from_secs(30)).await;
+    let report = h.finish().await;
+
+    println!("report: {}", serde_json::to_string(&report).unwrap_or_default());
+    let (delivered, ring_full, other) = check_exact(&kernel, &got);
+    let generated: u64 = kernel.iter().map(|(_, c)| c.seq.get() + c.sampled_out.get()).sum();
+    println!(
+        "generated {generated} in {produce_s:.2} s ({:.1} M/s offered; kernel {:?} per event), delivered {delivered}, kernel_ring_full {ring_full}, other loss {other}",
+        generated as f64 / produce_s / 1e6,
+        per_event
+    );
+    assert!(ring_full > 0, "the small ring must have overflowed");
+    assert!(delivered > 0, "the shipper delivered frames");
+    assert_eq!(other, 0, "no loss other than the ring's");
+    assert!(report.flushed, "{report:?}");
+    assert_eq!(report.frames_in, delivered, "every frame read was delivered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_sampling_accounts_every_event_and_never_touches_p0() {
+    if kernel_unavailable("kernel_sampling_accounts_every_event_and_never_touches_p0").is_some() {
+        return;
+    }
+    // Level 3 as the operator's floor and ceiling: keep 1 in 8 bulk events.
+    let h = Harness::start(
+        "sampling",
+        false,
+        &[("bulk_sampling_level", "3".into()), ("bulk_sampling_max_level", "3".into())],
+    )
+    .await;
+    // The shipper writes the level as its reader starts; wait for it to be in force.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let producer = std::sync::Arc::clone(&h.producer);
+    const BULK: u32 = 40_000;
+    const ROUNDS: u64 = 5;
+    const P0: u32 = 500;
+    let mut threads = Vec::new();
+    for cpu in cpus() {
+        let p = std::sync::Arc::clone(&producer);
+        threads.push(on_cpu(cpu, move || {
+            for _ in 0..ROUNDS {
+                p.bulk(BULK).expect("bulk test run");
+                p.p0(&collective_template(), P0).expect("p0 test run");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }));
+    }
+    for t in threads {
+        t.join().expect("producer thread");
+    }
+    let (kernel, got) = settle(&h.agg, &producer, h.epoch, Duration::from_secs(30)).await;
+    let _ = h.finish().await;
+
+    check_exact(&kernel, &got);
+    for cpu in cpus() {
+        let cpu16 = u16::try_from(cpu).expect("cpu");
+        let bulk = &got[&StreamId::new(proto_flat::Class::P2, proto_flat::kernel::RING_BULK, cpu16).0];
+        let generated = u64::from(BULK) * ROUNDS;
+        assert_eq!(bulk.received + bulk.sampled_out, generated, "cpu {cpu}: delivered + sampled_out = generated");
+        assert_eq!(bulk.received, generated / 8, "cpu {cpu}: 1 in 2^3 kept");
+        assert_eq!(bulk.lost_total, 0, "cpu {cpu}: the big ring never overflowed");
+        let p0 = &got[&StreamId::new(proto_flat::Class::P0, proto_flat::kernel::RING_P0, cpu16).0];
+        assert_eq!(
+            (p0.received, p0.sampled_out, p0.lost_total),
+            (u64::from(P0) * ROUNDS, 0, 0),
+            "cpu {cpu}: P0 is never sampled"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_spool_pressure_raises_the_kernel_sampling_level() {
+    if kernel_unavailable("kernel_spool_pressure_raises_the_kernel_sampling_level").is_some() {
+        return;
+    }
+    // The aggregator applies batches but never acks: the shipper's spool can only fill.
+    let h = Harness::start(
+        "pressure",
+        true,
+        &[
+            ("spool_bytes", (4u64 << 20).to_string()),
+            ("p0_reserve_bytes", (512u64 << 10).to_string()),
+            ("p1_reserve_bytes", (512u64 << 10).to_string()),
+            ("bulk_sampling_max_level", "4".into()),
+            ("shutdown_deadline_ms", "300".into()),
+        ],
+    )
+    .await;
+    let producer = std::sync::Arc::clone(&h.producer);
+    // ≈ 4 MB/s of frames into a 4 MiB spool that never drains: pressure within a second.
+    let p = std::sync::Arc::clone(&producer);
+    tokio::task::spawn_blocking(move || produce_for(&p, 3)).await.expect("produce");
+    let report = h.finish().await;
+
+    let kernel = producer.counters().expect("counters");
+    let sampled: u64 = kernel.iter().map(|(_, c)| c.sampled_out.get()).sum();
+    let attempted: u64 = kernel.iter().map(|(_, c)| c.seq.get()).sum();
+    let ticks: u64 = kernel.iter().map(|(_, c)| c.sample_tick.get()).sum();
+    println!(
+        "kernel: {ticks} events offered, {attempted} took a seq, {sampled} sampled out; shipper: {} frames read, {} lost to the full spool",
+        report.frames_in, report.frames_lost_spool_full
+    );
+    assert!(sampled > 0, "spool pressure raised the kernel's sampling level");
+    assert_eq!(attempted + sampled, ticks, "every event either took a seq or was counted as sampled out");
+}
+
+/// ≈ 1 M bulk events/s per CPU for `secs` seconds.
+fn produce_for(producer: &std::sync::Arc<Producer>, secs: u64) {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = cpus()
+        .into_iter()
+        .map(|cpu| {
+            let (p, stop) = (std::sync::Arc::clone(producer), std::sync::Arc::clone(&stop));
+            on_cpu(cpu, move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    p.bulk(10_000).expect("test run");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(secs));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("producer thread");
+    }
+}
+
+fn shipper_process(cfg_args: &[(String, String)]) -> std::process::Child {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_node-shipper"));
+    for (k, v) in cfg_args {
+        c.arg(format!("--{}", k.replace('_', "-"))).arg(v);
+    }
+    c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("node-shipper starts")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_shipper_restart_keeps_the_epoch_and_loses_nothing_silently() {
+    if kernel_unavailable("kernel_shipper_restart_keeps_the_epoch_and_loses_nothing_silently").is_some() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("rw-kernel-restart-{}", std::process::id()));
+    let set = certs::init(&dir, &[certs::node_name(0)]).expect("certificates");
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let pins = Pins::new("restart");
+    let (cert, key) = set.node(&certs::node_name(0));
+    let args: Vec<(String, String)> = [
+        ("aggregator", agg.quic_addr.to_string()),
+        ("server_name", "localhost".into()),
+        ("node_name", certs::node_name(0)),
+        ("ca", set.ca.display().to_string()),
+        ("cert", cert.display().to_string()),
+        ("key", key.display().to_string()),
+        ("source", "bpf".into()),
+        ("bpf_pin_dir", pins.0.display().to_string()),
+        ("bulk_ring_bytes", "1048576".into()),
+        ("heartbeat_interval_ms", "250".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+
+    // The producer creates the pins here, so it sets the ring sizes the shipper reopens.
+    let producer = std::sync::Arc::new(
+        Producer::open(&BpfConfig { bulk_ring_bytes: 1 << 20, ..BpfConfig::new(pins.0.clone()) }).expect("producer"),
+    );
+
+    // Session 1 ships while producing; SIGKILL mid-stream.
+    let mut first = shipper_process(&args);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let epoch = {
+        // The epoch the first session wrote is visible at the aggregator.
+        let by = Instant::now() + Duration::from_secs(10);
+        loop {
+            let nodes: NodesDto = aggregator::api::client::get_json(agg.http_addr, "/v1/nodes").await.expect("nodes");
+            if let Some(e) = nodes
+                .nodes
+                .iter()
+                .find(|n| n.name == certs::node_name(0))
+                .and_then(|n| n.streams.first().map(|s| s.epoch))
+            {
+                break e;
+            }
+            assert!(Instant::now() < by, "session 1 never reached the aggregator");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let p = std::sync::Arc::clone(&producer);
+    tokio::task::spawn_blocking(move || produce_for(&p, 2)).await.expect("phase 1");
+    let _ = first.kill(); // SIGKILL: nothing flushed, nothing said
+    let _ = first.wait();
+
+    // Down for 5 s, still producing: the pinned programs and rings keep recording, the
+    // ring fills, the kernel counts every drop.
+    let p = std::sync::Arc::clone(&producer);
+    tokio::task::spawn_blocking(move || produce_for(&p, 5)).await.expect("downtime");
+    let at_restart = producer.counters().expect("counters");
+
+    // Session 2 reopens the pins (same epoch) and ships the backlog; produce a little more.
+    let mut second = shipper_process(&args);
+    let p = std::sync::Arc::clone(&producer);
+    tokio::task::spawn_blocking(move || produce_for(&p, 1)).await.expect("phase 3");
+    let (kernel, got) = settle(&agg, &producer, epoch, Duration::from_secs(30)).await;
+    let _ = Command::new("kill").args(["-TERM", &second.id().to_string()]).status();
+    let out = tokio::task::spawn_blocking(move || {
+        let mut err = String::new();
+        if let Some(mut e) = second.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        (second.wait(), err)
+    })
+    .await
+    .expect("wait");
+    agg.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    println!("session 2 stderr (tail): {}", out.1.lines().rev().take(5).collect::<Vec<_>>().join(" | "));
+    let (delivered, ring_full, other) = check_exact(&kernel, &got);
+    let drops_during_downtime: u64 =
+        at_restart.iter().map(|(_, c)| c.drops[slot(proto_flat::LossCause::KernelRingFull)].get()).sum();
+    let restart_loss: u64 = got.values().map(|s| s.lost.get("shipper_restart").copied().unwrap_or(0)).sum();
+    println!(
+        "epoch {epoch}: delivered {delivered}, kernel_ring_full {ring_full} (≥ {drops_during_downtime} by the restart), shipper_restart {restart_loss} (read by session 1, never acked), other {}",
+        other - restart_loss
+    );
+    assert!(drops_during_downtime > 0, "the ring overflowed while the shipper was down");
+    assert_eq!(other, restart_loss, "the only non-kernel loss is the killed session's unacked tail");
+    let epochs: std::collections::BTreeSet<u64> = {
+        let nodes: Vec<u64> = got.values().map(|s| s.epoch).collect();
+        nodes.into_iter().collect()
+    };
+    assert_eq!(epochs.len(), 1, "one epoch across the restart");
+    assert_eq!(out.0.expect("exit").code(), Some(0), "session 2 exits 0 on SIGTERM");
+}
+
+#[test]
+fn kernel_loader_errors_each_say_what_to_do() {
+    if kernel_unavailable("kernel_loader_errors_each_say_what_to_do").is_some() {
+        return;
+    }
+    let tmp = std::env::temp_dir().join(format!("rw-kernel-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).expect("tmp");
+    let expect_err = |cfg: BpfConfig| match RingSource::open(cfg) {
+        Ok(_) => panic!("loaded"),
+        Err(e) => e,
+    };
+
+    // A bad object.
+    let pins = Pins::new("errors");
+    let bogus = tmp.join("bogus.bpf.o");
+    std::fs::write(&bogus, b"\x7fELF but not really an object").expect("write");
+    let e = expect_err(BpfConfig { object: Some(bogus.clone()), ..BpfConfig::new(pins.0.clone()) });
+    println!("bad object: {e}");
+    assert!(matches!(e, LoadError::BadObject { .. }), "{e:?}");
+    assert!(e.to_string().contains("bad BPF object") && e.to_string().contains("bogus.bpf.o"), "{e}");
+
+    // No BTF.
+    let e = expect_err(BpfConfig { kernel_btf: "/nonexistent/vmlinux".into(), ..BpfConfig::new(pins.0.clone()) });
+    println!("no BTF: {e}");
+    assert!(matches!(e, LoadError::NoBtf { .. }) && e.to_string().contains("CONFIG_DEBUG_INFO_BTF"), "{e}");
+
+    // A ring size that is not a power of two, and a directory that is not a bpffs.
+    let e = expect_err(BpfConfig { bulk_ring_bytes: 3 << 20, ..BpfConfig::new(pins.0.clone()) });
+    println!("bad size: {e}");
+    assert!(e.to_string().contains("power of two"), "{e}");
+    let e = expect_err(BpfConfig::new(tmp.join("not-bpffs")));
+    println!("no bpffs: {e}");
+    assert!(matches!(e, LoadError::NoBpfFs { .. }) && e.to_string().contains("mount -t bpf"), "{e}");
+
+    // No permission: the shipper as `nobody` (no capabilities), its pin dir writable.
+    let bin = tmp.join("node-shipper");
+    std::fs::copy(env!("CARGO_BIN_EXE_node-shipper"), &bin).expect("copy the binary where nobody can run it");
+    set_mode(&tmp, 0o755);
+    let open_pins = Pins::new("nobody");
+    std::fs::create_dir_all(&open_pins.0).expect("pin dir");
+    set_mode(&open_pins.0, 0o777);
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+        .arg(&bin)
+        .args(shipper_args_without_tls(&open_pins.0, &[]))
+        .output()
+        .expect("setpriv runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("as nobody: exit {:?}: {stderr}", out.status.code());
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("permission denied") && stderr.contains("CAP_BPF"), "{stderr}");
+
+    // A ring too large for the memory cgroup: a 64 MiB memcg, a 256 MiB ring.
+    match Memcg::new(64 << 20) {
+        Some(cg) => {
+            let big_pins = Pins::new("big");
+            let out = Command::new("sh")
+                .arg("-c")
+                .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
+                .arg("sh")
+                .arg(&bin)
+                .args(shipper_args_without_tls(&big_pins.0, &["--bulk-ring-bytes", "268435456"]))
+                .output()
+                .expect("sh runs");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            println!("ring too large: exit {:?}: {stderr}", out.status.code());
+            assert_eq!(out.status.code(), Some(1), "{stderr}");
+            assert!(stderr.contains("rw_bulk_ring of 268435456 bytes could not be created"), "{stderr}");
+            assert!(stderr.contains("a size that fits") && stderr.contains("bulk_ring_bytes ="), "{stderr}");
+            let fits: u64 = stderr
+                .split("a size that fits: ")
+                .nth(1)
+                .and_then(|s| s.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .expect("the size is named");
+            assert!(fits < 64 << 20 && fits.is_power_of_two(), "{fits}");
+            // …and that size does load in the same cgroup.
+            let ok_pins = Pins::new("fits");
+            let mut child = Command::new("sh")
+                .arg("-c")
+                .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
+                .arg("sh")
+                .arg(&bin)
+                .args(shipper_args_without_tls(&ok_pins.0, &["--bulk-ring-bytes", &fits.to_string()]))
+                .stderr(Stdio::piped())
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("sh runs");
+            let by = Instant::now() + Duration::from_secs(10);
+            while !ok_pins.0.join("rw_bulk_ring").exists() && Instant::now() < by {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("the size that fits did not load: {status}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert!(ok_pins.0.join("rw_bulk_ring").exists(), "the named size loads");
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        None => {
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true: no v1 memory cgroup to test in");
+            println!("SKIP the ring-too-large case: no writable v1 memory cgroup here");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+fn set_mode(p: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+/// Flags for a shipper that fails (or not) at the eBPF load, before it reads any TLS file.
+fn shipper_args_without_tls(pins: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "--aggregator",
+        "127.0.0.1:9",
+        "--node-name",
+        "node-00",
+        "--ca",
+        "/nonexistent/ca.pem",
+        "--cert",
+        "/nonexistent/c.pem",
+        "--key",
+        "/nonexistent/k.pem",
+        "--source",
+        "bpf",
+        "--bpf-pin-dir",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    v.push(pins.display().to_string());
+    v.extend(extra.iter().map(|s| (*s).to_owned()));
+    v
+}
+
+/// A child v1 memory cgroup under this process's own (hybrid hierarchy, kernel.md), with
+/// a limit; removed on drop.
+struct Memcg(PathBuf);
+
+impl Memcg {
+    fn new(limit: u64) -> Option<Self> {
+        let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        let own = text.lines().find_map(|l| l.split(':').nth(1).filter(|c| *c == "memory").and(l.split(':').nth(2)))?;
+        let dir = Path::new("/sys/fs/cgroup/memory")
+            .join(own.trim_start_matches('/'))
+            .join(format!("rw-ring-{}", std::process::id()));
+        std::fs::create_dir(&dir).ok()?;
+        let cg = Self(dir);
+        std::fs::write(cg.0.join("memory.limit_in_bytes"), limit.to_string()).ok()?;
+        Some(cg)
+    }
+}
+
+impl Drop for Memcg {
+    fn drop(&mut self) {
+        // The children exited; wait for the kernel to see that before removing.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The kernel maps the shipper shares with the eBPF programs (`node-shipper/bpf/`):
+//! not on the wire, but the same contract with C (`include/ringwatch.h`), so the same
+//! parity test holds them.
+//!
+//! - `rw_counters`: PERCPU_ARRAY keyed by ring index ([`RING_P0`], [`RING_BULK`]), one
+//!   [`RingCounters`] per (ring, CPU) — exactly one stream's kernel counters.
+//! - `rw_control`: ARRAY of one [`SamplingControl`], written by the shipper.
+//! - `rw_meta`: ARRAY of one [`EpochMeta`], written by the shipper that created the maps;
+//!   pinned with them, so a restarted shipper keeps the epoch.
+
+use zerocopy::little_endian::{U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::codes::DROP_SLOTS;
+
+/// Ring index of the P0 (collective lifecycle) ring.
+pub const RING_P0: u8 = 0;
+/// Ring index of the bulk ring.
+pub const RING_BULK: u8 = 1;
+/// Rings per node.
+pub const RING_COUNT: u8 = 2;
+/// Highest bulk sampling level: keep 1 in 2^15 events.
+pub const MAX_SAMPLING_LEVEL: u8 = 15;
+
+/// One (ring, CPU)'s counters (96 B). The program decides sampling first (a sampled-out
+/// event bumps `sampled_out` and takes no seq), then takes `seq`, then reserves ring
+/// space; a failed reserve bumps `drops[cause − 1]`.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingCounters {
+    /// The next seq: the stream's `attempted_seq` (exclusive).
+    pub seq: U64,
+    pub drops: [U64; DROP_SLOTS],
+    pub sampled_out: U64,
+    /// Events offered to the sampler (kept or not).
+    pub sample_tick: U64,
+    /// Bulk rings: 1 after a failed reserve, until the ring is at most half full again.
+    /// While set, events take their seq and count as `kernel_ring_full` drops without
+    /// trying the ring: an overflow then leaves one hole per episode instead of one per
+    /// record the reader frees (a reader frees space record by record, and a producer
+    /// faster than it would otherwise fill every freed slot: thousands of one-seq holes).
+    pub shedding: U64,
+}
+const _: () = assert!(size_of::<RingCounters>() == 96);
+
+/// The shipper's sampling decision (8 B).
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingControl {
+    /// Bulk keeps 1 in 2^level events (0: all), each kept frame with weight 2^level.
+    /// Collective frames are never sampled.
+    pub bulk_level: U32,
+    pub _reserved0: U32,
+}
+const _: () = assert!(size_of::<SamplingControl>() == 8);
+
+/// Who created the counters, and when (48 B).
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpochMeta {
+    pub epoch: U64,
+    pub start_realtime_ns: U64,
+    pub start_mono_ns: U64,
+    /// Shipper sessions that took the rings over, the current one included.
+    pub sessions: U64,
+    pub boot_id: [u8; 16],
+}
+const _: () = assert!(size_of::<EpochMeta>() == 48);

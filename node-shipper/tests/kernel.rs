@@ -612,6 +612,155 @@ fn kernel_loader_errors_each_say_what_to_do() {
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
+/// Two network namespaces joined by a veth pair: `rwa` (10.201.0.1) in `<name>-a`, `rwb`
+/// (10.201.0.2) in `<name>-b`; deleted on drop. Traffic never leaves them.
+struct Netns(String);
+
+impl Netns {
+    fn new() -> Self {
+        let name = format!("rw-xdp-{}", std::process::id());
+        let ns = Self(name);
+        let (a, b) = (ns.a(), ns.b());
+        for n in [&a, &b] {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+        for args in [
+            vec!["netns", "add", &a],
+            vec!["netns", "add", &b],
+            vec!["-n", &a, "link", "add", "rwa", "type", "veth", "peer", "name", "rwb", "netns", &b],
+            vec!["-n", &a, "addr", "add", "10.201.0.1/24", "dev", "rwa"],
+            vec!["-n", &b, "addr", "add", "10.201.0.2/24", "dev", "rwb"],
+            vec!["-n", &a, "link", "set", "rwa", "up"],
+            vec!["-n", &b, "link", "set", "rwb", "up"],
+        ] {
+            let st = Command::new("ip").args(&args).status().expect("ip runs");
+            assert!(st.success(), "ip {args:?}");
+        }
+        ns
+    }
+
+    fn a(&self) -> String {
+        format!("{}-a", self.0)
+    }
+
+    fn b(&self) -> String {
+        format!("{}-b", self.0)
+    }
+
+    /// Sends `n` UDP datagrams rwa → rwb from a thread that entered namespace a.
+    fn send(&self, n: usize) {
+        let path = format!("/run/netns/{}", self.a());
+        std::thread::spawn(move || {
+            let f = std::fs::File::open(&path).expect("netns file");
+            // SAFETY: setns on this thread only, with a valid namespace fd.
+            #[allow(unsafe_code, reason = "setns has no std wrapper; the thread is ours and ends here")]
+            let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+            let sock = std::net::UdpSocket::bind("10.201.0.1:0").expect("bind in the namespace");
+            for i in 0..n {
+                let _ = sock.send_to(&[u8::try_from(i % 256).unwrap_or(0); 200], "10.201.0.2:9");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+        .join()
+        .expect("sender thread");
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in [self.a(), self.b()] {
+            let _ = Command::new("ip").args(["netns", "del", &n]).status();
+        }
+    }
+}
+
+fn bulk_events(producer: &Producer) -> u64 {
+    producer
+        .counters()
+        .expect("counters")
+        .iter()
+        .filter(|(id, _)| id.ring() == proto_flat::kernel::RING_BULK)
+        .map(|(_, c)| c.sample_tick.get())
+        .sum()
+}
+
+/// The bulk XDP program attached to a real interface (a veth in a namespace this test
+/// made): the link is pinned, so packets keep being recorded while the shipper is down,
+/// and a restarted shipper keeps the attachment instead of attaching twice.
+#[test]
+fn kernel_xdp_link_is_pinned_and_records_while_the_shipper_is_down() {
+    if kernel_unavailable("kernel_xdp_link_is_pinned_and_records_while_the_shipper_is_down").is_some() {
+        return;
+    }
+    let tmp = std::env::temp_dir().join(format!("rw-kernel-xdp-{}", std::process::id()));
+    let set = certs::init(&tmp, &[certs::node_name(0)]).expect("certificates");
+    let ns = Netns::new();
+    let pins = Pins::new("xdp");
+    let (cert, key) = set.node(&certs::node_name(0));
+    // nsenter --net: only the network namespace changes, so /sys/fs/bpf stays the same
+    // bpffs (ip netns exec would remount /sys).
+    let start = || {
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", ns.b()))
+            .arg(env!("CARGO_BIN_EXE_node-shipper"))
+            .args(["--aggregator", "127.0.0.1:9", "--server-name", "localhost", "--node-name", "node-00"])
+            .arg("--ca")
+            .arg(&set.ca)
+            .arg("--cert")
+            .arg(&cert)
+            .arg("--key")
+            .arg(&key)
+            .args(["--source", "bpf", "--xdp-interfaces", "rwb", "--bpf-pin-dir"])
+            .arg(&pins.0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("node-shipper starts")
+    };
+    let link = pins.0.join("link_xdp_rwb");
+    let wait_for_link = |child: &mut std::process::Child| {
+        let by = Instant::now() + Duration::from_secs(10);
+        while !link.exists() {
+            if let Ok(Some(st)) = child.try_wait() {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                panic!("the shipper exited ({st}) before attaching:\n{err}");
+            }
+            assert!(Instant::now() < by, "no pinned XDP link after 10 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut first = start();
+    wait_for_link(&mut first);
+    let producer = Producer::open(&BpfConfig::new(pins.0.clone())).expect("read the pinned counters");
+    let before = bulk_events(&producer);
+    ns.send(200);
+    let running = bulk_events(&producer) - before;
+    let _ = first.kill();
+    let _ = first.wait();
+    ns.send(200);
+    let while_down = bulk_events(&producer) - before - running;
+    let mut second = start();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(second.try_wait().expect("status").is_none(), "the restarted shipper keeps running");
+    ns.send(100);
+    let after_restart = bulk_events(&producer) - before - running - while_down;
+    let _ = second.kill();
+    let _ = second.wait();
+    drop(pins); // unpinning the link detaches the program
+    let _ = std::fs::remove_dir_all(&tmp);
+    println!(
+        "XDP events on rwb: {running} with the shipper up, {while_down} while it was down, {after_restart} after the restart"
+    );
+    // Every datagram crossed rwb (plus ARP): at least as many events as datagrams.
+    assert!(running >= 200, "{running}");
+    assert!(while_down >= 200, "the pinned link kept the program attached: {while_down}");
+    assert!((100..200).contains(&after_restart), "attached once, not twice: {after_restart}");
+}
+
 fn set_mode(p: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");

@@ -13,13 +13,84 @@ use std::process::Command;
 
 const PROGRAMS: &[&str] = &["ringwatch"];
 
+/// The NCCL profiler shim and the workload that stands in for NCCL (C, built with the
+/// system C compiler; `make -C nccl-shim` builds the same for operators).
+fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+    let dir = manifest.join("nccl-shim");
+    for f in ["ringwatch_profiler.c", "workload.c", "check_layout.c", "nccl_profiler_api.h"] {
+        println!("cargo::rerun-if-changed={}", dir.join(f).display());
+    }
+    let include = manifest.join("../proto-flat/include");
+    let common = ["-std=gnu11", "-O2", "-g", "-Wall", "-Wextra", "-Werror"];
+    let shim = out.join("libnccl-profiler-ringwatch.so");
+    let workload = out.join("rw-nccl-workload");
+    let shim_ok = Command::new(&cc)
+        .args(common)
+        .args(["-fPIC", "-shared", "-fvisibility=hidden", "-I"])
+        .arg(&dir)
+        .arg("-I")
+        .arg(&include)
+        .arg(dir.join("ringwatch_profiler.c"))
+        .arg("-o")
+        .arg(&shim)
+        .args(["-lpthread", "-ldl"])
+        .output();
+    let workload_ok = Command::new(&cc)
+        .args(common)
+        .arg("-I")
+        .arg(&dir)
+        .arg("-I")
+        .arg(&include)
+        .arg(dir.join("workload.c"))
+        .arg("-o")
+        .arg(&workload)
+        .arg("-ldl")
+        .output();
+    let checker = out.join("check-layout");
+    let checker_ok = Command::new(&cc)
+        .args(common)
+        .arg("-rdynamic")
+        .arg("-I")
+        .arg(&include)
+        .arg(dir.join("check_layout.c"))
+        .arg("-o")
+        .arg(&checker)
+        .arg("-ldl")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    match (shim_ok, workload_ok) {
+        (Ok(a), Ok(b)) if a.status.success() && b.status.success() && checker_ok => {
+            println!("cargo::rustc-env=RINGWATCH_NCCL_SHIM={}", shim.display());
+            println!("cargo::rustc-env=RINGWATCH_NCCL_WORKLOAD={}", workload.display());
+            println!("cargo::rustc-env=RINGWATCH_NCCL_CHECK_LAYOUT={}", checker.display());
+        }
+        other => {
+            let why = match other {
+                (Ok(a), Ok(b)) => format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&a.stderr).lines().take(4).collect::<Vec<_>>().join(" | "),
+                    String::from_utf8_lossy(&b.stderr).lines().take(4).collect::<Vec<_>>().join(" | ")
+                ),
+                (Err(e), _) | (_, Err(e)) => format!("{cc} not runnable: {e}"),
+            };
+            println!("cargo::warning=the NCCL profiler shim was not built: {why}");
+            println!("cargo::rustc-env=RINGWATCH_NCCL_SHIM=");
+            println!("cargo::rustc-env=RINGWATCH_NCCL_WORKLOAD=");
+            println!("cargo::rustc-env=RINGWATCH_NCCL_CHECK_LAYOUT=");
+        }
+    }
+}
+
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(ringwatch_bpf)");
     println!("cargo::rerun-if-env-changed=RINGWATCH_CLANG");
     println!("cargo::rerun-if-env-changed=RINGWATCH_NO_BPF");
+    println!("cargo::rerun-if-env-changed=CC");
     println!("cargo::rerun-if-changed=../proto-flat/include/ringwatch.h");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
+    build_nccl_shim(&manifest, &out);
     let clang = std::env::var("RINGWATCH_CLANG").unwrap_or_else(|_| "clang".to_owned());
     let why_not = if std::env::var_os("RINGWATCH_NO_BPF").is_some_and(|v| v == "1") {
         Some("RINGWATCH_NO_BPF=1".to_owned())

@@ -635,6 +635,8 @@ mod kernel {
         cpu_agg: f64,
         fill_max_ppm: u32,
         producer_ns: f64,
+        drain_gap_p999_us: u64,
+        drain_gap_max_us: u64,
     }
 
     /// Kernel → aggregator for `secs`: the XDP program on the last CPU, paced at `rate`
@@ -739,6 +741,8 @@ mod kernel {
             cpu_agg: (c1a - c0a) / elapsed,
             fill_max_ppm: report.rings.map_or(0, |r| r.fill_max_ppm_ever[1]),
             producer_ns,
+            drain_gap_p999_us: report.rings.map_or(0, |r| r.drain_gap_p999_us),
+            drain_gap_max_us: report.rings.map_or(0, |r| r.drain_gap_max_us),
         })
     }
 
@@ -812,13 +816,15 @@ mod kernel {
                 Ok(f) => {
                     let _ = writeln!(
                         o,
-                        "  kernel → aggregator, {label}: offered {:.2} M/s (XDP program {:.0} ns/event in the kernel), delivered {:.2} M/s, kernel drops {:.1} % (aggregator = kernel counters: {}), bulk ring fill max {:.0} %; CPU reader {:.2}, shipper network {:.2}, aggregator {:.2}",
+                        "  kernel → aggregator, {label}: offered {:.2} M/s (XDP program {:.0} ns/event in the kernel), delivered {:.2} M/s, kernel drops {:.1} % (aggregator = kernel counters: {}), bulk ring fill max {:.0} %, drain gap p99.9 {} µs (max {} µs); CPU reader {:.2}, shipper network {:.2}, aggregator {:.2}",
                         f.offered / 1e6,
                         f.producer_ns,
                         f.delivered / 1e6,
                         f.dropped_pct,
                         if f.exact { "exact" } else { "NOT EXACT" },
                         f64::from(f.fill_max_ppm) / 1e4,
+                        f.drain_gap_p999_us,
+                        f.drain_gap_max_us,
                         f.cpu_reader,
                         f.cpu_ship,
                         f.cpu_agg

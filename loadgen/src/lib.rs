@@ -15,6 +15,7 @@ pub mod cluster;
 pub mod demo;
 pub mod progress;
 pub mod score;
+pub mod size;
 
 /// A simulation sink that keeps nothing (computing ground truth).
 #[derive(Debug)]

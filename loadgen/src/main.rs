@@ -50,6 +50,29 @@ fn command() -> Command {
         )
         .subcommand(Command::new("list").about("list the built-in scenarios"))
         .subcommand(
+            Command::new("size")
+                .about("ring, spool and aggregator sizing for a scenario (or `all`), from this machine's measured figures")
+                .arg(Arg::new("scenario").required(true).help("a built-in scenario, a scenario file, or `all`"))
+                .arg(
+                    Arg::new("drain-gap-us")
+                        .long("drain-gap-us")
+                        .value_parser(value_parser!(f64))
+                        .help("p99.9 gap between ring drains, µs (default: measured here by loadgen bench)"),
+                )
+                .arg(
+                    Arg::new("ingest-ns")
+                        .long("ingest-ns")
+                        .value_parser(value_parser!(f64))
+                        .help("aggregator ingest ns per frame (default: measured here)"),
+                )
+                .arg(
+                    Arg::new("aggregator-ns")
+                        .long("aggregator-ns")
+                        .value_parser(value_parser!(f64))
+                        .help("whole aggregator (QUIC + ingest + API) ns per frame (default: measured here)"),
+                ),
+        )
+        .subcommand(
             Command::new("bench")
                 .about("per-component figures: shipper core, aggregator ingest, end to end over QUIC, raw quinn, protobuf (use --profile perf)")
                 .arg(
@@ -206,6 +229,29 @@ fn main() -> ExitCode {
             );
         }
         return ExitCode::SUCCESS;
+    }
+    if let Some(("size", sub)) = m.subcommand() {
+        let d = loadgen::size::Measured::default();
+        let measured = loadgen::size::Measured {
+            drain_gap_p999_us: sub.get_one::<f64>("drain-gap-us").copied().unwrap_or(d.drain_gap_p999_us),
+            ingest_ns: sub.get_one::<f64>("ingest-ns").copied().unwrap_or(d.ingest_ns),
+            aggregator_ns: sub.get_one::<f64>("aggregator-ns").copied().unwrap_or(d.aggregator_ns),
+        };
+        let name = sub.get_one::<String>("scenario").cloned().unwrap_or_default();
+        let scenarios =
+            if name == "all" { builtin::all().map_err(|e| e.to_string()) } else { scenario(&name).map(|s| vec![s]) };
+        return match scenarios {
+            Ok(list) => {
+                for s in &list {
+                    println!("{}", loadgen::size::table(&loadgen::size::size(s, measured)));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("loadgen size: {e}");
+                ExitCode::from(2)
+            }
+        };
     }
     if let Some(("bench", sub)) = m.subcommand() {
         let secs = sub.get_one::<f64>("seconds").copied().unwrap_or(5.0);

@@ -21,10 +21,18 @@
  *                  interfaces in production; driven by BPF_PROG_TEST_RUN with repeat in
  *                  tests and benchmarks (≈ 10 M events/s on one core here).
  *   rw_p0_test_xdp XDP, tests only: copies a collective frame carried in the packet into
- *                  the P0 ring (stands in for the NCCL uprobes of part 2; never sampled).
+ *                  the P0 ring (never sampled).
+ *   rw_uprobe_*    uprobes on the NCCL profiler shim's probe functions
+ *                  (node-shipper/nccl-shim): P0 collective and P2P frames, and the PROGRESS
+ *                  map, updated BEFORE the ring reserve so it survives a ring overflow.
+ *   rw_on_exit     sched_process_exit: marks the PROGRESS entries of an exiting process
+ *                  (state and exit code).
  */
 #include <linux/bpf.h>
+#include <linux/ptrace.h>
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 
 #include "ringwatch.h"
 
@@ -61,6 +69,22 @@ struct {
 	__type(key, __u32);
 	__type(value, struct rw_epoch_meta);
 } rw_meta SEC(".maps");
+
+/* PROGRESS: one entry per (comm key, comm instance, rank); LRU, so a cluster's churn of
+ * communicators cannot fill it (evictions = inserted - present, in rw_progress_stats). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct rw_progress_key);
+	__type(value, struct rw_progress_entry);
+} rw_progress SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rw_progress_stats);
+} rw_progress_stats SEC(".maps");
 
 static __always_inline struct rw_ring_counters *counters_of(__u32 ring)
 {
@@ -165,6 +189,187 @@ int rw_p0_test_xdp(struct xdp_md *ctx)
 	f->local_op_seq += seq;
 	bpf_ringbuf_submit(f, BPF_RB_NO_WAKEUP);
 	return XDP_PASS;
+}
+
+/* ---- NCCL: uprobes on the shim's probe functions ---- */
+
+static __always_inline void count_insert(void)
+{
+	__u32 zero = 0;
+	struct rw_progress_stats *st = bpf_map_lookup_elem(&rw_progress_stats, &zero);
+	if (st)
+		__sync_fetch_and_add(&st->inserted, 1);
+}
+
+/* The communicator's PROGRESS entry, created if absent (an op seen before its init). */
+static __always_inline struct rw_progress_entry *progress_of(__u64 hash, __u64 dis, __u64 inst, __u32 rank)
+{
+	struct rw_progress_key k = { .comm_hash = hash, .comm_disambiguator = dis, .comm_instance = inst, .rank = rank };
+	struct rw_progress_entry *v = bpf_map_lookup_elem(&rw_progress, &k);
+	if (v)
+		return v;
+	struct rw_progress_entry fresh = {};
+	fresh.comm_hash = hash;
+	fresh.comm_disambiguator = dis;
+	fresh.comm_instance = inst;
+	fresh.rank = rank;
+	fresh.pid = bpf_get_current_pid_tgid() >> 32;
+	fresh.cgroup_id = bpf_get_current_cgroup_id();
+	fresh.proc_state = RW_PROC_STATE_RUNNING;
+	if (bpf_map_update_elem(&rw_progress, &k, &fresh, BPF_NOEXIST) == 0)
+		count_insert();
+	return bpf_map_lookup_elem(&rw_progress, &k);
+}
+
+SEC("uprobe")
+int rw_uprobe_comm_init(struct pt_regs *ctx)
+{
+	const struct rw_progress_entry *arg = (const struct rw_progress_entry *)PT_REGS_PARM1(ctx);
+	struct rw_progress_entry e;
+	if (bpf_probe_read_user(&e, sizeof(e), arg))
+		return 0;
+	e.pid = bpf_get_current_pid_tgid() >> 32;
+	e.cgroup_id = bpf_get_current_cgroup_id();
+	e.last_update_ns = bpf_ktime_get_ns();
+	e.proc_state = RW_PROC_STATE_RUNNING;
+	e.exit_code = 0;
+	struct rw_progress_key k = { .comm_hash = e.comm_hash,
+				     .comm_disambiguator = e.comm_disambiguator,
+				     .comm_instance = e.comm_instance,
+				     .rank = e.rank };
+	if (!bpf_map_lookup_elem(&rw_progress, &k))
+		count_insert();
+	bpf_map_update_elem(&rw_progress, &k, &e, BPF_ANY);
+	return 0;
+}
+
+static __always_inline void advance(__u64 *field, __u64 k)
+{
+	if (k > *field)
+		*field = k;
+}
+
+SEC("uprobe")
+int rw_uprobe_collective(struct pt_regs *ctx)
+{
+	const struct rw_collective_frame *arg = (const struct rw_collective_frame *)PT_REGS_PARM1(ctx);
+	struct rw_collective_frame f;
+	if (bpf_probe_read_user(&f, sizeof(f), arg))
+		return 0;
+	/* PROGRESS first, before the reserve: it must survive a ring overflow. Graph-captured
+	 * ops are not in comm_op_seq order and never move it. */
+	if (!(f.hdr.flags & RW_FLAG_GRAPH_CAPTURED)) {
+		struct rw_progress_entry *p = progress_of(f.comm_hash, f.comm_disambiguator, f.comm_instance, f.rank);
+		if (p) {
+			if (f.phase == RW_PHASE_ENQUEUE_END)
+				advance(&p->last_enqueued_op, f.comm_op_seq);
+			else if (f.phase == RW_PHASE_KERNEL_START)
+				advance(&p->last_kernel_started_op, f.comm_op_seq);
+			else if ((f.phase == RW_PHASE_KERNEL_END || f.phase == RW_PHASE_PROXY_DONE) &&
+				 !(f.hdr.flags & RW_FLAG_PER_CHANNEL))
+				advance(&p->last_completed_op, f.comm_op_seq);
+			p->last_update_ns = bpf_ktime_get_ns();
+		}
+	}
+	struct rw_ring_counters *c = counters_of(RW_RING_P0);
+	if (!c)
+		return 0;
+	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
+	struct rw_collective_frame *r = bpf_ringbuf_reserve(&rw_p0_ring, sizeof(*r), 0);
+	if (!r) {
+		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
+		return 0;
+	}
+	__u64 ts = f.hdr.ts_ns;
+	__builtin_memcpy(r, &f, sizeof(f));
+	fill_header(&r->hdr, RW_FRAME_KIND_COLLECTIVE, f.hdr.flags & ~RW_FLAG_SAMPLED, sizeof(*r), RW_CLASS_P0,
+		    RW_RING_P0, seq);
+	if (ts)
+		r->hdr.ts_ns = ts; /* the shim's time (GPU timer converted), not the probe's */
+	r->pid = bpf_get_current_pid_tgid() >> 32;
+	bpf_ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+	return 0;
+}
+
+SEC("uprobe")
+int rw_uprobe_p2p(struct pt_regs *ctx)
+{
+	const struct rw_p2p_frame *arg = (const struct rw_p2p_frame *)PT_REGS_PARM1(ctx);
+	struct rw_p2p_frame f;
+	if (bpf_probe_read_user(&f, sizeof(f), arg))
+		return 0;
+	/* P2P ops do not advance comm_op_seq; the communicator's entry is only refreshed. */
+	struct rw_progress_entry *p = progress_of(f.comm_hash, f.comm_disambiguator, f.comm_instance, f.rank);
+	if (p)
+		p->last_update_ns = bpf_ktime_get_ns();
+	struct rw_ring_counters *c = counters_of(RW_RING_P0);
+	if (!c)
+		return 0;
+	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
+	struct rw_p2p_frame *r = bpf_ringbuf_reserve(&rw_p0_ring, sizeof(*r), 0);
+	if (!r) {
+		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
+		return 0;
+	}
+	__u64 ts = f.hdr.ts_ns;
+	__builtin_memcpy(r, &f, sizeof(f));
+	fill_header(&r->hdr, RW_FRAME_KIND_P2P, f.hdr.flags & ~RW_FLAG_SAMPLED, sizeof(*r), RW_CLASS_P0, RW_RING_P0,
+		    seq);
+	if (ts)
+		r->hdr.ts_ns = ts;
+	r->pid = bpf_get_current_pid_tgid() >> 32;
+	bpf_ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+	return 0;
+}
+
+/* ---- process exits ---- */
+
+/* Only the field we read; CO-RE relocates its offset against the running kernel's BTF. */
+struct task_struct {
+	int exit_code;
+} __attribute__((preserve_access_index));
+
+struct exit_ctx {
+	__u32 pid;
+	__s32 code;
+	__u64 now;
+	__u64 marked;
+};
+
+static long mark_exited(void *map, struct rw_progress_key *key, struct rw_progress_entry *v, struct exit_ctx *x)
+{
+	(void)map;
+	(void)key;
+	if (v->pid == x->pid && v->proc_state != RW_PROC_STATE_EXITED) {
+		v->proc_state = RW_PROC_STATE_EXITED;
+		v->exit_code = x->code;
+		v->last_update_ns = x->now;
+		x->marked = 1; /* a constant: a counter here makes the verifier walk every iteration */
+	}
+	return 0;
+}
+
+SEC("tracepoint/sched/sched_process_exit")
+int rw_on_exit(void *ctx)
+{
+	(void)ctx;
+	__u64 id = bpf_get_current_pid_tgid();
+	if ((__u32)id != (__u32)(id >> 32))
+		return 0; /* a thread, not the process */
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	int raw = BPF_CORE_READ(task, exit_code);
+	/* wait(2) encoding: exit status in bits 8-15, or the killing signal in bits 0-6. */
+	struct exit_ctx x = { .pid = id >> 32,
+			      .code = (raw & 0x7f) ? -(raw & 0x7f) : ((raw >> 8) & 0xff),
+			      .now = bpf_ktime_get_ns() };
+	bpf_for_each_map_elem(&rw_progress, mark_exited, &x, 0);
+	if (x.marked) {
+		__u32 zero = 0;
+		struct rw_progress_stats *st = bpf_map_lookup_elem(&rw_progress_stats, &zero);
+		if (st)
+			__sync_fetch_and_add(&st->exits, 1);
+	}
+	return 0;
 }
 
 char LICENSE[] SEC("license") = "GPL";

@@ -119,6 +119,12 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
         Some(""),
         "bpf source: interfaces to attach the bulk XDP program to, comma-separated (links pinned)",
     ),
+    (
+        "nccl_profiler_shim",
+        Kind::OptText,
+        Some(""),
+        "bpf source: libnccl-profiler-ringwatch.so to put uprobes on (the path NCCL_PROFILER_PLUGIN names)",
+    ),
     ("bulk_sampling_level", Kind::Int { min: 0, max: 15 }, Some("0"), "bulk keeps 1 in 2^level events (the floor)"),
     (
         "bulk_sampling_max_level",
@@ -346,6 +352,11 @@ impl Inputs {
                         .get("xdp_interfaces")
                         .map(|t| t.1.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect())
                         .unwrap_or_default(),
+                    nccl_shim: text
+                        .get("nccl_profiler_shim")
+                        .map(|t| t.1.trim())
+                        .filter(|t| !t.is_empty())
+                        .map(PathBuf::from),
                 })),
                 _ => None,
             };
@@ -530,6 +541,36 @@ flush_interval_ms = 2
         }
         assert_eq!(got.len(), 10, "{e}");
         assert!(e.to_string().starts_with("10 configuration problem(s):"));
+    }
+
+    #[test]
+    fn the_bpf_source_validates_its_rings_cpus_and_shim() {
+        let mut i = Inputs::default();
+        i.file(GOOD);
+        i.flag("source", "bpf");
+        i.flag("bulk_ring_bytes", "33554432");
+        i.flag("reader_cpus", "2, 3");
+        i.flag("xdp_interfaces", "eth0,eth1");
+        i.flag("nccl_profiler_shim", "/opt/rw/libnccl-profiler-ringwatch.so");
+        i.flag("heartbeat_interval_ms", "250");
+        let c = i.validate().unwrap();
+        let Source::Bpf(b) = &c.source else { panic!("{:?}", c.source) };
+        assert_eq!((b.bulk_ring_bytes, b.p0_ring_bytes, b.counters_interval_ms), (32 << 20, 1 << 20, 250));
+        assert_eq!(b.xdp_interfaces, vec!["eth0".to_owned(), "eth1".to_owned()]);
+        assert_eq!(b.nccl_shim.as_deref(), Some(std::path::Path::new("/opt/rw/libnccl-profiler-ringwatch.so")));
+        assert_eq!(b.object, None, "empty means the embedded object");
+        assert_eq!(c.reader_cpus, vec![2, 3]);
+
+        let mut i = Inputs::default();
+        i.file(GOOD);
+        i.flag("source", "bpf");
+        i.flag("bulk_ring_bytes", "3000000");
+        i.flag("reader_cpus", "2,x");
+        i.flag("bulk_sampling_level", "16");
+        let e = i.validate().unwrap_err();
+        let fields: Vec<&str> = e.0.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["bulk_sampling_level", "bulk_ring_bytes", "reader_cpus"], "{e}");
+        assert!(e.to_string().contains("power of two"), "{e}");
     }
 
     #[test]

@@ -14,80 +14,15 @@ use std::time::{Duration, Instant};
 use aggregator::api::dto::{NodesDto, StreamDto};
 use aggregator::{Aggregator, AggregatorConfig, certs};
 use node_shipper::bpf::{self, BpfConfig, LoadError, Producer, RingSource};
-use node_shipper::config::{Inputs, ShipperConfig};
 use node_shipper::driver::RunOptions;
 use proto_flat::StreamId;
 use proto_flat::kernel::RingCounters;
 
-/// A pin directory under bpffs, removed (with everything pinned in it) on drop.
-struct Pins(PathBuf);
-
-impl Pins {
-    fn new(tag: &str) -> Self {
-        let p = PathBuf::from(format!("/sys/fs/bpf/ringwatch-test-{}-{tag}", std::process::id()));
-        let _ = bpf::remove_pins(&p);
-        Self(p)
-    }
-}
-
-impl Drop for Pins {
-    fn drop(&mut self) {
-        let _ = bpf::remove_pins(&self.0);
-    }
-}
-
-/// None when eBPF runs here; else why not. Under `CI=true` a reason is a failure.
-fn kernel_unavailable(test: &str) -> Option<String> {
-    let pins = Pins::new("probe");
-    let reason = match Producer::open(&BpfConfig::new(pins.0.clone())) {
-        Ok(_) => return None,
-        Err(
-            e @ (LoadError::NotBuilt { .. }
-            | LoadError::Permission { .. }
-            | LoadError::NoBpfFs { .. }
-            | LoadError::NoBtf { .. }),
-        ) => e.to_string(),
-        Err(e) => panic!("loading the eBPF object failed for a reason that is a bug, not the machine: {e}"),
-    };
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "CI=true: {test} must run, but eBPF cannot be loaded here: {reason}"
-    );
-    println!("SKIP {test}: {reason}");
-    Some(reason)
-}
+mod common;
+use common::{Pins, bpf_of, kernel_unavailable, shipper_cfg};
 
 fn cpus() -> Vec<usize> {
     (0..std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(4)).collect()
-}
-
-fn shipper_cfg(set: &certs::CertSet, agg: &Aggregator, pins: &Path, extra: &[(&str, String)]) -> ShipperConfig {
-    let (cert, key) = set.node(&certs::node_name(0));
-    let mut i = Inputs::default();
-    for (k, v) in [
-        ("aggregator", agg.quic_addr.to_string()),
-        ("server_name", "localhost".into()),
-        ("node_name", certs::node_name(0)),
-        ("ca", set.ca.display().to_string()),
-        ("cert", cert.display().to_string()),
-        ("key", key.display().to_string()),
-        ("source", "bpf".into()),
-        ("bpf_pin_dir", pins.display().to_string()),
-        ("heartbeat_interval_ms", "250".into()),
-    ] {
-        i.flag(k, &v);
-    }
-    for (k, v) in extra {
-        i.flag(k, v);
-    }
-    i.validate().unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn bpf_of(cfg: &ShipperConfig) -> BpfConfig {
-    match &cfg.source {
-        node_shipper::config::Source::Bpf(b) => b.clone(),
-        other => panic!("not a bpf source: {other:?}"),
-    }
 }
 
 /// Runs `f` on a thread pinned to `cpu` (BPF_PROG_TEST_RUN runs on the caller's CPU, so
@@ -297,11 +232,20 @@ async fn kernel_sampling_accounts_every_event_and_never_touches_p0() {
     let h = Harness::start(
         "sampling",
         false,
-        &[("bulk_sampling_level", "3".into()), ("bulk_sampling_max_level", "3".into())],
+        &[("bulk_sampling_level", "3".into()), ("bulk_sampling_max_level", "3".into()), ("reader_cpus", "0".into())],
     )
     .await;
     // The shipper writes the level as its reader starts; wait for it to be in force.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // The ring reader thread runs pinned where the configuration says.
+    let pinned: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .flatten()
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "ring-reader"))
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .filter_map(|st| st.lines().find(|l| l.starts_with("Cpus_allowed_list:")).map(|l| l[18..].trim().to_owned()))
+        .collect();
+    assert_eq!(pinned, vec!["0".to_owned()], "the reader thread is pinned to CPU 0");
     let producer = std::sync::Arc::clone(&h.producer);
     const BULK: u32 = 40_000;
     const ROUNDS: u64 = 5;

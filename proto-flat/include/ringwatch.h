@@ -444,6 +444,19 @@ struct rw_sampling_control { /* 8 B: ARRAY value, key 0; the shipper writes it *
 	__u32 _reserved0;
 };
 
+struct rw_progress_key { /* 32 B: PROGRESS LRU hash key: (comm key, comm instance, rank) */
+	__u64 comm_hash;
+	__u64 comm_disambiguator;
+	__u64 comm_instance;
+	__u32 rank;
+	__u32 _reserved0;
+};
+
+struct rw_progress_stats { /* 16 B: ARRAY value, key 0 */
+	__u64 inserted; /* entries created (inserted - entries present = LRU evictions) */
+	__u64 exits;    /* process exits recorded into PROGRESS entries */
+};
+
 struct rw_epoch_meta { /* 48 B: ARRAY value, key 0; written by the shipper that created the maps */
 	__u64 epoch;
 	__u64 start_realtime_ns;
@@ -480,6 +493,8 @@ RW_ASSERT_SIZE(rw_nack_body, 24);
 RW_ASSERT_SIZE(rw_ring_counters, 96);
 RW_ASSERT_SIZE(rw_sampling_control, 8);
 RW_ASSERT_SIZE(rw_epoch_meta, 48);
+RW_ASSERT_SIZE(rw_progress_key, 32);
+RW_ASSERT_SIZE(rw_progress_stats, 16);
 #undef RW_ASSERT_SIZE
 
 #endif /* RINGWATCH_H */

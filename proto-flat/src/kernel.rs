@@ -66,3 +66,25 @@ pub struct EpochMeta {
     pub boot_id: [u8; 16],
 }
 const _: () = assert!(size_of::<EpochMeta>() == 48);
+
+/// The PROGRESS map's key (32 B): `(comm key, comm instance, rank)`.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProgressKey {
+    pub comm_hash: U64,
+    pub comm_disambiguator: U64,
+    pub comm_instance: U64,
+    pub rank: U32,
+    pub _reserved0: U32,
+}
+const _: () = assert!(size_of::<ProgressKey>() == 32);
+
+/// PROGRESS bookkeeping (16 B): entries created (created − present = LRU evictions) and
+/// process exits recorded.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProgressStats {
+    pub inserted: U64,
+    pub exits: U64,
+}
+const _: () = assert!(size_of::<ProgressStats>() == 16);

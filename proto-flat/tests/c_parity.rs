@@ -22,7 +22,7 @@ use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
 };
 use proto_flat::header::FrameHeader;
-use proto_flat::kernel::{EpochMeta, RingCounters, SamplingControl};
+use proto_flat::kernel::{EpochMeta, ProgressKey, ProgressStats, RingCounters, SamplingControl};
 use proto_flat::sections::{
     ClockGpuEntry, ClockRealtimeEntry, HeartbeatHead, ProgressEntry, SectionHeader, SessionStartHead,
     SessionStreamEntry, ShipperStateEntry, StreamEntry, StreamSummaryEntry,
@@ -66,6 +66,8 @@ fn rust_layouts() -> Vec<Layout> {
         layout!(RingCounters, "rw_ring_counters", [seq, drops, sampled_out, sample_tick, shedding]),
         layout!(SamplingControl, "rw_sampling_control", [bulk_level, _reserved0]),
         layout!(EpochMeta, "rw_epoch_meta", [epoch, start_realtime_ns, start_mono_ns, sessions, boot_id]),
+        layout!(ProgressKey, "rw_progress_key", [comm_hash, comm_disambiguator, comm_instance, rank, _reserved0]),
+        layout!(ProgressStats, "rw_progress_stats", [inserted, exits]),
         layout!(
             CollectiveFrame,
             "rw_collective_frame",

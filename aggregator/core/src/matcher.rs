@@ -1200,7 +1200,9 @@ impl CollectiveMatcher {
                 && let Some(refo) = reference
             {
                 {
-                    if obs.op != refo.op {
+                    // A P2P op's two sides legitimately differ: one is the send, the other
+                    // the recv (issue 11: every real P2P pair was tagged a mismatch).
+                    if obs.op != refo.op && !matches!(op.key, OpRef::P2p { .. }) {
                         tags.push(VerdictTag::Mismatch { field: "op".into() });
                     } else if obs.dtype != refo.dtype {
                         tags.push(VerdictTag::Mismatch { field: "dtype".into() });

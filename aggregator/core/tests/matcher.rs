@@ -217,6 +217,11 @@ fn pipeline_p2p_then_all_reduce_completes() {
     let j = judge(&scenario("pipeline-p2p"), 1e-5, Net::default());
     let p2p: Vec<_> = outcomes(&j).filter(|v| matches!(v.op, OpRef::P2p { .. })).collect();
     assert!(!p2p.is_empty());
+    // Issue 11: a send and its recv differ in `op` by definition; not a mismatch.
+    assert!(
+        p2p.iter().all(|v| !v.tags.iter().any(|t| matches!(t, VerdictTag::Mismatch { .. }))),
+        "P2P sides tagged as mismatched"
+    );
     assert!(outcomes(&j).all(|v| matches!(v.outcome, Outcome::Completed | Outcome::InFlight)));
     let coll: Vec<_> = outcomes(&j).filter(|v| matches!(v.op, OpRef::Coll { .. })).collect();
     assert!(coll.iter().filter(|v| v.outcome == Outcome::Completed).count() > coll.len() / 2);

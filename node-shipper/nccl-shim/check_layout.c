@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * check-layout SHIM.so: loads the shim as NCCL would and checks, from outside, every
+ * exported ncclProfiler_v* against NCCL's documented interface (LP64) — without the
+ * shim's own header: the descriptors are written byte by byte at the documented offsets,
+ * and the frames the shim emits are caught by interposing its probe functions (this
+ * program exports rw_probe_*; build with -rdynamic).
+ *
+ * Checks per exported version: the symbol is 6 pointers (name + 5 entry points), each entry
+ * point lies inside the shim, name is "ringwatch"; init with the documented argument order
+ * asks for kernel-channel events; a collective, a P2P send and their kernel channels,
+ * written at the documented offsets, come out as frames with the right fields: comm_op_seq
+ * and p2p_seq from 1, NCCL's seqNumber, count, op, dtype, channel count, peer, rank,
+ * nranks; the rank-level kernel_end only after the last channel. Prints one line per check;
+ * exit 0 when all hold, 1 otherwise, 2 when the shim does not load.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ringwatch.h"
+
+static int g_failed;
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		int ok_ = (cond);                                                                  \
+		printf("%s ", ok_ ? "ok  " : "FAIL");                                              \
+		printf(__VA_ARGS__);                                                               \
+		printf("\n");                                                                      \
+		g_failed |= !ok_;                                                                  \
+	} while (0)
+
+/* The probe functions, interposed: the last frames the shim emitted. */
+static struct rw_collective_frame g_coll[16];
+static int g_ncoll;
+static struct rw_p2p_frame g_p2p[16];
+static int g_np2p;
+
+__attribute__((visibility("default"))) void rw_probe_collective(const struct rw_collective_frame *f)
+{
+	if (g_ncoll < 16)
+		g_coll[g_ncoll++] = *f;
+}
+
+__attribute__((visibility("default"))) void rw_probe_p2p(const struct rw_p2p_frame *f)
+{
+	if (g_np2p < 16)
+		g_p2p[g_np2p++] = *f;
+}
+
+__attribute__((visibility("default"))) void rw_probe_comm_init(const struct rw_progress_entry *e)
+{
+	(void)e;
+}
+
+/* NCCL's documented event types, state and offsets (LP64). */
+#define TYPE_COLL 2
+#define TYPE_P2P 4
+#define TYPE_KERNEL_CH 64
+#define STATE_KERNEL_CH_STOP 22
+#define DESCR_V4_SIZE 104
+#define DESCR_V5_SIZE 112
+#define PROFILER_STRUCT_SIZE 48
+
+static void put64(unsigned char *d, size_t off, uint64_t v)
+{
+	memcpy(d + off, &v, 8);
+}
+static void put32(unsigned char *d, size_t off, int32_t v)
+{
+	memcpy(d + off, &v, 4);
+}
+static void putp(unsigned char *d, size_t off, const void *p)
+{
+	memcpy(d + off, &p, sizeof(p));
+}
+
+typedef int (*init_v4_fn)(void **, int *, const char *, uint64_t, int, int, int, void *);
+typedef int (*init_v5_fn)(void **, uint64_t, int *, const char *, int, int, int, void *);
+typedef int (*start_fn)(void *, void **, void *);
+typedef int (*stop_fn)(void *);
+typedef int (*record_fn)(void *, int, void *);
+typedef int (*finalize_fn)(void *);
+
+static void check_version(void *lib, int v)
+{
+	char sym[32];
+	snprintf(sym, sizeof(sym), "ncclProfiler_v%d", v);
+	void **p = dlsym(lib, sym);
+	CHECK(p != NULL, "%s is exported", sym);
+	if (!p)
+		return;
+	Dl_info info;
+	const ElfW(Sym) *es = NULL;
+	if (dladdr1(p, &info, (void **)&es, RTLD_DL_SYMENT) && es)
+		CHECK(es->st_size == PROFILER_STRUCT_SIZE, "%s is %d bytes (name + 5 entry points): %lu", sym,
+		      PROFILER_STRUCT_SIZE, (unsigned long)es->st_size);
+	CHECK(p[0] && strcmp((const char *)p[0], "ringwatch") == 0, "%s.name = \"ringwatch\"", sym);
+	for (int i = 1; i <= 5; i++) {
+		Dl_info fi;
+		int inside = p[i] && dladdr(p[i], &fi) && info.dli_fbase == fi.dli_fbase;
+		CHECK(inside, "%s entry point %d is in the shim", sym, i);
+	}
+
+	g_ncoll = g_np2p = 0;
+	void *ctx = NULL;
+	int mask = 0;
+	uint64_t comm = 0x1234567800000000ull + (uint64_t)v;
+	int rc = v == 5 ? ((init_v5_fn)p[1])(&ctx, comm, &mask, "layout", 1, 8, 3, NULL)
+			: ((init_v4_fn)p[1])(&ctx, &mask, "layout", comm, 1, 8, 3, NULL);
+	CHECK(rc == 0 && ctx, "%s init succeeds with the documented argument order", sym);
+	CHECK(mask & TYPE_KERNEL_CH, "%s asks for kernel-channel events (the completion source): mask %#x", sym, mask);
+
+	size_t dsize = v == 5 ? DESCR_V5_SIZE : DESCR_V4_SIZE;
+	unsigned char d[128];
+	/* A collective: type, parentObj 8, rank 16, coll.seqNumber 24, func 32, sendBuff 40,
+	 * recvBuff 48, count 56, root 64, datatype 72, nChannels 80, nWarps 81, algo 88,
+	 * proto 96 (v5: parentGroup 104). */
+	memset(d, 0, sizeof(d));
+	if (v == 5)
+		put64(d, 0, TYPE_COLL);
+	else
+		d[0] = TYPE_COLL;
+	put32(d, 16, 3);
+	put64(d, 24, 41);
+	putp(d, 32, "AllReduce");
+	put64(d, 56, 12345);
+	put32(d, 64, -1);
+	putp(d, 72, "ncclBfloat16");
+	d[80] = 3;
+	void *coll = NULL;
+	((start_fn)p[2])(ctx, &coll, d);
+	((stop_fn)p[3])(coll);
+	CHECK(g_ncoll == 2, "%s: a collective's start and stop give enqueue_start and enqueue_end (%d frames)", sym,
+	      g_ncoll);
+	if (g_ncoll >= 1) {
+		const struct rw_collective_frame *f = &g_coll[0];
+		CHECK(f->comm_hash == comm && f->comm_op_seq == 1 && f->nccl_seq == 41 && f->count == 12345 &&
+			      f->op == RW_OP_ALL_REDUCE && f->dtype == RW_DTYPE_BFLOAT16 && f->n_channels == 3 &&
+			      f->rank == 3 && f->nranks == 8 && f->phase == RW_PHASE_ENQUEUE_START,
+		      "%s: collective fields read at the documented offsets (seq %llu, nccl %llu, count %llu, op %u, "
+		      "dtype %u, channels %u)",
+		      sym, (unsigned long long)f->comm_op_seq, (unsigned long long)f->nccl_seq,
+		      (unsigned long long)f->count, f->op, f->dtype, f->n_channels);
+	}
+	/* Its kernel channels: type, parentObj 8, kernelCh.channelId 24, pTimer 32; the state
+	 * args union's kernelCh.pTimer at 0. */
+	void *ch[3];
+	for (int c = 0; c < 3; c++) {
+		memset(d, 0, sizeof(d));
+		if (v == 5)
+			put64(d, 0, TYPE_KERNEL_CH);
+		else
+			d[0] = TYPE_KERNEL_CH;
+		putp(d, 8, coll);
+		d[24] = (unsigned char)c;
+		put64(d, 32, 1700000000000000000ull);
+		((start_fn)p[2])(ctx, &ch[c], d);
+	}
+	CHECK(g_ncoll == 3 && g_coll[2].phase == RW_PHASE_KERNEL_START,
+	      "%s: the first channel's start gives the rank-level kernel_start", sym);
+	for (int c = 0; c < 3; c++) {
+		unsigned char args[8];
+		put64(args, 0, 1700000000000001000ull);
+		((record_fn)p[4])(ch[c], STATE_KERNEL_CH_STOP, args);
+		((stop_fn)p[3])(ch[c]);
+		if (c < 2)
+			CHECK(g_ncoll == 3, "%s: no kernel_end while channel %d of 3 has ended", sym, c);
+	}
+	CHECK(g_ncoll == 4 && g_coll[3].phase == RW_PHASE_KERNEL_END && g_coll[3].comm_op_seq == 1,
+	      "%s: kernel_end only after the last channel", sym);
+
+	/* A P2P send: p2p.func 24, buff 32, datatype 40, count 48, peer 56, nChannels 60. */
+	memset(d, 0, sizeof(d));
+	if (v == 5)
+		put64(d, 0, TYPE_P2P);
+	else
+		d[0] = TYPE_P2P;
+	put32(d, 16, 3);
+	putp(d, 24, "Send");
+	putp(d, 40, "ncclFloat16");
+	put64(d, 48, 777);
+	put32(d, 56, 5);
+	d[60] = 1;
+	void *send = NULL;
+	((start_fn)p[2])(ctx, &send, d);
+	((stop_fn)p[3])(send);
+	CHECK(g_np2p == 2, "%s: a send's start and stop give two P2P frames (%d)", sym, g_np2p);
+	if (g_np2p >= 1) {
+		const struct rw_p2p_frame *f = &g_p2p[0];
+		CHECK(f->op == RW_OP_SEND && f->src == 3 && f->dst == 5 && f->count == 777 && f->p2p_seq == 1 &&
+			      f->dtype == RW_DTYPE_FLOAT16 && f->local_op_seq > g_coll[0].local_op_seq,
+		      "%s: P2P fields read at the documented offsets (dst %u, count %llu, p2p_seq %llu)", sym, f->dst,
+		      (unsigned long long)f->count, (unsigned long long)f->p2p_seq);
+	}
+	/* A second collective on the same communicator: comm_op_seq 2 (P2P did not advance it). */
+	memset(d, 0, sizeof(d));
+	if (v == 5)
+		put64(d, 0, TYPE_COLL);
+	else
+		d[0] = TYPE_COLL;
+	putp(d, 32, "AllGather");
+	d[80] = 1;
+	void *coll2 = NULL;
+	((start_fn)p[2])(ctx, &coll2, d);
+	((stop_fn)p[3])(coll2);
+	CHECK(g_ncoll == 6 && g_coll[4].comm_op_seq == 2 && g_coll[4].op == RW_OP_ALL_GATHER,
+	      "%s: comm_op_seq counts collectives only", sym);
+	(void)dsize;
+	CHECK(((finalize_fn)p[5])(ctx) == 0, "%s finalize", sym);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc != 2) {
+		fprintf(stderr, "usage: check-layout /full/path/libnccl-profiler-ringwatch.so\n");
+		return 2;
+	}
+	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		fprintf(stderr, "dlopen %s: %s\n", argv[1], dlerror());
+		return 2;
+	}
+	int found = 0;
+	for (int v = 1; v <= 9; v++) {
+		char sym[32];
+		snprintf(sym, sizeof(sym), "ncclProfiler_v%d", v);
+		if (dlsym(lib, sym)) {
+			printf("exported: %s\n", sym);
+			found++;
+		}
+	}
+	CHECK(found >= 2, "the shim exports %d profiler versions", found);
+	check_version(lib, 5);
+	check_version(lib, 4);
+	printf("%s\n", g_failed ? "LAYOUT CHECK FAILED" : "all layout checks hold");
+	return g_failed ? 1 : 0;
+}

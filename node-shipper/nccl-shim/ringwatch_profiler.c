@@ -1,0 +1,583 @@
+// SPDX-License-Identifier: Apache-2.0
+/*
+ * libnccl-profiler-ringwatch.so: ringwatch's NCCL profiler plugin.
+ *
+ * Use: NCCL_PROFILER_PLUGIN=/full/path/to/libnccl-profiler-ringwatch.so (a full path:
+ * NCCL dlopens the name as given). Exports ncclProfiler_v5 and ncclProfiler_v4 (NCCL 2.26
+ * and later look for these; later NCCL versions fall back to v5).
+ *
+ * What it does, and nothing more: keeps the per-communicator counters ringwatch's keys need
+ * and calls tiny probe functions (rw_probe_*) with a filled frame. The functions start
+ * with a 5-byte NOP, so a uprobe on them is optimised into a call (26x cheaper than an
+ * int3 uprobe here); the shipper's eBPF programs on those uprobes take the seq, update
+ * the PROGRESS map and write the frame into the P0 ring. With no shipper attached the
+ * calls cost a few nanoseconds and nothing is recorded.
+ *
+ *  - comm_op_seq: per communicator instance, collectives only, from 1 (P2P does not
+ *    advance it: ranks do different numbers of P2P ops);
+ *  - p2p_seq: per (communicator instance, peer, direction), from 1;
+ *  - local_op_seq: per process, every op of every communicator, from 1;
+ *  - comm key: NCCL's comm hash/id plus a disambiguator every rank computes alike (a hash
+ *    of the communicator's name and size): a comm hash alone can collide;
+ *  - comm instance: how many times this process initialised that key (a re-created
+ *    communicator is a new instance);
+ *  - the GPU's UUID at init (CUDA driver, if loadable; RINGWATCH_GPU_UUID for tests);
+ *  - kernel events: NCCL reports one start and one stop per channel with the GPU's
+ *    global timer; the rank-level kernel_start goes out with the first channel's start,
+ *    kernel_end only after every channel of the op ended (per-channel frames are not
+ *    emitted). GPU timer values become host CLOCK_MONOTONIC through a paired
+ *    (CLOCK_REALTIME, CLOCK_MONOTONIC) read refreshed every second: the GPU's global timer
+ *    runs in Unix-epoch nanoseconds (the driver keeps it on host real time).
+ *
+ * Thread safety: NCCL calls from its user threads and its proxy thread; all counters are
+ * under one mutex per communicator (events are short).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nccl_profiler_api.h"
+#include "ringwatch.h"
+
+#define RW_EXPORT __attribute__((visibility("default")))
+
+/* ---- the probe functions the uprobes attach to ---- */
+
+/* A 5-byte NOP first (nopl 0x0(%rax,%rax,1)), then return: Linux 6.18 turns a uprobe on
+ * such a function into a call instead of an int3 trap. The argument stays in the first
+ * argument register for the uprobe to read. */
+#if defined(__x86_64__)
+#define RW_PROBE(name, type)                                                                       \
+	RW_EXPORT __attribute__((naked, noinline, used)) void name(__attribute__((unused)) const type *frame) \
+	{                                                                                          \
+		__asm__ volatile(".byte 0x0f, 0x1f, 0x44, 0x00, 0x00\n\tret\n");                   \
+	}
+#else
+#define RW_PROBE(name, type)                                                                       \
+	RW_EXPORT __attribute__((noinline, used)) void name(const type *frame)                     \
+	{                                                                                          \
+		__asm__ volatile("" : : "r"(frame) : "memory");                                    \
+	}
+#endif
+
+RW_PROBE(rw_probe_collective, struct rw_collective_frame)
+RW_PROBE(rw_probe_p2p, struct rw_p2p_frame)
+/* A communicator's PROGRESS entry at init (the uprobe creates it in the map). */
+RW_PROBE(rw_probe_comm_init, struct rw_progress_entry)
+
+/* ---- clocks ---- */
+
+static uint64_t clock_ns(clockid_t c)
+{
+	struct timespec ts;
+	clock_gettime(c, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* realtime - monotonic, from a paired read (the read with the shortest bracket of 3). */
+static _Atomic int64_t g_rt_minus_mono;
+static _Atomic uint64_t g_pair_at_mono;
+
+static void refresh_pair(void)
+{
+	int64_t best = 0;
+	uint64_t best_width = UINT64_MAX;
+	for (int i = 0; i < 3; i++) {
+		uint64_t m0 = clock_ns(CLOCK_MONOTONIC);
+		uint64_t rt = clock_ns(CLOCK_REALTIME);
+		uint64_t m1 = clock_ns(CLOCK_MONOTONIC);
+		if (m1 - m0 < best_width) {
+			best_width = m1 - m0;
+			best = (int64_t)rt - (int64_t)(m0 + (m1 - m0) / 2);
+		}
+	}
+	atomic_store(&g_rt_minus_mono, best);
+	atomic_store(&g_pair_at_mono, clock_ns(CLOCK_MONOTONIC));
+}
+
+/* GPU global timer (ns since the Unix epoch) to host CLOCK_MONOTONIC. */
+static uint64_t gpu_to_mono(uint64_t gpu_ns)
+{
+	uint64_t now = clock_ns(CLOCK_MONOTONIC);
+	if (now - atomic_load(&g_pair_at_mono) > 1000000000ull)
+		refresh_pair();
+	int64_t off = atomic_load(&g_rt_minus_mono);
+	if (gpu_ns == 0 || (int64_t)gpu_ns <= off)
+		return now; /* no timer value: the host's time of the callback */
+	return (uint64_t)((int64_t)gpu_ns - off);
+}
+
+/* ---- identity ---- */
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n)
+{
+	const unsigned char *p = data;
+	for (size_t i = 0; i < n; i++) {
+		h ^= p[i];
+		h *= 0x100000001b3ull;
+	}
+	return h;
+}
+
+/* The GPU's UUID: RINGWATCH_GPU_UUID (32 hex digits, dashes allowed) if set, else the
+ * CUDA driver's for the current context's device, else zeros. */
+static void gpu_uuid(uint8_t out[16])
+{
+	memset(out, 0, 16);
+	const char *env = getenv("RINGWATCH_GPU_UUID");
+	if (env) {
+		int n = 0;
+		for (const char *c = env; *c && n < 32; c++) {
+			int v;
+			if (*c >= '0' && *c <= '9')
+				v = *c - '0';
+			else if (*c >= 'a' && *c <= 'f')
+				v = *c - 'a' + 10;
+			else if (*c >= 'A' && *c <= 'F')
+				v = *c - 'A' + 10;
+			else
+				continue;
+			out[n / 2] |= (uint8_t)(n % 2 ? v : v << 4);
+			n++;
+		}
+		return;
+	}
+	void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+	if (!cuda)
+		return;
+	int (*ctx_get_device)(int *) = (int (*)(int *))dlsym(cuda, "cuCtxGetDevice");
+	int (*get_uuid)(uint8_t *, int) = (int (*)(uint8_t *, int))dlsym(cuda, "cuDeviceGetUuid_v2");
+	if (!get_uuid)
+		get_uuid = (int (*)(uint8_t *, int))dlsym(cuda, "cuDeviceGetUuid");
+	int dev = 0;
+	if (ctx_get_device && get_uuid && ctx_get_device(&dev) == 0)
+		(void)get_uuid(out, dev);
+	dlclose(cuda);
+}
+
+/* ---- state ---- */
+
+static _Atomic uint64_t g_local_op_seq;
+
+/* Instances per comm key in this process (a re-created communicator is a new instance). */
+#define RW_MAX_KEYS 256
+static struct {
+	uint64_t hash, disambiguator, instances;
+} g_keys[RW_MAX_KEYS];
+static pthread_mutex_t g_keys_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t next_instance(uint64_t hash, uint64_t dis)
+{
+	pthread_mutex_lock(&g_keys_lock);
+	uint64_t inst = 1;
+	int i;
+	for (i = 0; i < RW_MAX_KEYS && g_keys[i].instances; i++) {
+		if (g_keys[i].hash == hash && g_keys[i].disambiguator == dis) {
+			inst = ++g_keys[i].instances;
+			break;
+		}
+	}
+	if (i < RW_MAX_KEYS && !g_keys[i].instances) {
+		g_keys[i].hash = hash;
+		g_keys[i].disambiguator = dis;
+		g_keys[i].instances = 1;
+	}
+	pthread_mutex_unlock(&g_keys_lock);
+	return inst;
+}
+
+struct comm {
+	pthread_mutex_t lock;
+	uint64_t hash, disambiguator, instance;
+	int rank, nranks;
+	uint32_t pid;
+	uint8_t uuid[16];
+	uint64_t comm_op_seq;
+	uint64_t *p2p_send, *p2p_recv; /* per peer */
+};
+
+enum ev_kind { EV_GROUP = 1, EV_COLL, EV_P2P, EV_KERNEL_CH, EV_OTHER };
+
+struct event {
+	enum ev_kind kind;
+	struct comm *comm;
+	struct event *parent; /* kernel channel: its op */
+	_Atomic int refs;     /* op: NCCL's handle + one per channel started */
+	union {
+		struct rw_collective_frame coll;
+		struct rw_p2p_frame p2p;
+	};
+	uint16_t n_channels;
+	_Atomic uint16_t ch_started, ch_ended;
+	uint8_t channel;
+};
+
+static struct event g_group_event = { .kind = EV_GROUP };
+static struct event g_other_event = { .kind = EV_OTHER };
+
+static _Atomic long g_live_ops;
+
+static void release(struct event *e)
+{
+	if (e && (e->kind == EV_COLL || e->kind == EV_P2P || e->kind == EV_KERNEL_CH) &&
+	    atomic_fetch_sub(&e->refs, 1) == 1) {
+		if (e->kind != EV_KERNEL_CH)
+			atomic_fetch_sub(&g_live_ops, 1);
+		free(e);
+	}
+}
+
+static uint8_t op_code(const char *func)
+{
+	static const struct {
+		const char *name;
+		uint8_t code;
+	} t[] = {
+		{ "AllReduce", RW_OP_ALL_REDUCE }, { "AllGather", RW_OP_ALL_GATHER },
+		{ "ReduceScatter", RW_OP_REDUCE_SCATTER }, { "Reduce", RW_OP_REDUCE },
+		{ "Broadcast", RW_OP_BROADCAST }, { "AllToAll", RW_OP_ALL_TO_ALL },
+		{ "Gather", RW_OP_GATHER }, { "Scatter", RW_OP_SCATTER },
+		{ "Send", RW_OP_SEND }, { "Recv", RW_OP_RECV },
+	};
+	for (size_t i = 0; func && i < sizeof(t) / sizeof(t[0]); i++)
+		if (strcmp(func, t[i].name) == 0)
+			return t[i].code;
+	return 0;
+}
+
+static uint8_t dtype_code(const char *d)
+{
+	static const char *names[] = { "ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64",
+				       "ncclUint64", "ncclFloat16", "ncclFloat32", "ncclFloat64", "ncclBfloat16",
+				       "ncclFloat8e4m3", "ncclFloat8e5m2" };
+	for (size_t i = 0; d && i < sizeof(names) / sizeof(names[0]); i++)
+		if (strcmp(d, names[i]) == 0)
+			return (uint8_t)(i + 1);
+	return 0;
+}
+
+/* Emits one phase of an op: a copy of its frame with the phase and time set (NCCL's user
+ * thread and its proxy thread may emit phases of one op at once). */
+static void emit(struct event *op, uint8_t phase, uint64_t ts)
+{
+	if (op->kind == EV_COLL) {
+		struct rw_collective_frame f = op->coll;
+		f.phase = phase;
+		f.hdr.ts_ns = ts;
+		rw_probe_collective(&f);
+	} else if (op->kind == EV_P2P) {
+		struct rw_p2p_frame f = op->p2p;
+		f.phase = phase;
+		f.hdr.ts_ns = ts;
+		rw_probe_p2p(&f);
+	}
+}
+
+/* ---- the plugin ---- */
+
+static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_t hash, int n_nodes, int nranks,
+			    int rank)
+{
+	struct comm *c = calloc(1, sizeof(*c));
+	if (!c)
+		return 1; /* ncclSystemError */
+	pthread_mutex_init(&c->lock, NULL);
+	c->hash = hash;
+	uint64_t d = 0xcbf29ce484222325ull;
+	if (name)
+		d = fnv1a(d, name, strlen(name));
+	d = fnv1a(d, &nranks, sizeof(nranks));
+	d = fnv1a(d, &n_nodes, sizeof(n_nodes));
+	c->disambiguator = d;
+	c->instance = next_instance(hash, d);
+	c->rank = rank;
+	c->nranks = nranks;
+	c->pid = (uint32_t)getpid();
+	c->p2p_send = calloc((size_t)(nranks > 0 ? nranks : 1), sizeof(uint64_t));
+	c->p2p_recv = calloc((size_t)(nranks > 0 ? nranks : 1), sizeof(uint64_t));
+	gpu_uuid(c->uuid);
+	refresh_pair();
+	/* Collectives, P2P and kernel channels: kernel channels are the completion source. */
+	*mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh;
+
+	struct rw_progress_entry p;
+	memset(&p, 0, sizeof(p));
+	p.comm_hash = hash;
+	p.comm_disambiguator = d;
+	p.comm_instance = c->instance;
+	p.rank = (uint32_t)rank;
+	p.pid = c->pid;
+	memcpy(p.gpu_uuid, c->uuid, 16);
+	p.activation_mask = (uint32_t)*mask;
+	p.proc_state = RW_PROC_STATE_RUNNING;
+	p.last_update_ns = clock_ns(CLOCK_MONOTONIC);
+	rw_probe_comm_init(&p);
+	*context = c;
+	return RW_NCCL_SUCCESS;
+}
+
+static ncclResult_t rw_init_v5(void **context, uint64_t comm_id, int *mask, const char *name, int n_nodes, int nranks,
+			       int rank, ncclDebugLogger_t logfn)
+{
+	(void)logfn;
+	return rw_init(context, mask, name, comm_id, n_nodes, nranks, rank);
+}
+
+static ncclResult_t rw_init_v4(void **context, int *mask, const char *name, uint64_t hash, int n_nodes, int nranks,
+			       int rank, ncclDebugLogger_t logfn)
+{
+	(void)logfn;
+	return rw_init(context, mask, name, hash, n_nodes, nranks, rank);
+}
+
+/* Ops waiting for their channels, process-wide: past this many, a new op is freed at its
+ * stopEvent (its kernel events, if NCCL reports any, are then not turned into frames and
+ * are counted in g_untracked). Bounds memory when NCCL never reports kernel channels for
+ * ops (graph capture, a mask without kernel channels). */
+#define RW_MAX_LIVE_OPS 65536
+RW_EXPORT _Atomic unsigned long rw_shim_untracked_ops;
+
+static struct event *new_op(struct comm *c, enum ev_kind kind)
+{
+	struct event *e = calloc(1, sizeof(*e));
+	if (!e)
+		return NULL;
+	e->kind = kind;
+	e->comm = c;
+	atomic_store(&e->refs, 1);
+	atomic_fetch_add(&g_live_ops, 1);
+	return e;
+}
+
+/* The op outlives NCCL's handle until every channel ended: one reference per channel. */
+static void expect_channels(struct event *e, uint16_t n)
+{
+	e->n_channels = n;
+	if (atomic_load(&g_live_ops) > RW_MAX_LIVE_OPS) {
+		atomic_fetch_add(&rw_shim_untracked_ops, 1);
+		e->n_channels = 0;
+		return;
+	}
+	atomic_fetch_add(&e->refs, n);
+}
+
+/* One start for either version: the fields both descriptors share, already extracted. */
+struct start {
+	uint64_t type;
+	void *parent;
+	uint64_t nccl_seq;
+	const char *func;
+	size_t count;
+	int root;
+	const char *datatype;
+	uint8_t n_channels;
+	int peer;
+	uint8_t channel;
+	uint64_t ptimer;
+};
+
+static ncclResult_t rw_start(void *context, void **handle, const struct start *s)
+{
+	struct comm *c = context;
+	*handle = &g_other_event;
+	if (!c)
+		return RW_NCCL_SUCCESS;
+	uint64_t now = clock_ns(CLOCK_MONOTONIC);
+	if (s->type == ncclProfileGroup) {
+		*handle = &g_group_event;
+	} else if (s->type == ncclProfileColl) {
+		struct event *e = new_op(c, EV_COLL);
+		if (!e)
+			return RW_NCCL_SUCCESS;
+		struct rw_collective_frame *f = &e->coll;
+		f->hdr.version = RW_WIRE_VERSION;
+		f->hdr.kind = RW_FRAME_KIND_COLLECTIVE;
+		f->hdr.length = sizeof(*f);
+		f->comm_hash = c->hash;
+		f->comm_disambiguator = c->disambiguator;
+		f->comm_instance = c->instance;
+		pthread_mutex_lock(&c->lock);
+		f->comm_op_seq = ++c->comm_op_seq;
+		pthread_mutex_unlock(&c->lock);
+		f->local_op_seq = atomic_fetch_add(&g_local_op_seq, 1) + 1;
+		f->nccl_seq = s->nccl_seq;
+		f->count = s->count;
+		f->rank = (uint32_t)c->rank;
+		f->nranks = (uint32_t)c->nranks;
+		f->root = s->root < 0 ? UINT32_MAX : (uint32_t)s->root;
+		f->pid = c->pid;
+		f->n_channels = s->n_channels ? s->n_channels : 1;
+		f->op = op_code(s->func);
+		f->dtype = dtype_code(s->datatype);
+		expect_channels(e, f->n_channels);
+		emit(e, RW_PHASE_ENQUEUE_START, now);
+		*handle = e;
+	} else if (s->type == ncclProfileP2p) {
+		struct event *e = new_op(c, EV_P2P);
+		if (!e)
+			return RW_NCCL_SUCCESS;
+		struct rw_p2p_frame *f = &e->p2p;
+		f->hdr.version = RW_WIRE_VERSION;
+		f->hdr.kind = RW_FRAME_KIND_P2P;
+		f->hdr.length = sizeof(*f);
+		f->comm_hash = c->hash;
+		f->comm_disambiguator = c->disambiguator;
+		f->comm_instance = c->instance;
+		f->op = op_code(s->func);
+		int peer = (s->peer >= 0 && s->peer < c->nranks) ? s->peer : 0;
+		pthread_mutex_lock(&c->lock);
+		f->p2p_seq = f->op == RW_OP_SEND ? ++c->p2p_send[peer] : ++c->p2p_recv[peer];
+		pthread_mutex_unlock(&c->lock);
+		f->local_op_seq = atomic_fetch_add(&g_local_op_seq, 1) + 1;
+		f->count = s->count;
+		f->rank = (uint32_t)c->rank;
+		f->src = f->op == RW_OP_SEND ? (uint32_t)c->rank : (uint32_t)peer;
+		f->dst = f->op == RW_OP_SEND ? (uint32_t)peer : (uint32_t)c->rank;
+		f->pid = c->pid;
+		f->n_channels = s->n_channels ? s->n_channels : 1;
+		f->dtype = dtype_code(s->datatype);
+		expect_channels(e, f->n_channels);
+		emit(e, RW_PHASE_ENQUEUE_START, now);
+		*handle = e;
+	} else if (s->type == ncclProfileKernelCh) {
+		struct event *op = s->parent;
+		if (!op || (op->kind != EV_COLL && op->kind != EV_P2P) || op->n_channels == 0)
+			return RW_NCCL_SUCCESS;
+		/* More channels than the op announced: nothing holds the op for it. */
+		if (atomic_load(&op->ch_started) >= op->n_channels)
+			return RW_NCCL_SUCCESS;
+		struct event *ch = calloc(1, sizeof(*ch));
+		if (!ch)
+			return RW_NCCL_SUCCESS;
+		ch->kind = EV_KERNEL_CH;
+		ch->comm = c;
+		ch->parent = op;
+		ch->channel = s->channel;
+		atomic_store(&ch->refs, 1);
+		if (atomic_fetch_add(&op->ch_started, 1) == 0)
+			emit(op, RW_PHASE_KERNEL_START, gpu_to_mono(s->ptimer));
+		*handle = ch;
+	}
+	return RW_NCCL_SUCCESS;
+}
+
+/* The fields both descriptor versions share, read the same way from either. */
+#define RW_START_FROM(d, s)                                                                        \
+	do {                                                                                       \
+		(s).type = (d)->type;                                                              \
+		(s).parent = (d)->parentObj;                                                       \
+		if ((d)->type == ncclProfileColl) {                                                \
+			(s).nccl_seq = (d)->coll.seqNumber;                                        \
+			(s).func = (d)->coll.func;                                                 \
+			(s).count = (d)->coll.count;                                               \
+			(s).root = (d)->coll.root;                                                 \
+			(s).datatype = (d)->coll.datatype;                                         \
+			(s).n_channels = (d)->coll.nChannels;                                      \
+		} else if ((d)->type == ncclProfileP2p) {                                          \
+			(s).func = (d)->p2p.func;                                                  \
+			(s).count = (d)->p2p.count;                                                \
+			(s).datatype = (d)->p2p.datatype;                                          \
+			(s).peer = (d)->p2p.peer;                                                  \
+			(s).n_channels = (d)->p2p.nChannels;                                       \
+		} else if ((d)->type == ncclProfileKernelCh) {                                     \
+			(s).channel = (d)->kernelCh.channelId;                                     \
+			(s).ptimer = (d)->kernelCh.pTimer;                                         \
+		}                                                                                  \
+	} while (0)
+
+static ncclResult_t rw_start_v5(void *context, void **handle, ncclProfilerEventDescr_v5_t *d)
+{
+	struct start s = { 0 };
+	RW_START_FROM(d, s);
+	return rw_start(context, handle, &s);
+}
+
+static ncclResult_t rw_start_v4(void *context, void **handle, ncclProfilerEventDescr_v4_t *d)
+{
+	struct start s = { 0 };
+	RW_START_FROM(d, s);
+	return rw_start(context, handle, &s);
+}
+
+/* One channel of an op ended: the rank-level kernel_end only once every channel did. */
+static void channel_ended(struct event *ch, uint64_t ptimer)
+{
+	struct event *op = ch->parent;
+	ch->parent = NULL;
+	if (!op)
+		return;
+	if (atomic_fetch_add(&op->ch_ended, 1) + 1 == op->n_channels)
+		emit(op, RW_PHASE_KERNEL_END, gpu_to_mono(ptimer));
+	release(op);
+}
+
+/* stopEvent: for an op, NCCL has enqueued it (NOT completed); for a channel, its end (if
+ * NCCL did not record KernelChStop first). */
+static ncclResult_t rw_stop(void *handle)
+{
+	struct event *e = handle;
+	if (!e)
+		return RW_NCCL_SUCCESS;
+	if (e->kind == EV_COLL || e->kind == EV_P2P) {
+		emit(e, RW_PHASE_ENQUEUE_END, clock_ns(CLOCK_MONOTONIC));
+		release(e);
+	} else if (e->kind == EV_KERNEL_CH) {
+		channel_ended(e, 0);
+		release(e);
+	}
+	return RW_NCCL_SUCCESS;
+}
+
+static ncclResult_t rw_record(void *handle, ncclProfilerEventState_t state, uint64_t ptimer)
+{
+	struct event *ch = handle;
+	if (ch && ch->kind == EV_KERNEL_CH && state == RW_NCCL_KERNEL_CH_STOP)
+		channel_ended(ch, ptimer);
+	return RW_NCCL_SUCCESS;
+}
+
+static ncclResult_t rw_record_v5(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v5_t *a)
+{
+	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
+}
+
+static ncclResult_t rw_record_v4(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v4_t *a)
+{
+	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
+}
+
+static ncclResult_t rw_finalize(void *context)
+{
+	struct comm *c = context;
+	if (c) {
+		free(c->p2p_send);
+		free(c->p2p_recv);
+		pthread_mutex_destroy(&c->lock);
+		free(c);
+	}
+	return RW_NCCL_SUCCESS;
+}
+
+RW_EXPORT const ncclProfiler_v5_t ncclProfiler_v5 = {
+	.name = "ringwatch",
+	.init = rw_init_v5,
+	.startEvent = rw_start_v5,
+	.stopEvent = rw_stop,
+	.recordEventState = rw_record_v5,
+	.finalize = rw_finalize,
+};
+
+RW_EXPORT const ncclProfiler_v4_t ncclProfiler_v4 = {
+	.name = "ringwatch",
+	.init = rw_init_v4,
+	.startEvent = rw_start_v4,
+	.stopEvent = rw_stop,
+	.recordEventState = rw_record_v4,
+	.finalize = rw_finalize,
+};

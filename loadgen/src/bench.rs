@@ -550,12 +550,11 @@ pub fn run(e2e_secs: f64) -> Result<String, String> {
 /// Part 6: real BPF rings.
 mod kernel {
     use std::fmt::Write as _;
-    use std::path::PathBuf;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::{Duration, Instant};
 
-    use node_shipper::bpf::{self, BpfConfig, Producer, RingSource};
+    use node_shipper::bpf::{self, BpfConfig, Producer, RingSource, ScratchPins};
     use node_shipper::core::batcher::SessionMeta;
     use node_shipper::core::{CoreConfig, ShipperCore};
     use node_shipper::driver::{self, RunOptions};
@@ -563,17 +562,8 @@ mod kernel {
 
     use super::{NODE_RATE, thread_cpu};
 
-    struct Pins(PathBuf);
-    impl Drop for Pins {
-        fn drop(&mut self) {
-            let _ = bpf::remove_pins(&self.0);
-        }
-    }
-
-    fn pins(tag: &str) -> Pins {
-        let p = PathBuf::from(format!("/sys/fs/bpf/ringwatch-bench-{}-{tag}", std::process::id()));
-        let _ = bpf::remove_pins(&p);
-        Pins(p)
+    fn pins(tag: &str) -> ScratchPins {
+        ScratchPins::new(&format!("bench-{tag}"))
     }
 
     fn cpus() -> usize {

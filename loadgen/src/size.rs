@@ -102,29 +102,23 @@ pub fn size(s: &Scenario, m: Measured) -> Sizing {
     // Lifecycle frames per rank and op: enqueue start/end, kernel start/end, and
     // proxy_done when proxy ops are profiled.
     let phases = if c.activation_mask & proto_flat::codes::activation::PROXY_OP != 0 { 5.0 } else { 4.0 };
-    let mut p0_events = 0.0;
-    let mut p0_bytes = 0.0;
-    let mut burst = 0.0;
-    for comm in &s.comms {
-        for op in &comm.ops {
-            let per_s = 1_000.0 / op.period_ms.max(0.001);
-            let frames = ranks * phases;
-            p0_events += frames * per_s;
-            #[allow(clippy::cast_precision_loss, reason = "bytes")]
-            let bytes = frames * COLLECTIVE_RECORD as f64;
-            p0_bytes += bytes * per_s;
-            burst += bytes;
-        }
-        if let Some(p) = &comm.p2p {
-            // Every GPU of a pipeline pair does one side of a P2P op per period.
-            let per_s = 1_000.0 / p.period_ms.max(0.001);
-            let frames = ranks * phases;
-            p0_events += frames * per_s;
-            #[allow(clippy::cast_precision_loss, reason = "bytes")]
-            let bytes = frames * P2P_RECORD as f64;
-            p0_bytes += bytes * per_s;
-            burst += bytes;
-        }
+    // Periodic ops as (period, ring record): every collective spec, and the pipeline's
+    // P2P (every GPU of a pair does one side per period).
+    let periodic = s.comms.iter().flat_map(|comm| {
+        comm.ops
+            .iter()
+            .map(|op| (op.period_ms, COLLECTIVE_RECORD))
+            .chain(comm.p2p.iter().map(|p| (p.period_ms, P2P_RECORD)))
+    });
+    let (mut p0_events, mut p0_bytes, mut burst) = (0.0, 0.0, 0.0);
+    for (period_ms, record) in periodic {
+        let per_s = 1_000.0 / period_ms.max(0.001);
+        let frames = ranks * phases;
+        #[allow(clippy::cast_precision_loss, reason = "bytes")]
+        let bytes = frames * record as f64;
+        p0_events += frames * per_s;
+        p0_bytes += bytes * per_s;
+        burst += bytes;
     }
     let b = &s.bulk;
     let bulk_events = f64::from(b.links) * b.link_gbps * 1e9

@@ -6,7 +6,8 @@
  * Every producer follows the same order (DESIGN "Streams, sequence numbers, epochs"):
  *   1. sampling first — a sampled-out event bumps `sampled_out` and takes no seq;
  *   2. the seq, with an atomic add, BEFORE the ring reserve;
- *   3. bpf_ringbuf_reserve; a failure bumps drops[cause - 1] and leaves an exact hole
+ *   3. bpf_ringbuf_reserve (P0: bpf_ringbuf_output of a frame built on the stack); a
+ *      failure bumps drops[cause - 1] and leaves an exact hole
  *      (bulk: and sheds, counted the same way, until the ring is half empty again);
  *   4. fill the frame, submit with BPF_RB_NO_WAKEUP: the shipper drains on a timer
  *      (adaptive wakeups dominate producer cost on these VMs: shared/notes/kernel.md).
@@ -103,6 +104,32 @@ static __always_inline void fill_header(struct rw_frame_header *h, __u16 kind, _
 	h->ts_ns = bpf_ktime_get_ns(); /* CLOCK_MONOTONIC: RW_FLAG_TS_GPU_GLOBAL clear */
 }
 
+/* P0 frames are never sampled: the seq is the first step. None without counters. */
+static __always_inline int p0_seq(__u64 *seq)
+{
+	struct rw_ring_counters *c = counters_of(RW_RING_P0);
+	if (!c)
+		return -1;
+	*seq = __sync_fetch_and_add(&c->seq, 1);
+	return 0;
+}
+
+/* Writes a P0 frame (built on the stack) into the P0 ring under `seq`: the kernel sets
+ * the header; a time the frame already carries (the shim's, GPU timer converted) is kept.
+ * A full ring is counted, seq taken: an exact hole. */
+static __always_inline void p0_output(void *frame, struct rw_frame_header *h, __u32 size, __u16 kind, __u64 seq)
+{
+	__u64 ts = h->ts_ns;
+	fill_header(h, kind, h->flags & ~RW_FLAG_SAMPLED, size, RW_CLASS_P0, RW_RING_P0, seq);
+	if (ts)
+		h->ts_ns = ts;
+	if (bpf_ringbuf_output(&rw_p0_ring, frame, size, BPF_RB_NO_WAKEUP)) {
+		struct rw_ring_counters *c = counters_of(RW_RING_P0);
+		if (c)
+			__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
+	}
+}
+
 SEC("xdp")
 int rw_bulk_xdp(struct xdp_md *ctx)
 {
@@ -166,28 +193,18 @@ int rw_bulk_xdp(struct xdp_md *ctx)
 SEC("xdp")
 int rw_p0_test_xdp(struct xdp_md *ctx)
 {
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	if (data + sizeof(struct rw_collective_frame) > data_end)
-		return XDP_ABORTED; /* not an event: nothing generated, nothing counted */
-	struct rw_ring_counters *c = counters_of(RW_RING_P0);
-	if (!c)
+	struct rw_collective_frame f;
+	if (bpf_xdp_load_bytes(ctx, 0, &f, sizeof(f)))
+		return XDP_ABORTED; /* too short: not an event, nothing generated, nothing counted */
+	__u64 seq;
+	if (p0_seq(&seq))
 		return XDP_PASS;
-	/* collective frames are never sampled: straight to the seq */
-	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
-	struct rw_collective_frame *f = bpf_ringbuf_reserve(&rw_p0_ring, sizeof(*f), 0);
-	if (!f) {
-		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
-		return XDP_PASS;
-	}
-	__builtin_memcpy(f, data, sizeof(*f));
-	/* the test's template gives the body; the header is the kernel's */
-	fill_header(&f->hdr, RW_FRAME_KIND_COLLECTIVE, f->hdr.flags & ~RW_FLAG_SAMPLED, sizeof(*f), RW_CLASS_P0,
-		    RW_RING_P0, seq);
-	/* the template's comm_op_seq and local_op_seq count up with the seq */
-	f->comm_op_seq += seq;
-	f->local_op_seq += seq;
-	bpf_ringbuf_submit(f, BPF_RB_NO_WAKEUP);
+	/* the test's template gives the body (and no time); its comm_op_seq and local_op_seq
+	 * count up with the seq */
+	f.comm_op_seq += seq;
+	f.local_op_seq += seq;
+	f.hdr.ts_ns = 0;
+	p0_output(&f, &f.hdr, sizeof(f), RW_FRAME_KIND_COLLECTIVE, seq);
 	return XDP_PASS;
 }
 
@@ -271,23 +288,11 @@ int rw_uprobe_collective(struct pt_regs *ctx)
 			p->last_update_ns = bpf_ktime_get_ns();
 		}
 	}
-	struct rw_ring_counters *c = counters_of(RW_RING_P0);
-	if (!c)
+	__u64 seq;
+	if (p0_seq(&seq))
 		return 0;
-	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
-	struct rw_collective_frame *r = bpf_ringbuf_reserve(&rw_p0_ring, sizeof(*r), 0);
-	if (!r) {
-		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
-		return 0;
-	}
-	__u64 ts = f.hdr.ts_ns;
-	__builtin_memcpy(r, &f, sizeof(f));
-	fill_header(&r->hdr, RW_FRAME_KIND_COLLECTIVE, f.hdr.flags & ~RW_FLAG_SAMPLED, sizeof(*r), RW_CLASS_P0,
-		    RW_RING_P0, seq);
-	if (ts)
-		r->hdr.ts_ns = ts; /* the shim's time (GPU timer converted), not the probe's */
-	r->pid = bpf_get_current_pid_tgid() >> 32;
-	bpf_ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+	f.pid = bpf_get_current_pid_tgid() >> 32;
+	p0_output(&f, &f.hdr, sizeof(f), RW_FRAME_KIND_COLLECTIVE, seq);
 	return 0;
 }
 
@@ -302,23 +307,11 @@ int rw_uprobe_p2p(struct pt_regs *ctx)
 	struct rw_progress_entry *p = progress_of(f.comm_hash, f.comm_disambiguator, f.comm_instance, f.rank);
 	if (p)
 		p->last_update_ns = bpf_ktime_get_ns();
-	struct rw_ring_counters *c = counters_of(RW_RING_P0);
-	if (!c)
+	__u64 seq;
+	if (p0_seq(&seq))
 		return 0;
-	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
-	struct rw_p2p_frame *r = bpf_ringbuf_reserve(&rw_p0_ring, sizeof(*r), 0);
-	if (!r) {
-		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
-		return 0;
-	}
-	__u64 ts = f.hdr.ts_ns;
-	__builtin_memcpy(r, &f, sizeof(f));
-	fill_header(&r->hdr, RW_FRAME_KIND_P2P, f.hdr.flags & ~RW_FLAG_SAMPLED, sizeof(*r), RW_CLASS_P0, RW_RING_P0,
-		    seq);
-	if (ts)
-		r->hdr.ts_ns = ts;
-	r->pid = bpf_get_current_pid_tgid() >> 32;
-	bpf_ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+	f.pid = bpf_get_current_pid_tgid() >> 32;
+	p0_output(&f, &f.hdr, sizeof(f), RW_FRAME_KIND_P2P, seq);
 	return 0;
 }
 

@@ -62,8 +62,6 @@ __attribute__((visibility("default"))) void rw_probe_comm_init(const struct rw_p
 #define TYPE_P2P 4
 #define TYPE_KERNEL_CH 64
 #define STATE_KERNEL_CH_STOP 22
-#define DESCR_V4_SIZE 104
-#define DESCR_V5_SIZE 112
 #define PROFILER_STRUCT_SIZE 48
 
 static void put64(unsigned char *d, size_t off, uint64_t v)
@@ -115,7 +113,6 @@ static void check_version(void *lib, int v)
 	CHECK(rc == 0 && ctx, "%s init succeeds with the documented argument order", sym);
 	CHECK(mask & TYPE_KERNEL_CH, "%s asks for kernel-channel events (the completion source): mask %#x", sym, mask);
 
-	size_t dsize = v == 5 ? DESCR_V5_SIZE : DESCR_V4_SIZE;
 	unsigned char d[128];
 	/* A collective: type, parentObj 8, rank 16, coll.seqNumber 24, func 32, sendBuff 40,
 	 * recvBuff 48, count 56, root 64, datatype 72, nChannels 80, nWarps 81, algo 88,
@@ -210,7 +207,6 @@ static void check_version(void *lib, int v)
 	((stop_fn)p[3])(coll2);
 	CHECK(g_ncoll == 6 && g_coll[4].comm_op_seq == 2 && g_coll[4].op == RW_OP_ALL_GATHER,
 	      "%s: comm_op_seq counts collectives only", sym);
-	(void)dsize;
 	CHECK(((finalize_fn)p[5])(ctx) == 0, "%s finalize", sym);
 }
 

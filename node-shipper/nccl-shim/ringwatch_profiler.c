@@ -208,14 +208,13 @@ struct event {
 	enum ev_kind kind;
 	struct comm *comm;
 	struct event *parent; /* kernel channel: its op */
-	_Atomic int refs;     /* op: NCCL's handle + one per channel started */
+	_Atomic int refs;     /* op: NCCL's handle + one per channel it announced */
 	union {
 		struct rw_collective_frame coll;
 		struct rw_p2p_frame p2p;
 	};
 	uint16_t n_channels;
 	_Atomic uint16_t ch_started, ch_ended;
-	uint8_t channel;
 };
 
 static struct event g_group_event = { .kind = EV_GROUP };
@@ -378,8 +377,7 @@ struct start {
 	const char *datatype;
 	uint8_t n_channels;
 	int peer;
-	uint8_t channel;
-	uint64_t ptimer;
+	uint64_t ptimer; /* kernel channel: its GPU timer at start */
 };
 
 static ncclResult_t rw_start(void *context, void **handle, const struct start *s)
@@ -458,7 +456,6 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 		ch->kind = EV_KERNEL_CH;
 		ch->comm = c;
 		ch->parent = op;
-		ch->channel = s->channel;
 		atomic_store(&ch->refs, 1);
 		if (atomic_fetch_add(&op->ch_started, 1) == 0)
 			emit(op, RW_PHASE_KERNEL_START, gpu_to_mono(s->ptimer));
@@ -486,7 +483,6 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 			(s).peer = (d)->p2p.peer;                                                  \
 			(s).n_channels = (d)->p2p.nChannels;                                       \
 		} else if ((d)->type == ncclProfileKernelCh) {                                     \
-			(s).channel = (d)->kernelCh.channelId;                                     \
 			(s).ptimer = (d)->kernelCh.pTimer;                                         \
 		}                                                                                  \
 	} while (0)

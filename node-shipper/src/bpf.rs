@@ -620,6 +620,7 @@ impl RingSource {
             reopened = reopened && !fresh,
             p0_ring_bytes = ring_bytes[0],
             bulk_ring_bytes = ring_bytes[1],
+            built_with = if cfg.object.is_some() { "(bpf_object)" } else { BUILT_WITH },
             "eBPF rings ready"
         );
         let now = Instant::now();
@@ -674,7 +675,7 @@ impl RingSource {
 
     /// The PROGRESS entries, most recently updated first, at most
     /// [`MAX_PROGRESS_PER_HEARTBEAT`]; updates the PROGRESS figures in [`RingStats`].
-    fn read_progress(&mut self) -> Vec<ProgressEntry> {
+    fn read_progress(&mut self, stats: Option<ProgressStats>) -> Vec<ProgressEntry> {
         let mut entries: Vec<ProgressEntry> = self
             .progress
             .iter()
@@ -685,7 +686,7 @@ impl RingSource {
         let present = entries.len() as u64;
         self.stats.progress_truncated = present.saturating_sub(MAX_PROGRESS_PER_HEARTBEAT as u64);
         entries.truncate(MAX_PROGRESS_PER_HEARTBEAT);
-        if let Some(st) = self.progress_stats.get(&0, 0).ok().and_then(|b| ProgressStats::read_from_bytes(&b).ok()) {
+        if let Some(st) = stats {
             self.stats.progress_evicted = st.inserted.get().saturating_sub(present);
             self.stats.progress_exits = st.exits.get();
         }
@@ -723,6 +724,17 @@ impl RingSource {
     }
 }
 
+/// Pins an attachment's link at `pin`, so it outlives this process (`what` for errors).
+fn pin_link<L>(link: L, what: &str, pin: &Path) -> Result<(), LoadError>
+where
+    L: TryInto<aya::programs::links::FdLink, Error = aya::programs::links::LinkError>,
+{
+    let fd = link
+        .try_into()
+        .map_err(|e| LoadError::Kernel { what: format!("{what}: its link cannot be pinned"), detail: e.to_string() })?;
+    fd.pin(pin).map(|_| ()).map_err(|e| LoadError::Kernel { what: format!("pinning {what}"), detail: e.to_string() })
+}
+
 fn attach_xdp(ebpf: &mut Ebpf, cfg: &BpfConfig) -> Result<(), LoadError> {
     for ifname in &cfg.xdp_interfaces {
         let pin = cfg.pin_dir.join(format!("link_xdp_{ifname}"));
@@ -742,13 +754,7 @@ fn attach_xdp(ebpf: &mut Ebpf, cfg: &BpfConfig) -> Result<(), LoadError> {
         let link = prog
             .take_link(id)
             .map_err(|e| LoadError::Kernel { what: format!("the XDP link on {ifname}"), detail: chain(&e) })?;
-        let fd_link: aya::programs::links::FdLink = link.try_into().map_err(|e: aya::programs::links::LinkError| {
-            LoadError::Kernel { what: format!("the XDP link on {ifname} cannot be pinned"), detail: e.to_string() }
-        })?;
-        fd_link.pin(&pin).map_err(|e| LoadError::Kernel {
-            what: format!("pinning the XDP link on {ifname}"),
-            detail: e.to_string(),
-        })?;
+        pin_link(link, &format!("the XDP link on {ifname}"), &pin)?;
     }
     Ok(())
 }
@@ -762,11 +768,6 @@ fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadE
             detail: "no such file (build it: make -C node-shipper/nccl-shim)".into(),
         });
     }
-    let pin_link = |link: aya::programs::links::FdLink, what: &str, pin: &Path| {
-        link.pin(pin)
-            .map(|_| ())
-            .map_err(|e| LoadError::Kernel { what: format!("pinning {what}"), detail: e.to_string() })
-    };
     for (prog_name, symbol) in NCCL_PROBES {
         let pin = pin_dir.join(format!("link_uprobe_{symbol}"));
         if pin.exists() {
@@ -782,10 +783,7 @@ fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadE
         let link = prog
             .take_link(id)
             .map_err(|e| LoadError::Kernel { what: format!("the uprobe link on {symbol}"), detail: chain(&e) })?;
-        let fd: aya::programs::links::FdLink = link.try_into().map_err(|e: aya::programs::links::LinkError| {
-            LoadError::Kernel { what: format!("the uprobe link on {symbol} cannot be pinned"), detail: e.to_string() }
-        })?;
-        pin_link(fd, symbol, &pin)?;
+        pin_link(link, &format!("the uprobe on {symbol}"), &pin)?;
     }
     let pin = pin_dir.join("link_tp_sched_process_exit");
     if !pin.exists() {
@@ -800,10 +798,7 @@ fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadE
         let link = prog
             .take_link(id)
             .map_err(|e| LoadError::Kernel { what: "the exit hook's link".into(), detail: chain(&e) })?;
-        let fd: aya::programs::links::FdLink = link.try_into().map_err(|e: aya::programs::links::LinkError| {
-            LoadError::Kernel { what: "the exit hook's link cannot be pinned".into(), detail: e.to_string() }
-        })?;
-        pin_link(fd, "the exit hook", &pin)?;
+        pin_link(link, "the exit hook", &pin)?;
     }
     Ok(())
 }
@@ -824,12 +819,8 @@ impl Source for RingSource {
         }
         // A new PROGRESS entry (a communicator's init) goes out at once: the aggregator
         // needs it (rank → GPU) before it judges that communicator's first ops.
-        let inserted = self
-            .progress_stats
-            .get(&0, 0)
-            .ok()
-            .and_then(|b| ProgressStats::read_from_bytes(&b).ok())
-            .map_or(0, |st| st.inserted.get());
+        let progress_stats = self.progress_stats.get(&0, 0).ok().and_then(|b| ProgressStats::read_from_bytes(&b).ok());
+        let inserted = progress_stats.map_or(0, |st| st.inserted.get());
         let counters_due = now >= self.next_counters || inserted != self.progress_inserted_seen;
         self.progress_inserted_seen = inserted;
         if let Some(prev) = self.last_drain {
@@ -865,7 +856,7 @@ impl Source for RingSource {
             self.next_drain = now + Duration::from_micros(self.cfg.drain_interval_us);
         }
         if let Some((streams, mono)) = snapshot {
-            let progress = self.read_progress();
+            let progress = self.read_progress(progress_stats);
             let fill = self.stats.fill_max_ppm;
             self.counters = SourceCounters {
                 epoch: self.epoch.epoch,
@@ -984,6 +975,27 @@ impl Producer {
     /// The map could not be read.
     pub fn counters(&self) -> Result<Vec<(StreamId, RingCounters)>, LoadError> {
         read_counters(&self.counter_map)
+    }
+}
+
+/// A pin directory of its own under `/sys/fs/bpf` (`ringwatch-<tag>-<pid>`), emptied and
+/// removed on drop: tests and benchmarks, whose kernel state must not outlive them.
+#[derive(Debug)]
+pub struct ScratchPins(pub PathBuf);
+
+impl ScratchPins {
+    /// A fresh directory for `tag` (anything left from an earlier run of this pid removed).
+    #[must_use]
+    pub fn new(tag: &str) -> Self {
+        let p = PathBuf::from(format!("/sys/fs/bpf/ringwatch-{tag}-{}", std::process::id()));
+        let _ = remove_pins(&p);
+        Self(p)
+    }
+}
+
+impl Drop for ScratchPins {
+    fn drop(&mut self) {
+        let _ = remove_pins(&self.0);
     }
 }
 

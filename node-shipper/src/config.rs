@@ -383,10 +383,7 @@ impl Inputs {
         }
         for ring in ["p0_ring_bytes", "bulk_ring_bytes"] {
             if let Some(&v) = ints.get(ring)
-                && let Err(e) = crate::bpf::check_ring_size(
-                    if ring == "p0_ring_bytes" { "p0_ring_bytes" } else { "bulk_ring_bytes" },
-                    u32::try_from(v).unwrap_or(u32::MAX),
-                )
+                && let Err(e) = crate::bpf::check_ring_size(ring, u32::try_from(v).unwrap_or(u32::MAX))
             {
                 let layer = self.values.get(ring).map_or(Layer::Default, |v| v.0);
                 errors.push(ConfigError { field: ring.into(), layer, message: e.to_string() });

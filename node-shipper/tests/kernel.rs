@@ -129,7 +129,8 @@ fn collective_template() -> proto_flat::frames::CollectiveFrame {
 struct Harness {
     dir: PathBuf,
     agg: Aggregator,
-    pins: Pins,
+    /// Holds the pins until the harness is gone.
+    _pins: Pins,
     epoch: u64,
     producer: std::sync::Arc<Producer>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -157,7 +158,7 @@ impl Harness {
             .expect("shipper runs")
         });
         let producer = std::sync::Arc::new(Producer::open(&bpf_cfg).expect("producer"));
-        Self { dir, agg, pins, epoch, producer, stop: Some(stop), shipper }
+        Self { dir, agg, _pins: pins, epoch, producer, stop: Some(stop), shipper }
     }
 
     /// Stops the shipper (SIGTERM-equivalent) and the aggregator; the shipper's report.
@@ -168,7 +169,6 @@ impl Harness {
         let report = (&mut self.shipper).await.expect("shipper task");
         self.agg.shutdown();
         let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = &self.pins;
         report
     }
 }

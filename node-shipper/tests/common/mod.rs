@@ -1,27 +1,13 @@
 //! Helpers the kernel tests share: pin directories and the skip-or-fail rule.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use aggregator::{Aggregator, certs};
-use node_shipper::bpf::{self, BpfConfig, LoadError, Producer};
+use node_shipper::bpf::{BpfConfig, LoadError, Producer};
 use node_shipper::config::{Inputs, ShipperConfig};
 
-/// A pin directory under bpffs, removed (with everything pinned in it) on drop.
-pub(crate) struct Pins(pub(crate) PathBuf);
-
-impl Pins {
-    pub(crate) fn new(tag: &str) -> Self {
-        let p = PathBuf::from(format!("/sys/fs/bpf/ringwatch-test-{}-{tag}", std::process::id()));
-        let _ = bpf::remove_pins(&p);
-        Self(p)
-    }
-}
-
-impl Drop for Pins {
-    fn drop(&mut self) {
-        let _ = bpf::remove_pins(&self.0);
-    }
-}
+/// A pin directory of the test's own, removed with everything in it on drop.
+pub(crate) use node_shipper::bpf::ScratchPins as Pins;
 
 /// Whether this is CI (`CI=true`): kernel tests must run there, never skip.
 pub(crate) fn ci() -> bool {

@@ -101,6 +101,7 @@ pub struct Aggregator {
     pub shared: Arc<Shared>,
     endpoint: quinn::Endpoint,
     tasks: Vec<JoinHandle<()>>,
+    snapshot_path: Option<PathBuf>,
 }
 
 impl Aggregator {
@@ -152,7 +153,7 @@ impl Aggregator {
         if let Some(path) = cfg.snapshot_path.clone() {
             tasks.push(tokio::spawn(snapshot_loop(Arc::clone(&shared), path, cfg.snapshot_interval_ms)));
         }
-        Ok(Self { quic_addr, http_addr, shared, endpoint, tasks })
+        Ok(Self { quic_addr, http_addr, shared, endpoint, tasks, snapshot_path: cfg.snapshot_path })
     }
 
     /// Stops accepting and closes every connection.
@@ -162,34 +163,60 @@ impl Aggregator {
             t.abort();
         }
     }
+
+    /// An orderly stop (SIGTERM): closes every connection first, so no ack leaves after
+    /// it, then writes a final snapshot if snapshots are configured — a restart from it
+    /// forgets nothing that was acked. Returns whether a snapshot was written.
+    pub async fn shutdown_with_snapshot(&self) -> bool {
+        self.shutdown();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        let Some(path) = self.snapshot_path.clone() else { return false };
+        let shared = Arc::clone(&self.shared);
+        let written = tokio::task::spawn_blocking(move || snapshot_now(&shared, &path)).await.unwrap_or(false);
+        tracing::info!(written, "final snapshot");
+        written
+    }
 }
 
-/// Writes a snapshot every `interval_ms` (the core's lock is held only while it is
-/// serialized; the file is written after).
+/// Writes a snapshot every `interval_ms`.
 async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
     let mut tick = tokio::time::interval(Duration::from_millis(interval_ms.max(10)));
     tick.tick().await;
     loop {
         tick.tick().await;
-        let shared2 = Arc::clone(&shared);
-        let path2 = path.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            let now = shared2.now();
-            let verdicts: Vec<_> = shared2.verdicts().by_key.values().cloned().collect();
-            let core = shared2.core();
-            snapshots::save(&path2, &core, &verdicts, now, shared2.epoch)
-        })
-        .await;
-        match result {
-            Ok(Ok(bytes)) => {
-                state::Counters::inc(&shared.counters.snapshots_written);
-                shared.counters.last_snapshot_bytes.store(bytes as u64, std::sync::atomic::Ordering::Relaxed);
-            }
-            Ok(Err(e)) => {
-                state::Counters::inc(&shared.counters.snapshot_failures);
-                tracing::warn!(error = %e, "snapshot failed");
-            }
-            Err(_) => state::Counters::inc(&shared.counters.snapshot_failures),
+        let (shared2, path2) = (Arc::clone(&shared), path.clone());
+        if tokio::task::spawn_blocking(move || snapshot_now(&shared2, &path2)).await.is_err() {
+            state::Counters::inc(&shared.counters.snapshot_failures);
+        }
+    }
+}
+
+/// Takes one consistent snapshot and writes it: under the core's lock, pending verdict
+/// events are drained into the store, then the core and the store are cloned (one cut:
+/// no verdict can be in neither copy); the file is serialized and written after every
+/// lock is released. The lock hold time and the size go to the shell's counters.
+pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let started = std::time::Instant::now();
+    let (core, verdicts, now) = {
+        let mut core = shared.core();
+        shared.drain_events(&mut core);
+        let verdicts: Vec<_> = shared.verdicts().by_key.values().cloned().collect();
+        (core.clone(), verdicts, shared.now())
+    };
+    let hold_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+    match snapshots::save(path, &core, &verdicts, now, shared.epoch) {
+        Ok(bytes) => {
+            state::Counters::inc(&shared.counters.snapshots_written);
+            shared.counters.last_snapshot_bytes.store(bytes as u64, Relaxed);
+            shared.counters.last_snapshot_hold_us.store(hold_us, Relaxed);
+            shared.counters.last_snapshot_at_ms.store(now / 1_000_000, Relaxed);
+            true
+        }
+        Err(e) => {
+            state::Counters::inc(&shared.counters.snapshot_failures);
+            tracing::warn!(error = %e, "snapshot failed");
+            false
         }
     }
 }

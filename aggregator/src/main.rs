@@ -67,6 +67,13 @@ fn command() -> Command {
                         .default_value("10000")
                         .value_parser(value_parser!(u64).range(10..=3_600_000)),
                 )
+                .arg(
+                    Arg::new("dedup-window")
+                        .long("dedup-window")
+                        .value_name("HOLES")
+                        .value_parser(value_parser!(u32).range(1..=1_048_576))
+                        .help("per shipper session, holes (unsettled batch ranges) remembered before batches are refused [default: 8192]"),
+                )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
                 .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
                 .arg(
@@ -138,6 +145,9 @@ fn main() -> ExitCode {
             cfg.hold_acks_after_ms = r.get_one::<u64>("test-hold-acks-after-ms").copied();
             cfg.snapshot_path = r.get_one::<PathBuf>("snapshot").cloned();
             cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
+            if let Some(&w) = r.get_one::<u32>("dedup-window") {
+                cfg.ingest.dedup.window = w;
+            }
             let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
                 Ok(rt) => rt,
                 Err(e) => {
@@ -157,7 +167,7 @@ fn main() -> ExitCode {
                 println!("quic {}", agg.quic_addr);
                 println!("http http://{}", agg.http_addr);
                 ringwatch_transport::shell::terminated().await;
-                agg.shutdown();
+                agg.shutdown_with_snapshot().await;
                 ExitCode::SUCCESS
             })
         }

@@ -2,8 +2,11 @@
 //!
 //! File layout (little-endian): `magic "RWAGGv1\0" | aggregator_ns u64 | realtime_ns u64 |
 //! aggregator_epoch u64 | core_len u64 | core snapshot (ringwatch_core::snapshot) |
-//! verdicts (rkyv Vec<Verdict>)`. Written to `PATH.tmp` and renamed over `PATH`, so a
-//! crash mid-write leaves the previous snapshot intact.
+//! verdicts (rkyv Vec<Verdict>)`. Written to `PATH.tmp`, fsynced, and renamed over `PATH`
+//! (the directory fsynced after), so a crash mid-write leaves the previous snapshot
+//! intact. The core and the verdict store are captured in one cut under the core's lock
+//! (pending verdicts drained into the store first), cloned, and written after every
+//! lock is released ([`crate::snapshot_now`]).
 //!
 //! Restart semantics (DESIGN): the new instance's `aggregator_epoch` is the stored one + 1
 //! (sent in every `hello`); aggregator time continues from the snapshot's, plus the
@@ -78,8 +81,19 @@ pub fn save(
     out.extend_from_slice(&core_bytes);
     out.extend_from_slice(&verdict_bytes);
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, &out).map_err(|source| SnapshotFileError::Io { path: p.clone(), source })?;
-    std::fs::rename(&tmp, path).map_err(|source| SnapshotFileError::Io { path: p, source })?;
+    let io = |source| SnapshotFileError::Io { path: p.clone(), source };
+    {
+        use std::io::Write as _;
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&out).map_err(io)?;
+        // Durable before it replaces the previous snapshot.
+        f.sync_all().map_err(io)?;
+    }
+    std::fs::rename(&tmp, path).map_err(io)?;
+    // The rename itself is durable once the directory is synced.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
+    }
     Ok(out.len())
 }
 

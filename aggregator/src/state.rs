@@ -40,6 +40,9 @@ pub struct Counters {
     pub snapshots_written: AtomicU64,
     pub snapshot_failures: AtomicU64,
     pub last_snapshot_bytes: AtomicU64,
+    /// How long the last snapshot held the core's lock (µs), and when it was taken.
+    pub last_snapshot_hold_us: AtomicU64,
+    pub last_snapshot_at_ms: AtomicU64,
 }
 
 impl Counters {

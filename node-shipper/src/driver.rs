@@ -58,6 +58,14 @@ pub struct Report {
     pub own_frames_lost: u64,
     pub frames_lost_spool_full: u64,
     pub frames_lost_rejected: u64,
+    /// Ring frames given up at shutdown (named in `shipper_shutdown` loss records, or
+    /// unflushed when even those could not be delivered).
+    pub frames_lost_shutdown: u64,
+    /// Per lane (P0, P1, P2, P3): frames put into batches, and frames of batches that
+    /// left unacked. `frames_in_by_lane = frames_acked_by_lane + frames_lost_by_lane`
+    /// once the run is over (unflushed batches count as lost there too).
+    pub frames_in_by_lane: [u64; 4],
+    pub frames_lost_by_lane: [u64; 4],
     pub loss_records: u64,
     pub heartbeats: u64,
     pub batches_acked: u64,
@@ -253,7 +261,7 @@ pub async fn run(
     let ended = if state == Some(SourceState::NodeDead) { Ended::NodeDead } else { ended };
     let rings = source.as_ref().and_then(|s| s.ring_stats());
 
-    let mut flushed = true;
+    let flushed;
     if ended == Ended::Shutdown {
         // A last heartbeat with the final counters, every open batch spooled, then send
         // until the spool is empty or the deadline passes.
@@ -268,12 +276,15 @@ pub async fn run(
         }
         shared.ready.notify_one();
         let deadline = Instant::now() + Duration::from_millis(cfg.shutdown_deadline_ms);
-        while !shared.core().spool().is_empty() {
-            if Instant::now() >= deadline {
-                flushed = false;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        flushed = spool_empties_by(&shared, deadline).await;
+        if !flushed {
+            // What could not be flushed leaves as `shipper_shutdown` loss records (P1,
+            // sent first): the aggregator then knows why those frames never come.
+            let given_up = shared.core().give_up_data(shared.now());
+            shared.ready.notify_one();
+            let records_deadline = Instant::now() + FINAL_LOSS_RECORDS_WAIT;
+            let delivered = spool_empties_by(&shared, records_deadline).await;
+            tracing::info!(frames = given_up, records_delivered = delivered, "unflushed frames given up as shipper_shutdown loss records");
         }
     } else {
         flushed = false;
@@ -300,6 +311,9 @@ pub async fn run(
         own_frames_lost: stats.own_frames_lost,
         frames_lost_spool_full: slot(proto_flat::LossCause::ShipperSpoolFull),
         frames_lost_rejected: slot(proto_flat::LossCause::Rejected),
+        frames_lost_shutdown: slot(proto_flat::LossCause::ShipperShutdown),
+        frames_in_by_lane: stats.frames_in_by_lane,
+        frames_lost_by_lane: stats.frames_lost_by_lane,
         loss_records: stats.loss_records,
         heartbeats: stats.heartbeats,
         batches_acked: stats.batches_acked,
@@ -319,6 +333,23 @@ pub async fn run(
         spool,
         rings,
     })
+}
+
+/// How long the final `shipper_shutdown` loss records get to reach the aggregator after
+/// the flush deadline (they are a few small P1 batches; P1 goes before bulk).
+pub const FINAL_LOSS_RECORDS_WAIT: Duration = Duration::from_secs(2);
+
+/// Waits until the spool is empty (true) or `deadline` passes (false).
+async fn spool_empties_by(shared: &Shared, deadline: Instant) -> bool {
+    loop {
+        if shared.core().spool().is_empty() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Reads until told to stop or the node dies; returns the source (for the final
@@ -462,7 +493,21 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
         Err(e) => return e.to_string(),
     };
     let _ = ctl_send.set_priority(ringwatch_transport::CONTROL_PRIORITY);
-    if let Err(e) = ctl_send.write_all(&CONTROL_PREFACE).await {
+    // The preface, then where the session stands (the aggregator applies it before any
+    // batch of this connection).
+    let mut opening = CONTROL_PREFACE.to_vec();
+    let r = shared.core_for_net().resume();
+    if let Err(e) = proto_flat::control::encode_resume(
+        &mut opening,
+        r.shipper_session,
+        r.epoch,
+        r.next_batch_seq,
+        &r.held,
+        &r.floors,
+    ) {
+        return format!("resume: {e}");
+    }
+    if let Err(e) = ctl_send.write_all(&opening).await {
         return e.to_string();
     }
     let reader = tokio::spawn(control_reader(ctl_recv, Arc::clone(shared), conn.clone()));
@@ -568,7 +613,8 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
                                 core.handle_nack(batch_seq, reason, now);
                             }
                         }
-                        ControlMessage::Unknown { .. } => {}
+                        // Shipper → aggregator only; an aggregator has no business sending one.
+                        ControlMessage::Resume { .. } | ControlMessage::Unknown { .. } => {}
                     }
                 }
                 Ok(None) => break,

@@ -92,9 +92,10 @@ fn main() -> ExitCode {
             println!("{}", serde_json::to_string(&r).unwrap_or_default());
             if !r.flushed {
                 tracing::warn!(
-                    batches = r.unflushed_batches,
-                    frames = r.unflushed_frames,
-                    "shutdown deadline passed with unacked batches (reported above)"
+                    frames_lost_shutdown = r.frames_lost_shutdown,
+                    unflushed_batches = r.unflushed_batches,
+                    unflushed_frames = r.unflushed_frames,
+                    "shutdown deadline passed with unacked batches: given up as shipper_shutdown (reported above)"
                 );
             }
             ExitCode::SUCCESS

@@ -130,6 +130,7 @@ enum rw_control_type {
 	RW_CONTROL_TYPE_HELLO = 1,
 	RW_CONTROL_TYPE_ACK = 2,
 	RW_CONTROL_TYPE_NACK = 3,
+	RW_CONTROL_TYPE_RESUME = 4,
 };
 
 enum rw_section_tag {
@@ -423,6 +424,22 @@ struct rw_nack_body { /* 24 B */
 	__u8 _reserved0[6];
 };
 
+/* shipper -> aggregator, once per connection, right after the control preface */
+struct rw_resume_head { /* 40 B, then range_count rw_ack_range, then stream_count rw_resume_stream */
+	__u64 shipper_session;
+	__u64 epoch;
+	__u64 next_batch_seq;
+	__u32 range_count;
+	__u32 stream_count;
+	__u8 _reserved0[8];
+};
+
+struct rw_resume_stream { /* 16 B */
+	__u32 stream_id;
+	__u8 _reserved0[4];
+	__u64 floor_seq;
+};
+
 
 /* ---- kernel maps the shipper shares with the eBPF programs (not on the wire) ---- */
 
@@ -490,6 +507,8 @@ RW_ASSERT_SIZE(rw_hello_body, 16);
 RW_ASSERT_SIZE(rw_ack_head, 16);
 RW_ASSERT_SIZE(rw_ack_range, 16);
 RW_ASSERT_SIZE(rw_nack_body, 24);
+RW_ASSERT_SIZE(rw_resume_head, 40);
+RW_ASSERT_SIZE(rw_resume_stream, 16);
 RW_ASSERT_SIZE(rw_ring_counters, 96);
 RW_ASSERT_SIZE(rw_sampling_control, 8);
 RW_ASSERT_SIZE(rw_epoch_meta, 48);

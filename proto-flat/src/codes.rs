@@ -312,6 +312,8 @@ wire_enum! {
         Hello = 1 => "hello",
         Ack = 2 => "ack",
         Nack = 3 => "nack",
+        /// Shipper → aggregator, right after the control preface: where its session stands.
+        Resume = 4 => "resume",
     }
 }
 

@@ -1,9 +1,11 @@
-//! Control messages, aggregator → shipper, on the connection's control stream.
+//! Control messages on the connection's control stream: `hello`, `ack`, `nack`
+//! (aggregator → shipper) and `resume` (shipper → aggregator, once, right after the
+//! control preface).
 //!
 //! Each message is an 8-byte [`ControlHeader`] `{msg_type, length}` and a body; `length`
 //! counts the whole message. Messages of unknown type are skipped by length. A length
-//! over [`MAX_CONTROL_LEN`] is refused (`TooLarge`) so a hostile peer cannot make the
-//! shipper buffer without bound.
+//! over [`MAX_CONTROL_LEN`] is refused (`TooLarge`) so a hostile peer cannot make either
+//! side buffer without bound.
 
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -11,8 +13,16 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 use crate::codes::{AckStatus, ControlType, NackReason, WireEnum};
 use crate::error::DecodeError;
 
-/// The largest control message a reader accepts (an ack of 4,094 ranges).
-pub const MAX_CONTROL_LEN: usize = 64 * 1024;
+/// The largest control message a reader accepts: a `resume` with
+/// [`MAX_RESUME_RANGES`] held ranges and [`MAX_RESUME_STREAMS`] stream floors fits.
+pub const MAX_CONTROL_LEN: usize = 256 * 1024;
+
+/// Held `batch_seq` ranges one `resume` may list (the lowest ones; see [`ResumeHead`]).
+pub const MAX_RESUME_RANGES: usize = 8192;
+
+/// Stream floors one `resume` may list (2 rings × 256 CPUs and the shipper's own
+/// streams fit many times over).
+pub const MAX_RESUME_STREAMS: usize = 4096;
 
 /// Leads every control message (8 B).
 #[repr(C)]
@@ -70,6 +80,42 @@ pub struct NackBody {
 }
 const _: () = assert!(size_of::<NackBody>() == 24);
 
+/// `resume` head (40 B), followed by `range_count` [`AckRange`]s (the `batch_seq`s the
+/// shipper still holds and will send again, ascending, inclusive) and `stream_count`
+/// [`ResumeStream`]s.
+///
+/// Meaning: every `batch_seq` of the session below `next_batch_seq` that is not in a held
+/// range was acked by an aggregator instance (or reported lost in a loss record) and will
+/// never be sent again; the aggregator settles them, so no restart can leave the session
+/// refused. If the shipper holds more ranges than fit, it lists the lowest and sets
+/// `next_batch_seq` to the first one it left out.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResumeHead {
+    pub shipper_session: U64,
+    /// The kernel-counter epoch the stream floors belong to.
+    pub epoch: U64,
+    /// One past the highest `batch_seq` the resume speaks for.
+    pub next_batch_seq: U64,
+    pub range_count: U32,
+    pub stream_count: U32,
+    pub _reserved0: [u8; 8],
+}
+const _: () = assert!(size_of::<ResumeHead>() == 40);
+
+/// One stream's floor in a `resume` (16 B): every seq below `floor_seq` was delivered to
+/// (or declared lost to) an aggregator instance in a batch that will not be sent again,
+/// read by an earlier shipper session, or dropped by the kernel. An instance that never
+/// saw them counts the ones it cannot otherwise explain as `prior_instance`, not loss.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResumeStream {
+    pub stream_id: U32,
+    pub _reserved0: [u8; 4],
+    pub floor_seq: U64,
+}
+const _: () = assert!(size_of::<ResumeStream>() == 16);
+
 /// A decoded control message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ControlMessage<'a> {
@@ -86,6 +132,13 @@ pub enum ControlMessage<'a> {
         shipper_session: u64,
         batch_seq: u64,
         reason: NackReason,
+    },
+    Resume {
+        shipper_session: u64,
+        epoch: u64,
+        next_batch_seq: u64,
+        held: &'a [AckRange],
+        streams: &'a [ResumeStream],
     },
     /// A type this version does not know; skipped.
     Unknown {
@@ -154,6 +207,29 @@ pub fn parse_control(bytes: &[u8]) -> Result<Option<(ControlMessage<'_>, usize)>
                 reason: NackReason::from_code(b.reason.get()),
             }
         }
+        ControlType::Resume => {
+            let (head, used) = body::<ResumeHead>(payload, "resume")?;
+            let rest = payload.get(used..).unwrap_or(&[]);
+            let ranges = usize::try_from(head.range_count.get()).unwrap_or(usize::MAX);
+            let streams = usize::try_from(head.stream_count.get()).unwrap_or(usize::MAX);
+            if ranges > MAX_RESUME_RANGES {
+                return Err(DecodeError::TooLarge { what: "resume ranges", got: ranges, limit: MAX_RESUME_RANGES });
+            }
+            if streams > MAX_RESUME_STREAMS {
+                return Err(DecodeError::TooLarge { what: "resume streams", got: streams, limit: MAX_RESUME_STREAMS });
+            }
+            let declared = ranges * size_of::<AckRange>() + streams * size_of::<ResumeStream>();
+            let mismatch = || DecodeError::LengthMismatch { what: "resume body", declared, actual: rest.len() };
+            let (held, rest) = <[AckRange]>::ref_from_prefix_with_elems(rest, ranges).map_err(|_| mismatch())?;
+            let (streams, _) = <[ResumeStream]>::ref_from_prefix_with_elems(rest, streams).map_err(|_| mismatch())?;
+            ControlMessage::Resume {
+                shipper_session: head.shipper_session.get(),
+                epoch: head.epoch.get(),
+                next_batch_seq: head.next_batch_seq.get(),
+                held,
+                streams,
+            }
+        }
         ControlType::Unrecognized(msg_type) => ControlMessage::Unknown { msg_type, length },
     };
     Ok(Some((message, length)))
@@ -211,6 +287,49 @@ mod encode {
         Ok(())
     }
 
+    /// Appends a `resume`: `held` are inclusive `batch_seq` ranges, ascending; `streams`
+    /// are `(stream_id, floor_seq)`. Errors if either list is over its cap.
+    pub fn encode_resume(
+        out: &mut Vec<u8>,
+        shipper_session: u64,
+        epoch: u64,
+        next_batch_seq: u64,
+        held: &[(u64, u64)],
+        streams: &[(u32, u64)],
+    ) -> Result<(), DecodeError> {
+        if held.len() > MAX_RESUME_RANGES {
+            return Err(DecodeError::TooLarge { what: "resume ranges", got: held.len(), limit: MAX_RESUME_RANGES });
+        }
+        if streams.len() > MAX_RESUME_STREAMS {
+            return Err(DecodeError::TooLarge {
+                what: "resume streams",
+                got: streams.len(),
+                limit: MAX_RESUME_STREAMS,
+            });
+        }
+        let body_len =
+            size_of::<ResumeHead>() + held.len() * size_of::<AckRange>() + streams.len() * size_of::<ResumeStream>();
+        header(out, ControlType::Resume, body_len);
+        let head = ResumeHead {
+            shipper_session: U64::new(shipper_session),
+            epoch: U64::new(epoch),
+            next_batch_seq: U64::new(next_batch_seq),
+            // Both bounded by the caps checked above.
+            range_count: U32::new(u32::try_from(held.len()).unwrap_or(u32::MAX)),
+            stream_count: U32::new(u32::try_from(streams.len()).unwrap_or(u32::MAX)),
+            _reserved0: [0; 8],
+        };
+        out.extend_from_slice(head.as_bytes());
+        for &(first, last) in held {
+            out.extend_from_slice(AckRange { first: U64::new(first), last: U64::new(last) }.as_bytes());
+        }
+        for &(stream_id, floor) in streams {
+            let s = ResumeStream { stream_id: U32::new(stream_id), _reserved0: [0; 4], floor_seq: U64::new(floor) };
+            out.extend_from_slice(s.as_bytes());
+        }
+        Ok(())
+    }
+
     /// Appends a `nack`.
     pub fn encode_nack(out: &mut Vec<u8>, shipper_session: u64, batch_seq: u64, reason: NackReason) {
         header(out, ControlType::Nack, size_of::<NackBody>());
@@ -225,7 +344,7 @@ mod encode {
 }
 
 #[cfg(feature = "alloc")]
-pub use encode::{encode_ack, encode_hello, encode_nack};
+pub use encode::{encode_ack, encode_hello, encode_nack, encode_resume};
 
 #[cfg(all(test, feature = "alloc"))]
 mod tests {
@@ -267,6 +386,32 @@ mod tests {
             ControlMessage::Nack { shipper_session: 9, batch_seq: 5, reason: NackReason::ChecksumMismatch }
         );
         assert_eq!(got[3], ControlMessage::Unknown { msg_type: 0x7fee, length: 16 });
+    }
+
+    #[test]
+    fn resume_round_trips_and_refuses_hostile_counts() {
+        let mut out = Vec::new();
+        encode_resume(&mut out, 9, 2, 40, &[(3, 5), (9, 9)], &[(0x0201_0000, 77)]).unwrap();
+        let (msg, used) = parse_control(&out).unwrap().unwrap();
+        assert_eq!(used, out.len());
+        match msg {
+            ControlMessage::Resume { shipper_session: 9, epoch: 2, next_batch_seq: 40, held, streams } => {
+                assert_eq!(held.len(), 2);
+                assert_eq!((held[1].first.get(), held[1].last.get()), (9, 9));
+                assert_eq!((streams[0].stream_id.get(), streams[0].floor_seq.get()), (0x0201_0000, 77));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // A count larger than the body: a length mismatch, never a read past the end.
+        let mut bad = out.clone();
+        bad[8 + 28] = 3; // stream_count
+        assert!(matches!(parse_control(&bad), Err(DecodeError::LengthMismatch { .. })));
+        // Counts over the caps are refused before any arithmetic on them.
+        let mut huge = out.clone();
+        huge[8 + 24..8 + 28].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(parse_control(&huge), Err(DecodeError::TooLarge { .. })));
+        let too_many = alloc::vec![(1u64, 1u64); MAX_RESUME_RANGES + 1];
+        assert!(encode_resume(&mut Vec::new(), 1, 1, 1, &too_many, &[]).is_err());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::process::Command;
 
 use proto_flat::batch::BatchHeader;
 use proto_flat::codes::{ALL_ENUMS, activation, flags};
-use proto_flat::control::{AckHead, AckRange, ControlHeader, HelloBody, NackBody};
+use proto_flat::control::{AckHead, AckRange, ControlHeader, HelloBody, NackBody, ResumeHead, ResumeStream};
 use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
 };
@@ -215,6 +215,12 @@ fn rust_layouts() -> Vec<Layout> {
         layout!(AckHead, "rw_ack_head", [shipper_session, range_count, status, _reserved0]),
         layout!(AckRange, "rw_ack_range", [first, last]),
         layout!(NackBody, "rw_nack_body", [shipper_session, batch_seq, reason, _reserved0]),
+        layout!(
+            ResumeHead,
+            "rw_resume_head",
+            [shipper_session, epoch, next_batch_seq, range_count, stream_count, _reserved0]
+        ),
+        layout!(ResumeStream, "rw_resume_stream", [stream_id, _reserved0, floor_seq]),
     ]
 }
 

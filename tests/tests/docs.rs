@@ -57,6 +57,8 @@ fn wire_readme_struct_sizes_match_the_code() {
         ("rw_progress_entry", size_of::<sections::ProgressEntry>()),
         ("rw_batch_header", size_of::<batch::BatchHeader>()),
         ("rw_ack_head", size_of::<control::AckHead>()),
+        ("rw_resume_head", size_of::<control::ResumeHead>()),
+        ("rw_resume_stream", size_of::<control::ResumeStream>()),
     ];
     for (name, size) in sizes {
         let heading = format!("#### `{name}` ({size} B)");

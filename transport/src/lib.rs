@@ -10,8 +10,9 @@
 //! this crate only opens the pipes.
 //!
 //! Stream layout on one connection:
-//! - the shipper opens one bidirectional **control stream** and writes [`CONTROL_PREFACE`];
-//!   the aggregator answers on it with `hello`, then `ack`/`nack` messages;
+//! - the shipper opens one bidirectional **control stream**, writes [`CONTROL_PREFACE`]
+//!   and one `resume` (where its session stands); the aggregator applies it before any
+//!   batch of the connection, then answers on it with `hello`, then `ack`/`nack` messages;
 //! - every batch travels on its own unidirectional stream (the stream's end delimits it),
 //!   with priority by lane ([`lane_priority`]): P0 above P1 above bulk.
 
@@ -30,8 +31,9 @@ use rustls::server::WebPkiClientVerifier;
 /// ALPN of ringwatch's protocol, version 1.
 pub const ALPN: &[u8] = b"ringwatch/1";
 
-/// First bytes the shipper writes on its control stream.
-pub const CONTROL_PREFACE: [u8; 8] = *b"RWCTL1\0\0";
+/// First bytes the shipper writes on its control stream: control protocol 2 (a `resume`
+/// follows; protocol 1 had none).
+pub const CONTROL_PREFACE: [u8; 8] = *b"RWCTL2\0\0";
 
 /// QUIC application close codes.
 pub mod close {

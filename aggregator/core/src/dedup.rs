@@ -5,19 +5,27 @@
 //! when it was applied, or when the shipper reported it lost (evicted from its spool,
 //! nacked, unflushed at shutdown — loss records carry `(shipper_session, batch_seq)`).
 //!
-//! Per session the state is a floor (every `batch_seq ≤ floor` settled; batch_seq starts
-//! at 1) plus the settled seqs above it, at most `window` of them. A batch above the floor
-//! that would overflow the window is refused (`nack dedup_window_full`, which the shipper
-//! turns into loss records) rather than applied without being remembered; the floor is
-//! never forced past an unseen batch, because that batch, arriving later, would be acked
-//! as a duplicate and lost silently. Sessions per node are capped too: the least recently
-//! used old session is forgotten (counted), never the one being admitted.
+//! Per session the state is the highest settled `batch_seq` (`high`; batch_seq starts at
+//! 1) and the *holes* below it — the seqs not settled yet — as inclusive ranges, at most
+//! `window` of them. A batch that would open a new hole beyond that is refused
+//! (`nack dedup_window_full`, which the shipper turns into loss records) rather than
+//! applied without being remembered; a hole is never closed over an unseen batch, because
+//! that batch, arriving later, would be acked as a duplicate and lost silently.
 //!
-//! Method groups: inputs [`BatchDedup::check`] then [`BatchDedup::mark_applied`] (a batch
-//! arrived and was applied; [`BatchDedup::admit`] does both) and
-//! [`BatchDedup::settle_lost`] (the shipper reported it lost); getters
-//! [`BatchDedup::is_settled`], [`BatchDedup::stats`]. Pure: no clock, no I/O; part of the
-//! core's snapshot.
+//! Holes only persist for batches that will never come; the shipper's `resume` at every
+//! connection ([`BatchDedup::resume`]) says which those are: everything below its
+//! `next_batch_seq` that it does not hold left its spool for good. Resume closes those
+//! holes, so the window fills only from real disorder, never from an aggregator restart
+//! (issue 16: a restarted instance used to wait forever for batches the previous one
+//! had acked). Batches settled by a resume were not applied here, so a shipper's loss
+//! report for one of them is applied. Sessions per node are capped too: the least
+//! recently used old session is forgotten (counted), never the one being admitted.
+//!
+//! Method groups: inputs [`BatchDedup::resume`] (a connection's `resume`, before its
+//! batches), [`BatchDedup::check`] then [`BatchDedup::mark_applied`] (a batch arrived and
+//! was applied; [`BatchDedup::admit`] does both) and [`BatchDedup::settle_lost`] (the
+//! shipper reported it lost); getters [`BatchDedup::is_settled`], [`BatchDedup::stats`].
+//! Pure: no clock, no I/O; part of the core's snapshot.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -28,8 +36,9 @@ use crate::records::NodeId;
 /// Dedup limits.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DedupConfig {
-    /// Settled batch_seqs remembered above a session's floor (the shipper's unacked
-    /// window: its spool holds at most a few thousand 64 KiB batches).
+    /// Holes (ranges of unsettled batch_seqs below the highest settled one) remembered
+    /// per session; a batch that would open one more is refused. Resume keeps holes to
+    /// what the shipper still holds, so only real disorder fills this.
     pub window: u32,
     /// Shipper sessions remembered per node (restarts open new ones).
     pub sessions_per_node: u32,
@@ -65,32 +74,76 @@ pub struct DedupStats {
     /// would be taken for one about an applied batch and ignored).
     pub lost_marks_forgotten: u64,
     pub sessions_forgotten: u64,
+    /// `resume` messages applied.
+    pub resumes: u64,
+    /// Batches a resume settled that this instance had not seen (acked by another
+    /// instance, or reported lost).
+    pub resume_settled: u64,
+    /// Resumes that showed batches this instance never saw (a restart forgot them).
+    pub resumes_with_gap: u64,
+    /// Resume ranges forgotten by the per-session cap (a loss report for a batch in one
+    /// would then be taken for one about an applied batch and ignored).
+    pub resumed_ranges_forgotten: u64,
 }
+
+/// Ranges settled by resumes a session remembers (loss reports for batches in them are
+/// applied); older ones are forgotten, counted.
+const RESUMED_RANGES: usize = 64;
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
 struct Session {
-    floor: u64,
-    above: BTreeSet<u64>,
+    /// Highest settled batch_seq (0: none).
+    high: u64,
+    /// Unsettled batch_seqs below `high`: start → end, inclusive, disjoint.
+    holes: BTreeMap<u64, u64>,
     /// Settled by a loss report (a lost batch has one report per stream it carried, so
     /// later reports for it must still apply). The newest `window` are kept.
     lost: BTreeSet<u64>,
+    /// Inclusive ranges a resume settled without this instance applying them.
+    resumed: Vec<(u64, u64)>,
     last_used: u64,
 }
 
 impl Session {
+    /// The hole containing `seq`, as `(start, end)`.
+    fn hole_of(&self, seq: u64) -> Option<(u64, u64)> {
+        self.holes.range(..=seq).next_back().filter(|(_, e)| seq <= **e).map(|(s, e)| (*s, *e))
+    }
+
     fn settled(&self, seq: u64) -> bool {
-        seq <= self.floor || self.above.contains(&seq)
+        seq <= self.high && self.hole_of(seq).is_none()
+    }
+
+    /// Whether settling `seq` keeps the holes within `window` (a new hole above `high`,
+    /// or a split of one, each adds one).
+    fn fits(&self, seq: u64, window: usize) -> bool {
+        let adds = if seq > self.high {
+            seq > self.high.saturating_add(1)
+        } else {
+            self.hole_of(seq).is_some_and(|(s, e)| s < seq && seq < e)
+        };
+        !adds || self.holes.len() < window
     }
 
     fn settle(&mut self, seq: u64) {
-        if seq == self.floor + 1 {
-            self.floor = seq;
-            while self.above.remove(&(self.floor + 1)) {
-                self.floor += 1;
+        if seq > self.high {
+            if seq > self.high.saturating_add(1) {
+                self.holes.insert(self.high + 1, seq - 1);
             }
-        } else if seq > self.floor {
-            self.above.insert(seq);
+            self.high = seq;
+        } else if let Some((s, e)) = self.hole_of(seq) {
+            self.holes.remove(&s);
+            if s < seq {
+                self.holes.insert(s, seq - 1);
+            }
+            if seq < e {
+                self.holes.insert(seq + 1, e);
+            }
         }
+    }
+
+    fn was_resumed(&self, seq: u64) -> bool {
+        self.resumed.iter().any(|&(a, b)| a <= seq && seq <= b)
     }
 }
 
@@ -129,7 +182,7 @@ impl BatchDedup {
         let s = self.session(node, session);
         let verdict = if s.settled(batch_seq) {
             Admit::Duplicate
-        } else if batch_seq != s.floor + 1 && s.above.len() >= window {
+        } else if !s.fits(batch_seq, window) {
             Admit::WindowFull
         } else {
             Admit::New
@@ -165,19 +218,20 @@ impl BatchDedup {
     /// shipper later evicted) — its frames were delivered, so counting them lost too
     /// would break conservation.
     ///
-    /// A loss report above a full window still settles nothing beyond the window (the
-    /// loss is applied; only the floor's progress waits), so it is always applied.
+    /// A loss report that would overflow the window still settles nothing (the loss is
+    /// applied; the hole waits), so it is always applied. A report for a batch a resume
+    /// settled is applied: this instance never applied that batch.
     pub fn settle_lost(&mut self, node: NodeId, session: u64, batch_seq: u64) -> bool {
         let window = self.config.window as usize;
         let s = self.session(node, session);
         if s.lost.contains(&batch_seq) {
             return true;
         }
-        if s.settled(batch_seq) {
+        if s.settled(batch_seq) && !s.was_resumed(batch_seq) {
             self.stats.lost_but_applied += 1;
             return false;
         }
-        if batch_seq == s.floor + 1 || s.above.len() < window {
+        if s.fits(batch_seq, window) {
             s.settle(batch_seq);
         }
         s.lost.insert(batch_seq);
@@ -186,6 +240,70 @@ impl BatchDedup {
             self.stats.lost_marks_forgotten += 1;
         }
         true
+    }
+
+    /// A connection's `resume` (before any of its batches): every batch_seq below
+    /// `next_batch_seq` not in `held` (inclusive ranges) will never be sent again, so it
+    /// is settled here; held ones stay expected. Returns how many batches this settled
+    /// that this instance had not seen (0 when it saw everything: a plain reconnect).
+    pub fn resume(&mut self, node: NodeId, session: u64, next_batch_seq: u64, held: &[(u64, u64)]) -> u64 {
+        self.stats.resumes += 1;
+        let through = next_batch_seq.saturating_sub(1);
+        let s = self.session(node, session);
+        // Held ranges sorted and merged (a peer's list is not trusted to be either).
+        let mut held: Vec<(u64, u64)> = held.iter().copied().filter(|(x, y)| x <= y).collect();
+        held.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(held.len());
+        for (x, y) in held {
+            match merged.last_mut() {
+                Some(last) if x <= last.1.saturating_add(1) => last.1 = last.1.max(y),
+                _ => merged.push((x, y)),
+            }
+        }
+        // Candidate holes: the old ones, and everything between `high` and `through`.
+        let mut candidates: Vec<(u64, u64)> = s.holes.iter().map(|(a, b)| (*a, *b)).collect();
+        if through > s.high {
+            candidates.push((s.high + 1, through));
+            s.high = through;
+        }
+        // Bounded: at most one hole per held range plus one per candidate.
+        let mut holes = BTreeMap::new();
+        let mut settled_now = 0u64;
+        let mut newly_resumed = Vec::new();
+        for (a, b) in candidates {
+            // Keep the parts of [a, b] that are held; the rest is settled by the resume.
+            let mut at = Some(a);
+            for &(x, y) in merged.iter().filter(|&&(x, y)| x <= b && a <= y) {
+                let (lo, hi) = (x.max(a), y.min(b));
+                if let Some(from) = at
+                    && from < lo
+                {
+                    newly_resumed.push((from, lo - 1));
+                    settled_now = settled_now.saturating_add(lo - from);
+                }
+                holes.insert(lo, hi);
+                at = hi.checked_add(1).filter(|&n| n <= b);
+            }
+            if let Some(from) = at {
+                newly_resumed.push((from, b));
+                settled_now = settled_now.saturating_add((b - from).saturating_add(1));
+            }
+        }
+        s.holes = holes;
+        let mut forgotten = 0;
+        for r in newly_resumed {
+            if s.resumed.len() >= RESUMED_RANGES {
+                s.resumed.remove(0);
+                forgotten += 1;
+            }
+            s.resumed.push(r);
+        }
+        self.stats.resumed_ranges_forgotten += forgotten;
+        self.stats.resume_settled = self.stats.resume_settled.saturating_add(settled_now);
+        if settled_now > 0 {
+            self.stats.resumes_with_gap += 1;
+        }
+        settled_now
     }
 
     fn session(&mut self, node: NodeId, session: u64) -> &mut Session {
@@ -215,7 +333,7 @@ mod tests {
     const N: NodeId = NodeId(7);
 
     #[test]
-    fn resent_batches_are_duplicates_and_the_floor_advances_over_gaps_once_filled() {
+    fn resent_batches_are_duplicates_and_holes_close_once_filled() {
         let mut d = BatchDedup::new(DedupConfig::default());
         assert_eq!(d.admit(N, 1, 1), Admit::New);
         assert_eq!(d.admit(N, 1, 3), Admit::New);
@@ -223,8 +341,8 @@ mod tests {
         assert_eq!(d.admit(N, 1, 3), Admit::Duplicate);
         assert!(!d.is_settled(N, 1, 2));
         assert_eq!(d.admit(N, 1, 2), Admit::New);
-        assert!(d.sessions[&(N, 1)].above.is_empty(), "floor swallowed 2 and 3");
-        assert_eq!(d.sessions[&(N, 1)].floor, 3);
+        assert!(d.sessions[&(N, 1)].holes.is_empty(), "2 filled the only hole");
+        assert_eq!(d.sessions[&(N, 1)].high, 3);
         assert_eq!(d.admit(N, 2, 1), Admit::New, "another session is another key");
         assert_eq!(d.admit(NodeId(8), 1, 1), Admit::New, "another node too");
         assert_eq!((d.stats().new, d.stats().duplicates), (5, 2));
@@ -232,16 +350,16 @@ mod tests {
 
     #[test]
     fn a_full_window_refuses_instead_of_forgetting() {
-        let mut d = BatchDedup::new(DedupConfig { window: 3, sessions_per_node: 4 });
-        // Batch 1 never arrives; 2..=4 fill the window.
-        for seq in 2..=4 {
-            assert_eq!(d.admit(N, 1, seq), Admit::New);
-        }
-        assert_eq!(d.admit(N, 1, 5), Admit::WindowFull);
-        assert_eq!(d.admit(N, 1, 5), Admit::WindowFull, "still not applied, still refused");
-        // The missing batch arrives: the floor jumps, the window empties, 5 is admitted.
+        let mut d = BatchDedup::new(DedupConfig { window: 2, sessions_per_node: 4 });
+        // Batches 1 and 3 never arrive: two holes fill the window.
+        assert_eq!(d.admit(N, 1, 2), Admit::New);
+        assert_eq!(d.admit(N, 1, 4), Admit::New);
+        assert_eq!(d.admit(N, 1, 5), Admit::New, "the next seq opens no hole");
+        assert_eq!(d.admit(N, 1, 7), Admit::WindowFull);
+        assert_eq!(d.admit(N, 1, 7), Admit::WindowFull, "still not applied, still refused");
+        // A missing batch arrives: a hole closes, 7 is admitted.
         assert_eq!(d.admit(N, 1, 1), Admit::New);
-        assert_eq!(d.admit(N, 1, 5), Admit::New);
+        assert_eq!(d.admit(N, 1, 7), Admit::New);
         assert_eq!(d.stats().window_full, 2);
     }
 
@@ -254,12 +372,51 @@ mod tests {
         // carried two streams, so a second report for it applies too.
         assert!(d.settle_lost(N, 1, 2));
         assert!(d.settle_lost(N, 1, 2));
-        assert_eq!(d.sessions[&(N, 1)].floor, 3);
+        assert!(d.sessions[&(N, 1)].holes.is_empty());
         // Batch 3 was applied, then evicted unacked: the report must not count it lost.
         assert!(!d.settle_lost(N, 1, 3));
         assert_eq!(d.stats().lost_but_applied, 1);
         // A resend of a batch reported lost is a duplicate (its frames are counted lost).
         assert_eq!(d.admit(N, 1, 2), Admit::Duplicate);
+    }
+
+    /// Issue 16: an aggregator restarted without state saw batch 12345 first and waited
+    /// forever for 1..12344, which the previous instance had acked; after `window` more
+    /// batches every batch was refused. The shipper's resume settles what it no longer
+    /// holds.
+    #[test]
+    fn resume_settles_what_the_shipper_no_longer_holds_regression_issue_16() {
+        let mut d = BatchDedup::new(DedupConfig { window: 4, sessions_per_node: 4 });
+        // Fresh instance; the shipper holds 100, 102..=103 and will cut 110 next.
+        assert_eq!(d.resume(N, 1, 110, &[(102, 103), (100, 100)]), 106);
+        assert_eq!(d.admit(N, 1, 99), Admit::Duplicate, "acked by the previous instance");
+        for seq in [100, 102, 103] {
+            assert_eq!(d.admit(N, 1, seq), Admit::New, "held batch {seq} is still expected");
+        }
+        for seq in 110..200 {
+            assert_eq!(d.admit(N, 1, seq), Admit::New, "never refused after a restart");
+        }
+        assert_eq!(d.stats().window_full, 0);
+        // A loss report for a batch the resume settled (evicted, its report not yet
+        // delivered anywhere) is applied; one for an applied batch is not.
+        assert!(d.settle_lost(N, 1, 50));
+        assert!(!d.settle_lost(N, 1, 150));
+        // A plain reconnect to the same instance settles nothing new.
+        assert_eq!(d.resume(N, 1, 200, &[]), 0);
+        assert_eq!(d.stats().resumes_with_gap, 1);
+        // Holes of disorder the shipper still holds stay; the rest close.
+        assert_eq!(d.admit(N, 1, 203), Admit::New);
+        assert_eq!(d.admit(N, 1, 206), Admit::New);
+        assert_eq!(d.resume(N, 1, 210, &[(201, 201)]), 7, "200, 202, 204..=205 and 207..=209");
+        assert!(!d.is_settled(N, 1, 201));
+        assert!(d.is_settled(N, 1, 202) && d.is_settled(N, 1, 209));
+        // A hostile list (unsorted, overlapping, reversed) cannot make overlapping holes.
+        d.resume(N, 2, u64::MAX, &[(9, 5), (10, 20), (15, 30), (1, 2)]);
+        let s = &d.sessions[&(N, 2)];
+        assert_eq!(s.holes.iter().map(|(a, b)| (*a, *b)).collect::<Vec<_>>(), vec![(1, 2), (10, 30)]);
+        assert_eq!(d.admit(N, 2, 25), Admit::New);
+        assert_eq!(d.admit(N, 2, u64::MAX - 1), Admit::Duplicate);
+        assert_eq!(d.admit(N, 2, u64::MAX), Admit::New, "no arithmetic overflows at the top");
     }
 
     #[test]
@@ -295,9 +452,9 @@ mod tests {
                     Admit::WindowFull => proptest::prop_assert!(!applied.contains(&seq)),
                 }
                 let s = &d.sessions[&(N, 1)];
-                proptest::prop_assert!(s.above.len() <= 8);
-                proptest::prop_assert!((1..=s.floor).all(|q| applied.contains(&q)));
-                proptest::prop_assert!(!s.above.contains(&(s.floor + 1)));
+                proptest::prop_assert!(s.holes.len() <= 8);
+                // Settled ⇔ applied, for every seq.
+                proptest::prop_assert!((1..64).all(|q| d.is_settled(N, 1, q) == applied.contains(&q)));
             }
         }
     }

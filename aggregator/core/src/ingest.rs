@@ -48,6 +48,8 @@ pub struct IngestConfig {
     pub max_nodes: usize,
     pub max_streams_per_node: usize,
     pub tracker: TrackerLimits,
+    /// Batch dedup limits.
+    pub dedup: DedupConfig,
 }
 
 impl Default for IngestConfig {
@@ -60,6 +62,7 @@ impl Default for IngestConfig {
             // 2 rings × 256 CPUs × 2 + the shipper's own streams, with room.
             max_streams_per_node: 2048,
             tracker: TrackerLimits::default(),
+            dedup: DedupConfig::default(),
         }
     }
 }
@@ -81,6 +84,11 @@ pub struct IngestStats {
     pub loss_intervals: u64,
     /// Frames already received (retransmitted or duplicated batches), dropped.
     pub duplicate_frames: u64,
+    /// Streams a shipper's resume showed this instance had missed part of (another
+    /// instance received it: a restart).
+    pub resume_windows: u64,
+    /// Resume stream entries beyond `max_streams_per_node` or of a closed epoch.
+    pub resume_streams_refused: u64,
 }
 
 /// One node's ingest state.
@@ -163,7 +171,7 @@ impl Ingest {
             restored: false,
             stats: IngestStats::default(),
             out: crate::outbox::Outbox::default(),
-            dedup: BatchDedup::new(DedupConfig::default()),
+            dedup: BatchDedup::new(config.dedup),
         }
     }
 
@@ -289,25 +297,9 @@ impl Ingest {
     /// `rtt_ns` (for the clock estimate). Returns false if the node was refused by
     /// `max_nodes` (counted).
     pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
-        if !self.nodes.contains_key(&node) {
-            if self.nodes.len() >= self.config.max_nodes {
-                self.stats.nodes_refused_batches += 1;
-                return false;
-            }
-            self.nodes.insert(
-                node,
-                NodeState {
-                    epoch: batch.header.epoch.get(),
-                    trackers: BTreeMap::new(),
-                    clock: ClockEstimate::default(),
-                    last_heard_ns: now,
-                    liveness: LivenessState::Fresh,
-                    connected: true,
-                    heard_since_start: false,
-                    watermark_ns: [0; 4],
-                    closed_through_epoch: 0,
-                },
-            );
+        if !self.ensure_node(now, node, batch.header.epoch.get()) {
+            self.stats.nodes_refused_batches += 1;
+            return false;
         }
         self.stats.batches += 1;
         let mut scratch = Vec::new();
@@ -339,7 +331,58 @@ impl Ingest {
         true
     }
 
+    /// A shipper's `resume` (see [`crate::dedup`] and [`SeqTracker::on_resume`]): per
+    /// stream of `epoch`, the floor below which another instance may have received what
+    /// this one never saw. Returns how many streams this instance had missed part of;
+    /// when any, and this instance did not restore a snapshot (which records its own gap
+    /// at the node's first batch), the node gets a knowledge gap from this instance's
+    /// start to now. False if the node was refused by `max_nodes`.
+    pub fn handle_resume(&mut self, now: u64, node: NodeId, epoch: u64, floors: &[(u32, u64)]) -> Option<u64> {
+        if !self.ensure_node(now, node, epoch) {
+            return None;
+        }
+        self.maybe_new_epoch(now, node, epoch, [0; 16]);
+        let mut windows = 0u64;
+        for &(sid, floor) in floors {
+            match Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid) {
+                Some(t) => windows += u64::from(t.on_resume(floor, now)),
+                None => self.stats.resume_streams_refused += 1,
+            }
+        }
+        self.stats.resume_windows += windows;
+        if windows > 0 && !self.restored {
+            self.out.push(Record::KnowledgeGap(KnowledgeGap { node, from_ns: self.known_since_ns, to_ns: now }));
+        }
+        self.update_watermarks(now, node);
+        Some(windows)
+    }
+
     // ---------------------------------------------------------------- internals
+
+    /// Creates the node's state if the node cap allows; false if refused.
+    fn ensure_node(&mut self, now: u64, node: NodeId, epoch: u64) -> bool {
+        if self.nodes.contains_key(&node) {
+            return true;
+        }
+        if self.nodes.len() >= self.config.max_nodes {
+            return false;
+        }
+        self.nodes.insert(
+            node,
+            NodeState {
+                epoch,
+                trackers: BTreeMap::new(),
+                clock: ClockEstimate::default(),
+                last_heard_ns: now,
+                liveness: LivenessState::Fresh,
+                connected: true,
+                heard_since_start: false,
+                watermark_ns: [0; 4],
+                closed_through_epoch: 0,
+            },
+        );
+        true
+    }
 
     fn flush_losses(&mut self, scratch: &mut Vec<LossInterval>) {
         self.stats.loss_intervals += scratch.len() as u64;

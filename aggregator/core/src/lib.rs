@@ -30,5 +30,5 @@ pub use dedup::{Admit, BatchDedup, DedupConfig};
 pub use ingest::{Ingest, IngestConfig, IngestStats};
 pub use loss::SeqTracker;
 pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
-pub use pipeline::{Core, Receipt};
+pub use pipeline::{Core, Receipt, Resumed};
 pub use records::{NodeId, Record, StreamKey};

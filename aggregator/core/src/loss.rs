@@ -24,10 +24,15 @@
 //!   unexplained kernel drops cover all of it. Counts are exact; where one range mixes
 //!   causes, causes are placed in seq order;
 //! - an epoch change settles everything below the last `attempted_seq` and emits an
-//!   explicitly unknown tail above it.
+//!   explicitly unknown tail above it;
+//! - a shipper's `resume` floor above `high` (another aggregator instance received or
+//!   resolved seqs this one never saw, issue 16) becomes a pending gap; held frames and
+//!   loss records still fill it, settlement places the kernel's unexplained drops on holes
+//!   above the floor first, then in it, and what is left below the floor is counted
+//!   `prior_instance` — not loss, no loss interval.
 //!
-//! Conservation (tested): `attempted + sampled_out = received + lost + pending +
-//! in_transit + sampled_out`, per stream, at every step.
+//! Conservation (tested): `attempted + sampled_out = received + lost + prior_instance +
+//! pending + in_transit + sampled_out`, per stream, at every step.
 //!
 //! Memory: at most `max_gaps` gaps (beyond, the oldest is declared lost(unknown) and
 //! counted in `gaps_evicted`) and `max_recent_lost` remembered loss ranges for revival.
@@ -78,6 +83,9 @@ pub struct StreamCounts {
     /// Seqs declared lost that arrived after all.
     pub revived: u64,
     pub gaps_evicted: u64,
+    /// Seqs below a resume floor that another aggregator instance received or resolved
+    /// (this one never saw them): not loss.
+    pub prior_instance: u64,
 }
 
 impl StreamCounts {
@@ -119,6 +127,8 @@ pub struct SeqTracker {
     ts_high: u64,
     wm_ns: u64,
     restart_floor: u64,
+    /// Below it, what no other cause explains is `prior_instance` (a shipper's resume).
+    resume_floor: u64,
     recent_lost: Vec<LostRange>,
     closed: bool,
     limits: TrackerLimits,
@@ -126,6 +136,8 @@ pub struct SeqTracker {
 
 const RING_FULL_SLOT: usize = 0;
 const OVERSIZED_SLOT: usize = 1;
+/// Not a loss cause: the `prior_instance` count (outside `StreamCounts::lost`).
+const PRIOR_SLOT: usize = DROP_SLOTS;
 
 fn slot(cause: LossCause) -> usize {
     cause.drop_slot().unwrap_or(DROP_SLOTS - 1)
@@ -146,6 +158,7 @@ impl SeqTracker {
             ts_high: 0,
             wm_ns: 0,
             restart_floor: 0,
+            resume_floor: 0,
             recent_lost: Vec::new(),
             closed: false,
             limits,
@@ -254,7 +267,9 @@ impl SeqTracker {
                 self.recent_lost.push(LostRange { start: seq + 1, ..r });
             }
             let s = usize::from(r.slot);
-            if let Some(l) = self.counts.lost.get_mut(s) {
+            if s == PRIOR_SLOT {
+                self.counts.prior_instance = self.counts.prior_instance.saturating_sub(1);
+            } else if let Some(l) = self.counts.lost.get_mut(s) {
                 *l = l.saturating_sub(1);
             }
             if s == RING_FULL_SLOT || s == OVERSIZED_SLOT {
@@ -335,6 +350,32 @@ impl SeqTracker {
         self.update_watermark();
     }
 
+    /// A shipper's `resume` floor: every seq below `floor` was received or resolved by
+    /// some aggregator instance, or will still arrive (held frames, loss records). If it
+    /// lies above what this tracker has seen, this instance missed part of the stream: the
+    /// seqs up to it become a pending gap whose unexplained rest is `prior_instance` at
+    /// settlement. Returns whether it did (false: this instance already knows that far).
+    pub fn on_resume(&mut self, floor: u64, now: u64) -> bool {
+        if self.closed || floor <= self.high {
+            return false;
+        }
+        let start = self.high;
+        self.gaps.insert(start, Gap { end: floor, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
+        self.pending += floor - start;
+        self.high = floor;
+        self.resume_floor = floor;
+        if proto_flat::StreamId(self.key.stream_id).class_code() == proto_flat::Class::P1.code() {
+            // The shipper's own stream: no heartbeat counts it (nothing would ever settle
+            // the window) and no kernel drops it. Counted at once; a held frame that
+            // still arrives is revived from it.
+            let mut scratch = Vec::new();
+            let mut ids = 0;
+            self.declare(start, start, floor, PRIOR_SLOT, 0, now, &mut scratch, &mut ids);
+            self.update_watermark();
+        }
+        true
+    }
+
     /// A new shipper session took over at `attempted` for this stream: seqs below it
     /// that nobody ships are `shipper_restart` losses at the next settlement.
     pub fn on_session_start(&mut self, attempted: u64) {
@@ -372,7 +413,9 @@ impl SeqTracker {
         // kernel can have made them. Below the floor a hole may also be the last
         // session's unshipped tail (`shipper_restart`). Without a restart the floor is 0
         // and this is one pass in seq order.
-        let floor = self.restart_floor;
+        // A resume floor works the same way: below it a hole may be what another
+        // aggregator instance received.
+        let floor = self.restart_floor.max(self.resume_floor);
         let above: Vec<u64> = self.gaps.range(..limit).filter(|(_, g)| g.end > floor).map(|(s, _)| *s).collect();
         for start in above {
             let Some(gap) = self.gaps.get(&start).copied() else { continue };
@@ -436,6 +479,8 @@ impl SeqTracker {
                 (RING_FULL_SLOT, (end - lo).min(unexplained[0]))
             } else if unexplained[1] > 0 {
                 (OVERSIZED_SLOT, (end - lo).min(unexplained[1]))
+            } else if lo < self.resume_floor {
+                (PRIOR_SLOT, end.min(self.resume_floor) - lo)
             } else if lo < self.restart_floor {
                 (slot(LossCause::ShipperRestart), end.min(self.restart_floor) - lo)
             } else {
@@ -497,17 +542,19 @@ impl SeqTracker {
         }
         let n = hi - lo;
         self.pending -= n;
+        if cause_slot == PRIOR_SLOT {
+            // Not loss: counted, remembered for revival, no loss interval.
+            self.counts.prior_instance += n;
+            self.remember_lost(lo, hi, cause_slot);
+            return;
+        }
         if let Some(l) = self.counts.lost.get_mut(cause_slot) {
             *l += n;
         }
         if cause_slot <= OVERSIZED_SLOT {
             self.kernel_attributed[cause_slot] += n;
         }
-        if self.recent_lost.len() >= self.limits.max_recent_lost {
-            self.recent_lost.remove(0);
-        }
-        let slot_u8 = u8::try_from(cause_slot).unwrap_or(u8::MAX);
-        self.recent_lost.push(LostRange { start: lo, end: hi, slot: slot_u8 });
+        self.remember_lost(lo, hi, cause_slot);
         *ids += 1;
         let cause = LossCause::from_drop_slot(cause_slot).unwrap_or(LossCause::Unknown);
         out.push(LossInterval {
@@ -522,6 +569,14 @@ impl SeqTracker {
             to_node_ns: gap.hi_ts,
             decided_at_ns: now,
         });
+    }
+
+    fn remember_lost(&mut self, lo: u64, hi: u64, cause_slot: usize) {
+        if self.recent_lost.len() >= self.limits.max_recent_lost {
+            self.recent_lost.remove(0);
+        }
+        let slot_u8 = u8::try_from(cause_slot).unwrap_or(u8::MAX);
+        self.recent_lost.push(LostRange { start: lo, end: hi, slot: slot_u8 });
     }
 
     fn enforce_gap_cap(&mut self, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {

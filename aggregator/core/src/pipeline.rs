@@ -36,6 +36,17 @@ pub enum Receipt {
     NodeCapReached,
 }
 
+/// What a `resume` did ([`Core::handle_resume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Resumed {
+    /// The node cap refused the node: nothing applied; the shell closes the connection.
+    pub refused: bool,
+    /// Batches settled that this instance had not applied (acked elsewhere or lost).
+    pub batches_settled: u64,
+    /// Streams this instance had missed part of.
+    pub stream_windows: u64,
+}
+
 impl Core {
     /// A fresh core started at `now`.
     #[must_use]
@@ -63,6 +74,29 @@ impl Core {
         }
         self.ingest.dedup_mut().mark_applied(node, session, seq);
         Receipt::Applied
+    }
+
+    /// A connection's `resume`, applied before any of its batches: the session's dedup
+    /// state settles what the shipper no longer holds, and every stream floor above what
+    /// this instance saw opens a window that only held frames, loss records, kernel drop
+    /// counts or `prior_instance` close (see [`crate::dedup`], [`crate::loss`]).
+    #[allow(clippy::too_many_arguments, reason = "one resume message's fields")]
+    pub fn handle_resume(
+        &mut self,
+        now: u64,
+        node: NodeId,
+        session: u64,
+        epoch: u64,
+        next_batch_seq: u64,
+        held: &[(u64, u64)],
+        floors: &[(u32, u64)],
+    ) -> Resumed {
+        let Some(windows) = self.ingest.handle_resume(now, node, epoch, floors) else {
+            return Resumed { refused: true, ..Resumed::default() };
+        };
+        let batches_settled = self.ingest.dedup_mut().resume(node, session, next_batch_seq, held);
+        self.pump(now);
+        Resumed { refused: false, batches_settled, stream_windows: windows }
     }
 
     /// A validated batch, applied without dedup (see [`Ingest::handle_batch`]).

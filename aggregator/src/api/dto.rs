@@ -58,6 +58,18 @@ pub struct IngestDto {
     pub malformed_frames: u64,
     pub loss_intervals: u64,
     pub ops_inferred_from_seq_gap: u64,
+    /// Session resumption (a `resume` at every connection): how many were applied, the
+    /// batches they settled that this instance had never applied, the streams this
+    /// instance had missed part of, and batches refused because a session's dedup window
+    /// was full (a restart never causes that).
+    pub resumes: u64,
+    pub resume_batches_settled: u64,
+    pub resume_stream_windows: u64,
+    pub dedup_window_full: u64,
+    /// The last snapshot: how long the core's lock was held to take it (µs), and when
+    /// (aggregator ms).
+    pub last_snapshot_hold_us: u64,
+    pub last_snapshot_at_ms: u64,
 }
 
 /// `GET /v1/nodes`.
@@ -95,6 +107,9 @@ pub struct NodeDto {
     pub gpus: Vec<GpuDto>,
     /// Restored from a snapshot and no batch from this node since: a gap still open.
     pub awaiting_first_batch: bool,
+    /// Seqs of this node's streams that another aggregator instance received or resolved
+    /// (before a restart this instance did not restore from): not loss.
+    pub prior_instance: u64,
     pub streams: Vec<StreamDto>,
 }
 
@@ -126,6 +141,9 @@ pub struct StreamDto {
     /// Lost frames by cause name.
     pub lost: BTreeMap<String, u64>,
     pub lost_total: u64,
+    /// Seqs another aggregator instance received or resolved (a resume floor above what
+    /// this instance saw): not loss.
+    pub prior_instance: u64,
     /// Seqs neither received nor resolved yet.
     pub pending: u64,
     /// Seqs the shipper reported spooled and not yet received.
@@ -230,6 +248,7 @@ impl StreamDto {
             received: c.received,
             lost,
             lost_total: c.lost_total(),
+            prior_instance: c.prior_instance,
             pending: t.pending(),
             in_transit: t.in_transit(),
             attempted: hb.map_or(0, |h| h.attempted),

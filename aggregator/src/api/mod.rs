@@ -55,9 +55,9 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Json<HealthzDto> {
 async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
     use std::sync::atomic::Ordering::Relaxed;
     let c = &s.counters;
-    let (stats, matcher) = {
+    let (stats, matcher, dedup) = {
         let core = s.core();
-        (*core.ingest.stats(), *core.matcher.stats())
+        (*core.ingest.stats(), *core.matcher.stats(), *core.ingest.dedup().stats())
     };
     Json(IngestDto {
         api_version: API_VERSION.into(),
@@ -85,6 +85,12 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
         malformed_frames: stats.malformed_frames,
         loss_intervals: stats.loss_intervals,
         ops_inferred_from_seq_gap: matcher.ops_inferred_from_seq_gap,
+        resumes: dedup.resumes,
+        resume_batches_settled: dedup.resume_settled,
+        resume_stream_windows: stats.resume_windows,
+        dedup_window_full: dedup.window_full,
+        last_snapshot_hold_us: c.last_snapshot_hold_us.load(Relaxed),
+        last_snapshot_at_ms: c.last_snapshot_at_ms.load(Relaxed),
     })
 }
 
@@ -128,6 +134,7 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                     })
                     .collect(),
                 awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
+                prior_instance: core.ingest.trackers(id).map(|t| t.counts().prior_instance).sum(),
                 streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
             }
         })

@@ -100,11 +100,43 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
             return;
         }
     };
-    if !preface_ok(ctl_recv).await {
+    let mut ctl_recv = ctl_recv;
+    if !preface_ok(&mut ctl_recv).await {
         Counters::inc(&shared.counters.protocol_errors);
         conn.close(close::PROTOCOL.into(), b"bad control preface");
         closed(&shared, node);
         return;
+    }
+    // The session's resume, applied before any batch of this connection is read.
+    match read_resume(&mut ctl_recv).await {
+        Ok(r) => {
+            let now = shared.now();
+            let mut core = shared.core();
+            let done = core.handle_resume(now, node, r.session, r.epoch, r.next_batch_seq, &r.held, &r.floors);
+            shared.drain_events(&mut core);
+            drop(core);
+            if done.refused {
+                conn.close(close::REFUSED.into(), b"aggregator node cap reached");
+                closed(&shared, node);
+                return;
+            }
+            if done.batches_settled > 0 || done.stream_windows > 0 {
+                tracing::info!(
+                    node = %name,
+                    session = format!("{:016x}", r.session),
+                    batches_settled = done.batches_settled,
+                    stream_windows = done.stream_windows,
+                    "session resumed: settled what another instance (or a loss report) took"
+                );
+            }
+        }
+        Err(why) => {
+            Counters::inc(&shared.counters.protocol_errors);
+            tracing::warn!(%remote, node = %name, error = %why, "bad resume");
+            conn.close(close::PROTOCOL.into(), b"bad resume");
+            closed(&shared, node);
+            return;
+        }
     }
     let (tx, rx) = mpsc::channel::<Answer>(4096);
     let writer = tokio::spawn(control_writer(ctl_send, rx, Arc::clone(&shared)));
@@ -188,10 +220,51 @@ fn closed(shared: &Shared, node: NodeId) {
     shared.drain_events(&mut core);
 }
 
-async fn preface_ok(mut recv: quinn::RecvStream) -> bool {
+async fn preface_ok(recv: &mut quinn::RecvStream) -> bool {
     let mut buf = [0u8; CONTROL_PREFACE.len()];
     let read = tokio::time::timeout(Duration::from_secs(10), recv.read_exact(&mut buf)).await;
     matches!(read, Ok(Ok(()))) && buf == CONTROL_PREFACE
+}
+
+/// A decoded `resume`, owned.
+struct Resume {
+    session: u64,
+    epoch: u64,
+    next_batch_seq: u64,
+    held: Vec<(u64, u64)>,
+    floors: Vec<(u32, u64)>,
+}
+
+/// Reads the one `resume` that follows the preface (within 10 s, at most
+/// `MAX_CONTROL_LEN` bytes: the length is checked before anything is buffered).
+async fn read_resume(recv: &mut quinn::RecvStream) -> Result<Resume, String> {
+    use proto_flat::control::{ControlHeader, ControlMessage, MAX_CONTROL_LEN, parse_control};
+    let read = async {
+        let mut head = [0u8; size_of::<ControlHeader>()];
+        recv.read_exact(&mut head).await.map_err(|e| e.to_string())?;
+        let len = ControlHeader::read_from_bytes(&head).map_or(0, |h| h.length.get() as usize);
+        if !(head.len()..=MAX_CONTROL_LEN).contains(&len) {
+            return Err(format!("resume length {len} outside {}..={MAX_CONTROL_LEN}", head.len()));
+        }
+        let mut msg = vec![0u8; len];
+        msg[..head.len()].copy_from_slice(&head);
+        recv.read_exact(&mut msg[head.len()..]).await.map_err(|e| e.to_string())?;
+        match parse_control(&msg) {
+            Ok(Some((ControlMessage::Resume { shipper_session, epoch, next_batch_seq, held, streams }, _))) => {
+                Ok(Resume {
+                    session: shipper_session,
+                    epoch,
+                    next_batch_seq,
+                    held: held.iter().map(|r| (r.first.get(), r.last.get())).collect(),
+                    floors: streams.iter().map(|s| (s.stream_id.get(), s.floor_seq.get())).collect(),
+                })
+            }
+            Ok(Some((other, _))) => Err(format!("expected resume, got {other:?}")),
+            Ok(None) => Err("truncated resume".to_owned()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read).await.map_err(|_| "no resume within 10 s".to_owned())?
 }
 
 /// Validates and applies one batch. `Err` carries the (session, batch_seq) if the

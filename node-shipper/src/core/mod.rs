@@ -18,5 +18,7 @@ pub mod spool;
 pub use batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
 pub use loss::{LostRange, lost_ranges};
 pub use sampling::{SamplingConfig, SamplingPolicy};
-pub use shipper::{CoreConfig, EpochStart, SHIPPER_STREAM, ShipperCore, ShipperStats, SourceCounters, Unflushed};
+pub use shipper::{
+    CoreConfig, EpochStart, ResumeState, SHIPPER_STREAM, ShipperCore, ShipperStats, SourceCounters, Unflushed,
+};
 pub use spool::{Admission, Spool, SpoolConfig, SpoolCounters};

@@ -8,6 +8,8 @@
 //!   [`ShipperCore::handle_hello`] (control messages), [`ShipperCore::reconnected`];
 //! - timers: [`ShipperCore::poll_timeout`] then [`ShipperCore::handle_timeout`];
 //! - outputs: [`ShipperCore::poll_transmit`] (the next batch to put on the wire);
+//! - at every connection: [`ShipperCore::resume`] (where the session stands, sent right
+//!   after the control preface);
 //! - shutdown: [`ShipperCore::flush`], then [`ShipperCore::unacked`] /
 //!   [`ShipperCore::abandon`] at the deadline.
 //!
@@ -24,7 +26,13 @@ use proto_flat::frames::{EpochStartFrame, FixedFrame};
 use proto_flat::header::StreamId;
 use proto_flat::sections::{ProgressEntry, SessionStreamEntry, ShipperStateEntry, StreamEntry};
 use zerocopy::little_endian::{U32, U64};
-use zerocopy::{FromZeros, IntoBytes};
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
+
+use std::collections::BTreeMap;
+
+use proto_flat::batch::BatchView;
+use proto_flat::control::{MAX_RESUME_RANGES, MAX_RESUME_STREAMS};
+use proto_flat::decode::Frame;
 
 use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
 use super::loss::lost_ranges;
@@ -126,6 +134,13 @@ pub struct ShipperStats {
     pub frames_in: u64,
     /// Ring records that were not a frame (bad length or lane): counted, not shipped.
     pub frames_malformed: u64,
+    /// Frames put into each lane's batches (P0, P1, P2, P3): ring frames, and in P1 the
+    /// shipper's own (heartbeats, loss records, session and epoch starts). Per lane,
+    /// `frames_in_by_lane = frames_acked_by_lane + frames_lost_by_lane + unflushed`.
+    pub frames_in_by_lane: [u64; 4],
+    /// Frames of batches that left the spool unacked (evicted, refused, nacked, given up
+    /// at shutdown), per lane.
+    pub frames_lost_by_lane: [u64; 4],
     pub batches_cut: u64,
     pub heartbeats: u64,
     /// `session_start` frames (a takeover of pinned kernel counters).
@@ -241,6 +256,24 @@ pub struct ShipperCore {
     lane_progress_ns: [u64; 4],
     batch_log: Option<Vec<BatchEvent>>,
     batch_log_overflow: u64,
+    /// Per `(epoch, stream_id)`: one past the highest seq of the stream in a batch that
+    /// left the spool acked (its frames, or a loss record's range), or the seq this
+    /// session took the stream over at — the `resume` floor. At most
+    /// [`MAX_RESUME_STREAMS`] entries; more are counted in `resume_streams_dropped`.
+    released: BTreeMap<(u64, u32), u64>,
+    resume_streams_dropped: u64,
+}
+
+/// What a `resume` says (see [`ShipperCore::resume`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ResumeState {
+    pub shipper_session: u64,
+    pub epoch: u64,
+    pub next_batch_seq: u64,
+    /// Held `batch_seq`s, inclusive ranges, ascending.
+    pub held: Vec<(u64, u64)>,
+    /// `(stream_id, floor_seq)` of the current epoch.
+    pub floors: Vec<(u32, u64)>,
 }
 
 impl ShipperCore {
@@ -264,6 +297,8 @@ impl ShipperCore {
             lane_progress_ns: [now; 4],
             batch_log: config.batch_log.then(Vec::new),
             batch_log_overflow: 0,
+            released: BTreeMap::new(),
+            resume_streams_dropped: 0,
         }
     }
 
@@ -348,6 +383,10 @@ impl ShipperCore {
         let session = self.batcher.meta().shipper_session;
         let mut w = SectionedFrameWriter::session_start(self.shipper_stream, seq, node_mono_ns, session);
         w.section(streams);
+        let epoch = self.batcher.meta().epoch;
+        for e in streams {
+            self.raise_floor(epoch, e.stream_id.get(), e.attempted_seq.get());
+        }
         let frame = w.finish();
         self.push_into_lane(&frame, now);
         self.stats.session_starts += 1;
@@ -398,7 +437,77 @@ impl ShipperCore {
             self.stats.batches_acked += 1;
             self.stats.frames_acked += u64::from(b.frames);
             self.stats.frames_acked_by_lane[usize::from(b.lane.code()).min(3)] += u64::from(b.frames);
+            self.note_released(&b.bytes);
             self.batcher.recycle(b.bytes);
+        }
+    }
+
+    /// Where the session stands, for the `resume` sent right after the control preface
+    /// of every connection: the held `batch_seq`s (everything below `next_batch_seq`
+    /// not held left the spool for good) and each stream's floor (one past the highest
+    /// seq of it that left the spool acked, or where this session took it over). An
+    /// aggregator that restarted settles what it no longer needs to wait for.
+    #[must_use]
+    pub fn resume(&self) -> ResumeState {
+        let mut seqs: Vec<u64> = self.spool.iter().map(|b| b.batch_seq).collect();
+        seqs.sort_unstable();
+        let mut held: Vec<(u64, u64)> = Vec::new();
+        let mut next_batch_seq = self.batcher.next_batch_seq();
+        for seq in seqs {
+            if let Some(last) = held.last_mut().filter(|l| seq == l.1 + 1) {
+                last.1 = seq;
+            } else if held.len() == MAX_RESUME_RANGES {
+                // Too fragmented to list: speak only up to the first range left out.
+                next_batch_seq = seq;
+                break;
+            } else {
+                held.push((seq, seq));
+            }
+        }
+        let meta = self.batcher.meta();
+        let floors = self.released.range((meta.epoch, 0)..=(meta.epoch, u32::MAX)).map(|(k, v)| (k.1, *v)).collect();
+        ResumeState { shipper_session: meta.shipper_session, epoch: meta.epoch, next_batch_seq, held, floors }
+    }
+
+    /// Resume floors that did not fit [`MAX_RESUME_STREAMS`].
+    #[must_use]
+    pub fn resume_streams_dropped(&self) -> u64 {
+        self.resume_streams_dropped
+    }
+
+    fn raise_floor(&mut self, epoch: u64, stream_id: u32, floor: u64) {
+        let len = self.released.len();
+        match self.released.entry((epoch, stream_id)) {
+            std::collections::btree_map::Entry::Occupied(mut e) => {
+                let v = e.get_mut();
+                *v = (*v).max(floor);
+            }
+            std::collections::btree_map::Entry::Vacant(v) if len < MAX_RESUME_STREAMS => {
+                v.insert(floor);
+            }
+            std::collections::btree_map::Entry::Vacant(_) => self.resume_streams_dropped += 1,
+        }
+    }
+
+    /// An acked batch's streams move their resume floors (per batch, never per frame:
+    /// the stream summary for ring lanes; the frames of the shipper's own P1 batches, whose
+    /// loss records speak for other streams).
+    fn note_released(&mut self, bytes: &[u8]) {
+        let Ok(view) = BatchView::parse(bytes) else { return };
+        let epoch = view.header.epoch.get();
+        if view.lane() == Class::P1 {
+            for frame in view.frames() {
+                let Ok(frame) = frame else { break };
+                let h = frame.header();
+                self.raise_floor(epoch, h.stream_id.get(), h.seq.get().saturating_add(1));
+                if let Frame::LossRecord(r) = frame {
+                    self.raise_floor(epoch, r.stream_id.get(), r.last_seq.get().saturating_add(1));
+                }
+            }
+        } else {
+            for e in view.summary.iter() {
+                self.raise_floor(epoch, e.stream_id.get(), e.last_seq.get().saturating_add(1));
+            }
         }
     }
 
@@ -492,19 +601,35 @@ impl ShipperCore {
         u
     }
 
+    /// Shutdown, once the flush deadline passed: every unacked ring-frame batch (P0 and
+    /// bulk) is given up as `shipper_shutdown` loss records, which go out in P1 batches
+    /// (small, sent first), so the aggregator accounts for them with their cause instead
+    /// of waiting for frames that will never come. A report for a batch the aggregator
+    /// applied after all (its ack still in flight) is ignored there. Returns the frames
+    /// given up.
+    pub fn give_up_data(&mut self, now: u64) -> u64 {
+        let mut frames = 0;
+        for b in self.spool.drain_lanes(&[Class::P0, Class::P2, Class::P3]) {
+            frames += u64::from(b.frames);
+            self.lose(b, LossCause::ShipperShutdown, 0, now);
+        }
+        self.offer_cut(now);
+        frames
+    }
+
     /// The shutdown deadline passed: whatever is unacked is given up and reported (it
     /// cannot be shipped any more; the next session's `session_start` or the
     /// aggregator's reorder timeout accounts for it there).
     pub fn abandon(&mut self) -> Unflushed {
         let u = self.unacked();
-        let slot = LossCause::ShipperShutdown.drop_slot().unwrap_or(0);
         for b in self.spool.drain() {
             self.log(BatchEvent::Abandoned { batch_seq: b.batch_seq });
+            self.stats.frames_lost_by_lane[usize::from(b.lane.code()).min(3)] += u64::from(b.frames);
             if b.lane == Class::P1 {
                 self.stats.own_frames_lost += u64::from(b.frames);
-            } else {
-                self.stats.frames_lost[slot] += u64::from(b.frames);
             }
+            // Ring frames here are in no loss record: the returned `Unflushed` reports
+            // them (the shutdown path names them in loss records first, `give_up_data`).
         }
         u
     }
@@ -519,7 +644,14 @@ impl ShipperCore {
     /// Copies a frame into its lane's open batch (ring records and the shipper's own P1
     /// frames alike); a cut batch waits for `offer_cut`.
     fn push_into_lane(&mut self, frame: &[u8], now: u64) {
-        match self.batcher.push(frame, now) {
+        let pushed = self.batcher.push(frame, now);
+        if pushed.is_ok() {
+            // The batcher accepted it, so the header parses.
+            let lane = proto_flat::FrameHeader::read_from_prefix(frame)
+                .map_or(3, |(h, _)| usize::from(h.stream().class_code()).min(3));
+            self.stats.frames_in_by_lane[lane] += 1;
+        }
+        match pushed {
             Ok(Some(b)) => self.cut.push(b),
             Ok(None) => {}
             Err(_) => self.stats.frames_malformed += 1,
@@ -592,6 +724,7 @@ impl ShipperCore {
     /// could loop); they are counted in the running totals every envelope carries.
     fn lose(&mut self, b: Batch, cause: LossCause, reason: u16, now: u64) {
         self.log(BatchEvent::Lost { batch_seq: b.batch_seq, cause: cause.code() });
+        self.stats.frames_lost_by_lane[usize::from(b.lane.code()).min(3)] += u64::from(b.frames);
         let slot = cause.drop_slot().unwrap_or(0);
         self.batcher.note_loss(cause, u64::from(b.frames));
         if b.lane == Class::P1 {

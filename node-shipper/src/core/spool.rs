@@ -280,6 +280,22 @@ impl Spool {
         self.lanes.iter_mut().flat_map(|l| l.drain(..)).collect()
     }
 
+    /// Every batch held in the given lanes (shutdown: ring frames given up as loss
+    /// records while P1 stays to carry them).
+    pub fn drain_lanes(&mut self, classes: &[Class]) -> Vec<Batch> {
+        let mut out = Vec::new();
+        for &class in classes {
+            let lane = lane_of(class);
+            for b in std::mem::take(&mut self.lanes[lane]) {
+                self.account(lane, b.bytes.len(), false);
+                out.push(b);
+            }
+            self.sent[lane] = 0;
+            self.sent_bytes[lane] = 0;
+        }
+        out
+    }
+
     /// Takes batch `i` out of `lane`, keeping the byte counts and the sent prefix right.
     fn remove(&mut self, lane: usize, i: usize) -> Option<Batch> {
         let b = self.lanes[lane].remove(i)?;

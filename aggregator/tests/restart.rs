@@ -20,7 +20,9 @@ use node_shipper::core::shipper::BatchEvent;
 use node_shipper::driver::RunOptions;
 use node_shipper::source::SimSource;
 use ringwatch_core::NodeId;
-use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
+use ringwatch_tests::{
+    TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth, wait_ingest, wait_nodes,
+};
 use ringwatch_transport::Tuning;
 
 /// Starts `aggregator run` and reads the two address lines it prints.
@@ -80,8 +82,12 @@ async fn net_aggregator_sigkill_and_restart_from_snapshot() {
         shippers.push(spawn_shipper(cfg, Box::new(source), opts));
     }
 
-    // SIGKILL mid-run; keep the snapshot instance 2 will restore.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // SIGKILL mid-run, once a snapshot taken after the hold began has applied-but-unacked
+    // batches in it; keep that snapshot for instance 2 to restore.
+    wait_ingest(http1, "instance 1 snapshotted while holding acks", |i| {
+        i.last_snapshot_at_ms > 2_300 && i.batches_applied > 100
+    })
+    .await;
     signal(&first, "-KILL");
     let _ = first.wait();
     let killed_at = start.elapsed();
@@ -96,9 +102,9 @@ async fn net_aggregator_sigkill_and_restart_from_snapshot() {
     assert_eq!(h2.aggregator_epoch, 2);
     assert_ne!(h2.instance, h1.instance);
 
-    // Let the run finish and everything settle.
-    let until = Duration::from_millis(s.duration_ms + 4000);
-    tokio::time::sleep(until.saturating_sub(start.elapsed())).await;
+    // The run ends on state: every stream of every node settled at instance 2.
+    let truth = truth(&s, options);
+    wait_nodes(http2, "every stream settled at instance 2", |n| streams_settled(n, &truth, |_| true)).await;
     let nodes: NodesDto = get_json(http2, "/v1/nodes").await;
     let verdicts: VerdictsDto = get_json(http2, "/v1/verdicts?limit=100000").await;
     let reports = stop(shippers).await;
@@ -197,7 +203,6 @@ async fn net_aggregator_sigkill_and_restart_from_snapshot() {
     // after its last snapshot are gone with it (an ack means applied, not durable): the
     // shippers' resume floors make them `prior_instance` on instance 2 (issue 16; they
     // were `unknown` loss before), counted, never silent.
-    let truth = truth(&s, options);
     let mut lost_in_gap = 0;
     for t in &truth.streams {
         let name = aggregator::certs::node_name(t.node);
@@ -222,37 +227,6 @@ async fn net_aggregator_sigkill_and_restart_from_snapshot() {
         );
     }
     println!("frames acked by instance 1 after its last snapshot, counted prior_instance on instance 2: {lost_in_gap}");
-}
-
-/// Polls `/v1/ingest` until `done` holds; a printed, generous timeout (the machine may be
-/// loaded: late is fine, wrong is not).
-async fn wait_ingest(http: SocketAddr, what: &str, done: impl Fn(&IngestDto) -> bool) -> IngestDto {
-    let limit = Duration::from_secs(120);
-    let started = Instant::now();
-    loop {
-        let i: IngestDto = get_json(http, "/v1/ingest").await;
-        if done(&i) {
-            println!("{what}: after {:?}", started.elapsed());
-            return i;
-        }
-        assert!(started.elapsed() < limit, "{what}: not within {limit:?}; last /v1/ingest: {i:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Polls `/v1/nodes` until `done` holds, with the same generous, printed timeout.
-async fn wait_nodes(http: SocketAddr, what: &str, done: impl Fn(&NodesDto) -> bool) -> NodesDto {
-    let limit = Duration::from_secs(120);
-    let started = Instant::now();
-    loop {
-        let n: NodesDto = get_json(http, "/v1/nodes").await;
-        if done(&n) {
-            println!("{what}: after {:?}", started.elapsed());
-            return n;
-        }
-        assert!(started.elapsed() < limit, "{what}: not within {limit:?}; last /v1/nodes: {n:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Nothing refused, nothing closed for abuse, no dedup window full on an instance.
@@ -347,19 +321,11 @@ async fn net_aggregator_restarts_of_every_kind_lock_no_shipper_out_regression_is
     // count, then the shippers flush and stop, then nothing is pending or in transit.
     let truth = truth(&s, options);
     let ours: Vec<_> = truth.streams.iter().filter(|t| t.node < 2).collect();
-    let generated_all = |n: &NodesDto| {
-        ours.iter().all(|t| {
-            let name = aggregator::certs::node_name(t.node);
-            n.nodes.iter().filter(|x| x.name == name).flat_map(|x| &x.streams).any(|x| {
-                x.epoch == t.epoch && x.stream_id == t.stream_id && x.attempted + x.sampled_out == t.generated
-            })
-        })
-    };
-    wait_nodes(http, "the scenario ran to its end on both nodes", generated_all).await;
+    let nodes = wait_nodes(http, "the scenario ran to its end and settled on both nodes", |n| {
+        streams_settled(n, &truth, |node| node < 2)
+    })
+    .await;
     let reports = stop(shippers).await;
-    let settled =
-        |n: &NodesDto| n.nodes.iter().flat_map(|x| &x.streams).all(|x| x.pending == 0 && x.in_transit == 0);
-    let nodes = wait_nodes(http, "every stream settled", settled).await;
     let i: IngestDto = get_json(http, "/v1/ingest").await;
     assert_nobody_refused("instance 4, at the end", &i);
     signal(&agg, "-TERM");

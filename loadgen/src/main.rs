@@ -152,6 +152,7 @@ async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
             "target_frames_per_s": r.target_frames_per_s,
             "achieved_frames_per_s": r.achieved_frames_per_s,
             "wall_ms": r.wall.as_millis(),
+            "settled_in_ms": r.settled_in.as_millis(),
         });
         println!("{out}");
     } else {
@@ -163,12 +164,13 @@ async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
             );
         }
         println!(
-            "rate: target {:.0} frames/s, achieved {:.0}; scale {:e}, time ×{}; wall {:.1} s; perfect: {}",
+            "rate: target {:.0} frames/s, achieved {:.0}; scale {:e}, time ×{}; wall {:.1} s (settled {:.1} s after the simulated end); perfect: {}",
             r.target_frames_per_s,
             r.achieved_frames_per_s,
             r.spec.scale,
             r.spec.time_scale,
             r.wall.as_secs_f64(),
+            r.settled_in.as_secs_f64(),
             sc.perfect()
         );
     }

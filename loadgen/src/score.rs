@@ -86,6 +86,10 @@ pub struct Score {
     pub non_final: u64,
     pub non_final_old: u64,
     pub non_final_old_gated_by_silent: u64,
+    /// Decidable ranks with no final verdict whose op has a participant on a node that
+    /// died (DESIGN: a silent participant does not let the others' verdicts be final
+    /// until it is unreachable or back): the scorer's silent-node excuse.
+    pub non_final_gated_by_silent: u64,
     /// A few old non-final ones not gated by a silent node: (op, rank, truth, verdict so far).
     pub non_final_examples: Vec<(String, u32, String, String)>,
     /// Nodes called degraded that the truth does not degrade, and the converse.
@@ -200,6 +204,9 @@ pub fn score(
                 }
                 None => {
                     s.non_final += 1;
+                    if c.ranks.iter().any(|x| dead.get(x.node as usize).copied().unwrap_or(false)) {
+                        s.non_final_gated_by_silent += 1;
+                    }
                     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
                     if (c.sched_ms.max(0.0) as u64) < old_before {
                         s.non_final_old += 1;
@@ -295,13 +302,14 @@ pub fn score(
             c.received += g.received;
             c.lost += g.lost_total;
             c.sampled_out += g.sampled_out;
-            let accounted = g.received + g.lost_total + g.sampled_out;
+            // prior_instance: seqs another aggregator instance had (a restart), not loss.
+            let accounted = g.received + g.lost_total + g.prior_instance + g.sampled_out;
             if dead_node {
                 // Everything announced (attempted + sampled out at the last heartbeat) is
                 // accounted for; the rest was never on the wire.
                 // Every seq its last heartbeat announced is in an explicit state —
                 // received, lost, pending or in transit (the shipper died with it).
-                let known = g.received + g.lost_total + g.pending + g.in_transit;
+                let known = g.received + g.lost_total + g.prior_instance + g.pending + g.in_transit;
                 if known >= g.attempted && accounted <= t.generated {
                     c.exact += 1;
                 }
@@ -319,6 +327,16 @@ pub fn score(
 }
 
 impl Score {
+    /// The state a run waits for before it is scored (issue 16: runs end on state, not on
+    /// the clock): every stream exact — for a live node, received + lost + sampled out =
+    /// generated, so nothing is pending or in transit; for a dead one, everything its last
+    /// heartbeat announced is in an explicit state — and every decidable rank has a final
+    /// verdict, except where the silent-node rule excuses it.
+    #[must_use]
+    pub fn settled(&self) -> bool {
+        self.conservation.iter().all(|c| c.exact == c.streams) && self.non_final == self.non_final_gated_by_silent
+    }
+
     /// Every final verdict right, nothing falsely degraded, every stream exact, every
     /// identifiable culprit found, nothing old left non-final except behind a silent node.
     #[must_use]

@@ -918,6 +918,7 @@ impl Source for RingSource {
 pub struct Producer {
     ebpf: Ebpf,
     counter_map: PerCpuArray<MapData, CounterBytes>,
+    control: Array<MapData, [u8; size_of::<SamplingControl>()]>,
 }
 
 impl std::fmt::Debug for Producer {
@@ -934,7 +935,8 @@ impl Producer {
     pub fn open(cfg: &BpfConfig) -> Result<Self, LoadError> {
         let Loaded { mut ebpf, .. } = load(cfg)?;
         let counter_map = take_counters(&mut ebpf)?;
-        Ok(Self { ebpf, counter_map })
+        let control = take_array(&mut ebpf, CONTROL)?;
+        Ok(Self { ebpf, counter_map, control })
     }
 
     fn run(&self, prog: &str, packet: &[u8], repeat: u32) -> Result<Duration, LoadError> {
@@ -967,6 +969,15 @@ impl Producer {
     /// The test run failed.
     pub fn p0(&self, template: &proto_flat::frames::CollectiveFrame, repeat: u32) -> Result<Duration, LoadError> {
         self.run(P0_TEST_PROG, template.as_bytes(), repeat)
+    }
+
+    /// The bulk sampling level in force (the shipper writes it; tests wait on it).
+    ///
+    /// # Errors
+    /// The map could not be read.
+    pub fn sampling_level(&self) -> Result<u32, LoadError> {
+        let raw = self.control.get(&0, 0).map_err(|e| LoadError::Kernel { what: CONTROL.into(), detail: e.to_string() })?;
+        Ok(SamplingControl::read_from_bytes(&raw).map_or(0, |c| c.bulk_level.get()))
     }
 
     /// Every (ring, CPU)'s counters now.

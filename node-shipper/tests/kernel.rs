@@ -68,7 +68,11 @@ async fn settle(
                     && s.received + s.lost_total == s.attempted
             })
         });
-        if done || Instant::now() > by {
+        if done {
+            return (kernel, got);
+        }
+        if Instant::now() > by {
+            println!("not settled within {within:?}: kernel {kernel:?}, aggregator {got:?}");
             return (kernel, got);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -205,7 +209,7 @@ async fn kernel_ring_overflow_is_counted_exactly_end_to_end() {
     }
     let per_event: Vec<Duration> = threads.into_iter().map(|t| t.join().expect("producer thread")).collect();
     let produce_s = started.elapsed().as_secs_f64();
-    let (kernel, got) = settle(&h.agg, &producer, h.epoch, Duration::from_secs(30)).await;
+    let (kernel, got) = settle(&h.agg, &producer, h.epoch, STATE_LIMIT).await;
     let report = h.finish().await;
 
     println!("report: {}", serde_json::to_string(&report).unwrap_or_default());
@@ -235,8 +239,12 @@ async fn kernel_sampling_accounts_every_event_and_never_touches_p0() {
         &[("bulk_sampling_level", "3".into()), ("bulk_sampling_max_level", "3".into()), ("reader_cpus", "0".into())],
     )
     .await;
-    // The shipper writes the level as its reader starts; wait for it to be in force.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The shipper writes the level as its reader starts; wait until it is in force.
+    let by = Instant::now() + STATE_LIMIT;
+    while h.producer.sampling_level().expect("control map") != 3 {
+        assert!(Instant::now() < by, "the shipper never set sampling level 3");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The ring reader thread runs pinned where the configuration says.
     let pinned: Vec<String> = std::fs::read_dir("/proc/self/task")
         .expect("tasks")
@@ -264,7 +272,7 @@ async fn kernel_sampling_accounts_every_event_and_never_touches_p0() {
     for t in threads {
         t.join().expect("producer thread");
     }
-    let (kernel, got) = settle(&h.agg, &producer, h.epoch, Duration::from_secs(30)).await;
+    let (kernel, got) = settle(&h.agg, &producer, h.epoch, STATE_LIMIT).await;
     let _ = h.finish().await;
 
     check_exact(&kernel, &got);
@@ -303,9 +311,18 @@ async fn kernel_spool_pressure_raises_the_kernel_sampling_level() {
     )
     .await;
     let producer = std::sync::Arc::clone(&h.producer);
-    // ≈ 4 MB/s of frames into a 4 MiB spool that never drains: pressure within a second.
+    // ≈ 4 MB/s of frames into a 4 MiB spool that never drains: pressure within a second
+    // on an idle machine. Produce until the kernel samples (state), however long the
+    // shipper takes to see the pressure today, up to a generous limit.
     let p = std::sync::Arc::clone(&producer);
-    tokio::task::spawn_blocking(move || produce_for(&p, 3)).await.expect("produce");
+    let waited = tokio::task::spawn_blocking(move || {
+        produce_until(&p, STATE_LIMIT, |p| {
+            p.counters().expect("counters").iter().map(|(_, c)| c.sampled_out.get()).sum::<u64>() > 0
+        })
+    })
+    .await
+    .expect("produce");
+    println!("produced for {waited:?} until the kernel sampled");
     let report = h.finish().await;
 
     let kernel = producer.counters().expect("counters");
@@ -320,8 +337,18 @@ async fn kernel_spool_pressure_raises_the_kernel_sampling_level() {
     assert_eq!(attempted + sampled, ticks, "every event either took a seq or was counted as sampled out");
 }
 
-/// ≈ 1 M bulk events/s per CPU for `secs` seconds.
-fn produce_for(producer: &std::sync::Arc<Producer>, secs: u64) {
+/// How long a test waits for the state it checks (CI machines are shared: late is fine,
+/// wrong is not).
+const STATE_LIMIT: Duration = Duration::from_secs(120);
+
+/// ≈ 1 M bulk events/s per CPU until `done` holds (checked every 50 ms) or `limit`
+/// passes; returns how long it produced.
+fn produce_until(
+    producer: &std::sync::Arc<Producer>,
+    limit: Duration,
+    done: impl Fn(&Producer) -> bool,
+) -> Duration {
+    let started = Instant::now();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let threads: Vec<_> = cpus()
         .into_iter()
@@ -335,11 +362,20 @@ fn produce_for(producer: &std::sync::Arc<Producer>, secs: u64) {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_secs(secs));
+    while !done(producer) && started.elapsed() < limit {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for t in threads {
         t.join().expect("producer thread");
     }
+    started.elapsed()
+}
+
+/// ≈ 1 M bulk events/s per CPU for `secs` seconds (a fault's designed length: the
+/// shipper's downtime, not a wait for state).
+fn produce_for(producer: &std::sync::Arc<Producer>, secs: u64) {
+    produce_until(producer, Duration::from_secs(secs), |_| false);
 }
 
 fn shipper_process(cfg_args: &[(String, String)]) -> std::process::Child {
@@ -416,7 +452,7 @@ async fn kernel_shipper_restart_keeps_the_epoch_and_loses_nothing_silently() {
     let mut second = shipper_process(&args);
     let p = std::sync::Arc::clone(&producer);
     tokio::task::spawn_blocking(move || produce_for(&p, 1)).await.expect("phase 3");
-    let (kernel, got) = settle(&agg, &producer, epoch, Duration::from_secs(30)).await;
+    let (kernel, got) = settle(&agg, &producer, epoch, STATE_LIMIT).await;
     let _ = Command::new("kill").args(["-TERM", &second.id().to_string()]).status();
     let out = tokio::task::spawn_blocking(move || {
         let mut err = String::new();

@@ -119,3 +119,74 @@ pub async fn stop(shippers: Vec<Running>) -> Vec<node_shipper::driver::Report> {
     }
     out
 }
+
+/// How long a test waits for the state it checks before it fails, printing what it saw.
+/// Generous on purpose: CI machines are shared, and late is fine where wrong is not.
+pub const STATE_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Polls `/v1/nodes` until `done` holds (at most [`STATE_LIMIT`]; the wait is printed).
+///
+/// # Panics
+/// When the state is not reached in time (with the last answer), or the API fails.
+pub async fn wait_nodes(
+    http: SocketAddr,
+    what: &str,
+    done: impl Fn(&aggregator::api::dto::NodesDto) -> bool,
+) -> aggregator::api::dto::NodesDto {
+    wait_json(http, "/v1/nodes", what, done).await
+}
+
+/// Polls `/v1/ingest` until `done` holds (at most [`STATE_LIMIT`]; the wait is printed).
+///
+/// # Panics
+/// When the state is not reached in time (with the last answer), or the API fails.
+pub async fn wait_ingest(
+    http: SocketAddr,
+    what: &str,
+    done: impl Fn(&aggregator::api::dto::IngestDto) -> bool,
+) -> aggregator::api::dto::IngestDto {
+    wait_json(http, "/v1/ingest", what, done).await
+}
+
+/// Polls `GET path` until `done` holds (at most [`STATE_LIMIT`]; the wait is printed).
+///
+/// # Panics
+/// When the state is not reached in time (with the last answer), or the API fails.
+pub async fn wait_json<T: serde::de::DeserializeOwned + std::fmt::Debug>(
+    http: SocketAddr,
+    path: &str,
+    what: &str,
+    done: impl Fn(&T) -> bool,
+) -> T {
+    let started = std::time::Instant::now();
+    loop {
+        let got: T = get_json(http, path).await;
+        if done(&got) {
+            println!("state reached, {what}: after {:?}", started.elapsed());
+            return got;
+        }
+        assert!(started.elapsed() < STATE_LIMIT, "{what}: not reached within {STATE_LIMIT:?}; last {path}: {got:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether every stream of `truth` on the nodes `include` accepts is settled at the
+/// aggregator: its heartbeats reported everything the generator made (attempted +
+/// sampled out = generated), and nothing is pending or in transit.
+#[must_use]
+pub fn streams_settled(
+    nodes: &aggregator::api::dto::NodesDto,
+    truth: &loadgen_sim::GroundTruth,
+    include: impl Fn(u32) -> bool,
+) -> bool {
+    truth.streams.iter().filter(|t| include(t.node)).all(|t| {
+        let name = certs::node_name(t.node);
+        nodes.nodes.iter().filter(|n| n.name == name).flat_map(|n| &n.streams).any(|x| {
+            x.epoch == t.epoch
+                && x.stream_id == t.stream_id
+                && x.attempted + x.sampled_out == t.generated
+                && x.pending == 0
+                && x.in_transit == 0
+        })
+    })
+}

@@ -4,7 +4,7 @@
 //! Named `net_*`: real timers, run alone.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use aggregator::api::dto::{NodesDto, VerdictsDto};
 use aggregator::{Aggregator, AggregatorConfig};
@@ -14,7 +14,9 @@ use node_shipper::core::spool::SpoolConfig;
 use node_shipper::driver::RunOptions;
 use node_shipper::source::SimSource;
 use ringwatch_faultproxy::{Direction, FaultProxy, Faults};
-use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
+use ringwatch_tests::{
+    TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth, wait_json, wait_nodes,
+};
 use ringwatch_transport::Tuning;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,25 +49,39 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
         }
         shippers.push(spawn_shipper(cfg, Box::new(source), opts));
     }
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let cut_name = aggregator::certs::node_name(CUT);
+    let heard = |n: &NodesDto, name: &str| {
+        n.nodes.iter().any(|x| x.name == name && x.streams.iter().any(|st| st.class == "p0" && st.received > 0))
+    };
+    wait_nodes(agg.http_addr, "node 1 shipped P0 frames through the proxy", |n| heard(n, &cut_name)).await;
     proxy.set(Direction::Both, Faults { drop_all: true, ..Faults::default() });
     let cut_at = start.elapsed();
-    // Past the silent timer (5 s): node 1 is silent or unreachable; nothing may be called degraded,
-    // stuck or not joined meanwhile.
-    tokio::time::sleep(Duration::from_millis(5800)).await;
-    let during: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
-    let verdicts_during: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?limit=100000").await;
+    // Past the silent timer (5 s): node 1 is silent or unreachable, and its ranks are
+    // unknown_silent; nothing may be called degraded, stuck or not joined meanwhile.
+    let silent = |n: &NodesDto| {
+        n.nodes.iter().any(|x| x.name == cut_name && matches!(x.liveness.as_str(), "silent" | "unreachable"))
+    };
+    let during = wait_nodes(agg.http_addr, "node 1 silent or unreachable", silent).await;
+    let verdicts_during: VerdictsDto =
+        wait_json(agg.http_addr, "/v1/verdicts?limit=100000", "node 1's ranks unknown_silent", |v: &VerdictsDto| {
+            v.verdicts.iter().any(|v| v.outcome == "unknown_silent" && v.node.as_deref() == Some(cut_name.as_str()))
+        })
+        .await;
     proxy.heal();
     let healed_at = start.elapsed();
-    tokio::time::sleep(Duration::from_millis(6000)).await;
-    let after: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
+    // The run ends on state: every stream settled (the backlog drained, evictions
+    // reported), not after a fixed time.
+    let truth = truth(&s, options);
+    let after = wait_nodes(agg.http_addr, "every stream settled after healing", |n| {
+        streams_settled(n, &truth, |_| true)
+    })
+    .await;
     let verdicts_after: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?limit=100000").await;
     let reports = stop(shippers).await;
     let pstats = proxy.stats();
     agg.shutdown();
     println!("partition {cut_at:?} → {healed_at:?}; proxy {pstats:?}");
 
-    let cut_name = aggregator::certs::node_name(CUT);
     let liveness: BTreeMap<_, _> = during.nodes.iter().map(|n| (n.name.clone(), n.liveness.clone())).collect();
     println!("during the partition: {liveness:?}");
     // Silent (no data for 5 s), or unreachable once its connection timed out.
@@ -94,7 +110,6 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
     assert!(cut_report.frames_lost_spool_full > 0, "the partition outlasted the spool: bulk was evicted");
     assert!(cut_report.connections >= 2, "it reconnected after healing");
     // Accounting exact on every stream: P0 intact, bulk = received + evicted.
-    let truth = truth(&s, options);
     let mut evicted_seen = 0;
     for t in &truth.streams {
         let name = aggregator::certs::node_name(t.node);
@@ -134,7 +149,17 @@ async fn net_p0_latency_stays_low_while_bulk_saturates_the_link() {
     cfg.shutdown_deadline_ms = 500;
     let flush_ms = cfg.batcher.flush_interval_ns / 1_000_000;
     let shipper = spawn_shipper(cfg, Box::new(source), RunOptions::default());
-    tokio::time::sleep(Duration::from_millis(s.duration_ms)).await;
+    // The whole scenario offered (the heartbeats report everything the generator made),
+    // however long this machine takes.
+    let truth = truth(&s, options);
+    let offered = |n: &NodesDto| {
+        truth.streams.iter().filter(|t| t.node == 0).all(|t| {
+            n.nodes.iter().flat_map(|x| &x.streams).any(|x| {
+                x.epoch == t.epoch && x.stream_id == t.stream_id && x.attempted + x.sampled_out == t.generated
+            })
+        })
+    };
+    wait_nodes(agg.http_addr, "node 0 offered its whole scenario", offered).await;
     let reports = stop(vec![shipper]).await;
     let pstats = proxy.stats();
     agg.shutdown();

@@ -20,10 +20,12 @@ use node_shipper::driver::RunOptions;
 use node_shipper::source::SimSource;
 use proto_flat::batch::{BatchMeta, BatchWriter, RunningTotals, reseal};
 use proto_flat::codes::{Class, NackReason, WireEnum};
-use proto_flat::control::{ControlMessage, parse_control};
+use proto_flat::control::{ControlMessage, encode_resume, parse_control};
 use proto_flat::header::StreamId;
 use proto_flat::sample;
-use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
+use ringwatch_tests::{
+    TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth, wait_nodes,
+};
 use ringwatch_transport::{CONTROL_PREFACE, TlsFiles, Tuning};
 use rustls::pki_types::pem::PemObject;
 use zerocopy::IntoBytes;
@@ -47,12 +49,24 @@ fn batch(node: &str, session: u64, batch_seq: u64) -> Vec<u8> {
     w.finish(&RunningTotals::default()).to_vec()
 }
 
-/// A raw client with `files`: opens the control stream, then sends each payload on its
-/// own stream; returns the nack reasons it got back and whether the aggregator closed
-/// the connection.
+/// A raw client with `files`: opens the control stream (preface and an empty `resume`),
+/// then sends each payload on its own stream; returns the nack reasons it got back and
+/// whether the aggregator closed the connection.
 async fn attack(
     aggregator: SocketAddr,
     files: TlsFiles<'_>,
+    payloads: &[Vec<u8>],
+) -> Result<(Vec<NackReason>, bool), String> {
+    let mut resume = Vec::new();
+    encode_resume(&mut resume, 0, 1, 0, &[], &[]).map_err(|e| e.to_string())?;
+    attack_with(aggregator, files, &resume, payloads).await
+}
+
+/// [`attack`] with `opening` written after the preface instead of a valid `resume`.
+async fn attack_with(
+    aggregator: SocketAddr,
+    files: TlsFiles<'_>,
+    opening: &[u8],
     payloads: &[Vec<u8>],
 ) -> Result<(Vec<NackReason>, bool), String> {
     let tuning = Tuning::default();
@@ -62,6 +76,7 @@ async fn attack(
     let conn = ep.connect(aggregator, "localhost").map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
     send.write_all(&CONTROL_PREFACE).await.map_err(|e| e.to_string())?;
+    send.write_all(opening).await.map_err(|e| e.to_string())?;
     for p in payloads {
         let Ok(mut s) = conn.open_uni().await else { break };
         if s.write_all(p).await.is_err() {
@@ -94,6 +109,11 @@ async fn attack(
     Ok((nacks, closed))
 }
 
+/// A batch node 5 may send (for the bad-resume case: it must never be read).
+fn b7_again() -> Vec<u8> {
+    batch("node-05", 31, 1)
+}
+
 fn files(set: &CertSet, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
     set.node(name)
 }
@@ -117,7 +137,12 @@ async fn net_hostile_peers_are_refused_and_counted_while_honest_accounting_stays
         let cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
         honest.push(spawn_shipper(cfg, Box::new(source), RunOptions::default()));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let truth = truth(&s, options);
+    let honest_nodes = s.cluster.nodes;
+    wait_nodes(agg.http_addr, "every honest node is shipping", |n| {
+        (0..honest_nodes).all(|i| n.nodes.iter().any(|x| x.name == certs::node_name(i) && !x.streams.is_empty()))
+    })
+    .await;
     let ca = set.ca.clone();
 
     // 1. No client certificate: the handshake fails.
@@ -190,8 +215,23 @@ async fn net_hostile_peers_are_refused_and_counted_while_honest_accounting_stays
     let replay = attack(agg.quic_addr, TlsFiles { ca: &ca, cert: &c7, key: &k7 }, &[b7]).await.expect("connects");
     assert!(first.0.is_empty() && replay.0.is_empty(), "a replay is acked duplicate, not nacked");
 
-    // Let the honest run finish.
-    tokio::time::sleep(Duration::from_millis(s.duration_ms + 2500).saturating_sub(start.elapsed())).await;
+    // 6. Hostile resumes (issue 16): garbage where the resume belongs, and a resume whose
+    // counts are far past its caps; each closes the connection as a protocol error.
+    let (c5b, k5b) = files(&set, "node-05");
+    let garbage = attack_with(agg.quic_addr, TlsFiles { ca: &ca, cert: &c5b, key: &k5b }, &[0xEE; 64], &[])
+        .await
+        .expect("connects");
+    let mut huge = Vec::new();
+    encode_resume(&mut huge, 1, 1, u64::MAX, &[(1, 1)], &[]).expect("encodes");
+    huge[8 + 24..8 + 28].copy_from_slice(&u32::MAX.to_le_bytes()); // range_count
+    let over = attack_with(agg.quic_addr, TlsFiles { ca: &ca, cert: &c5b, key: &k5b }, &huge, &[b7_again()])
+        .await
+        .expect("connects");
+    assert!(garbage.1 && over.1, "bad resumes close the connection: {garbage:?} {over:?}");
+    assert!(over.0.is_empty(), "no batch is read after a bad resume");
+
+    // Let the honest run finish: the run ends on state, every honest stream settled.
+    wait_nodes(agg.http_addr, "every honest stream settled", |n| streams_settled(n, &truth, |_| true)).await;
     let ingest: IngestDto = get_json(agg.http_addr, "/v1/ingest").await;
     let nodes: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
     let health: HealthzDto = get_json(agg.http_addr, "/healthz").await;
@@ -210,8 +250,8 @@ async fn net_hostile_peers_are_refused_and_counted_while_honest_accounting_stays
     assert!(ingest.connections_closed_abuse >= 1);
     assert_eq!(ingest.batches_duplicate, 1, "the replayed batch, applied once");
 
+    assert!(ingest.protocol_errors >= 2, "the two bad resumes: {ingest:?}");
     // Honest accounting is exact, and no honest batch was nacked.
-    let truth = truth(&s, options);
     for r in &reports {
         assert_eq!(r.batches_nacked, 0, "{}", r.node_name);
         assert!(r.flushed, "{}", r.node_name);

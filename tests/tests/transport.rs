@@ -4,7 +4,7 @@
 //! because their timers are real.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use aggregator::api::dto::{NodesDto, VerdictsDto};
 use aggregator::{Aggregator, AggregatorConfig};
@@ -12,7 +12,10 @@ use loadgen_sim::{Scenario, SimOptions, builtin};
 use node_shipper::config::Source;
 use node_shipper::driver::RunOptions;
 use node_shipper::source::SimSource;
-use ringwatch_tests::{Running, TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, truth};
+use ringwatch_tests::{
+    Running, TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth, wait_json,
+    wait_nodes,
+};
 
 /// Runs `nodes` shippers (simulator sources, one per node, sharing one start instant)
 /// into one aggregator; returns the aggregator (still running) and the shippers'
@@ -54,23 +57,14 @@ async fn net_eight_shippers_from_the_simulator_match_ground_truth() {
     let (agg, shippers) = cluster(&dir, &s, options, |c| c, |_| RunOptions::default()).await;
     let http = agg.http_addr;
 
-    // The run lasts the scenario's duration; then wait until the verdicts are final and
-    // every stream settled (bounded: the test fails rather than hangs).
-    tokio::time::sleep(Duration::from_millis(s.duration_ms)).await;
-    let settle_by = Instant::now() + Duration::from_secs(20);
-    loop {
-        let fin: VerdictsDto = get_json(http, "/v1/verdicts?final=true&limit=1").await;
-        let nodes: NodesDto = get_json(http, "/v1/nodes").await;
-        let unsettled: u64 = nodes.nodes.iter().flat_map(|n| &n.streams).map(|x| x.pending + x.in_transit).sum();
-        if (fin.total >= decidable && unsettled == 0) || Instant::now() > settle_by {
-            println!(
-                "settled {} ms after the run: {} final verdicts, {unsettled} seqs unsettled",
-                s.duration_ms, fin.total
-            );
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    // The run ends on state: every stream settled (the generator's whole count reported,
+    // nothing pending or in transit), then every decidable verdict final — however long
+    // this machine takes (bounded: the test fails rather than hangs).
+    wait_nodes(http, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
+    wait_json(http, "/v1/verdicts?final=true&limit=1", "every decidable verdict final", |v: &VerdictsDto| {
+        v.total >= decidable
+    })
+    .await;
     let nodes: NodesDto = get_json(http, "/v1/nodes").await;
     let verdicts: VerdictsDto = get_json(http, "/v1/verdicts?limit=100000").await;
     let reports = stop(shippers).await;
@@ -179,12 +173,12 @@ async fn net_a_poisoned_batch_is_nacked_accounted_as_rejected_and_flow_continues
         |node| RunOptions { poison_bulk_batch_from: (node == 1).then_some(20), ..RunOptions::default() },
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(s.duration_ms + 2500)).await;
-    let nodes: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
+    let truth = truth(&s, options);
+    let nodes =
+        wait_nodes(agg.http_addr, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
     let reports = stop(shippers).await;
     let rejected = agg.shared.counters.rejected();
     agg.shutdown();
-    let truth = truth(&s, options);
 
     let poisoned = &reports[1];
     assert_eq!(poisoned.batches_nacked, 1, "{poisoned:?}");

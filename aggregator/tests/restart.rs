@@ -25,8 +25,33 @@ use ringwatch_tests::{
 };
 use ringwatch_transport::Tuning;
 
+/// An aggregator process, killed (by its pid) and reaped when dropped, so a failing test
+/// leaves nothing running.
+struct Proc(Child);
+
+impl std::ops::Deref for Proc {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Proc {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // A child already reaped by `wait` is not signalled again (std keeps its status).
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts `aggregator run` and reads the two address lines it prints.
-fn spawn_aggregator(certs: &Path, listen: &str, snapshot: &Path, extra: &[&str]) -> (Child, SocketAddr, SocketAddr) {
+fn spawn_aggregator(certs: &Path, listen: &str, snapshot: &Path, extra: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_aggregator"))
         .args(["run", "--listen", listen, "--http", "127.0.0.1:0", "--snapshot-interval-ms", "300"])
         .args(extra)
@@ -43,7 +68,28 @@ fn spawn_aggregator(certs: &Path, listen: &str, snapshot: &Path, extra: &[&str])
     let http = lines.next().expect("http line").expect("utf-8");
     let quic = quic.trim_start_matches("quic ").parse().expect("quic address");
     let http = http.trim_start_matches("http http://").parse().expect("http address");
-    (child, quic, http)
+    (Proc(child), quic, http)
+}
+
+/// In-process shippers for `nodes` of `s`, fed by the simulator in real time from `start`,
+/// noticing a dead aggregator within 1.5 s (idle timeout) and keeping a batch log.
+fn sim_shippers(
+    s: &loadgen_sim::Scenario,
+    options: SimOptions,
+    set: &aggregator::certs::CertSet,
+    quic: SocketAddr,
+    nodes: std::ops::Range<u32>,
+    start: Instant,
+) -> Vec<ringwatch_tests::Running> {
+    let tuning = Tuning { idle_timeout_ms: 1500, keep_alive_ms: 300, ..Tuning::default() };
+    nodes
+        .map(|node| {
+            let source = SimSource::new(s, options, node, start).expect("sim source");
+            let sim = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
+            let cfg = shipper_config(set, quic, node, sim);
+            spawn_shipper(cfg, Box::new(source), RunOptions { tuning, batch_log: true, ..RunOptions::default() })
+        })
+        .collect()
 }
 
 fn signal(child: &Child, sig: &str) {
@@ -67,20 +113,8 @@ async fn net_aggregator_sigkill_and_restart_from_snapshot() {
     assert!(!h1.restored);
 
     // Shippers notice a dead aggregator within 1.5 s (idle timeout) and reconnect.
-    let tuning = Tuning { idle_timeout_ms: 1500, keep_alive_ms: 300, ..Tuning::default() };
     let start = Instant::now();
-    let mut shippers = Vec::new();
-    for node in 0..s.cluster.nodes {
-        let source = SimSource::new(&s, options, node, start).expect("sim source");
-        let cfg = shipper_config(
-            &set,
-            quic,
-            node,
-            Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None },
-        );
-        let opts = RunOptions { tuning, batch_log: true, ..RunOptions::default() };
-        shippers.push(spawn_shipper(cfg, Box::new(source), opts));
-    }
+    let shippers = sim_shippers(&s, options, &set, quic, 0..s.cluster.nodes, start);
 
     // SIGKILL mid-run, once a snapshot taken after the hold began has applied-but-unacked
     // batches in it; keep that snapshot for instance 2 to restore.
@@ -257,20 +291,7 @@ async fn net_aggregator_restarts_of_every_kind_lock_no_shipper_out_regression_is
     let extra = ["--dedup-window", window.as_str()];
 
     let (mut agg, quic, mut http) = spawn_aggregator(dir.path(), "127.0.0.1:0", &snap, &extra);
-    let tuning = Tuning { idle_timeout_ms: 1500, keep_alive_ms: 300, ..Tuning::default() };
-    let start = Instant::now();
-    let mut shippers = Vec::new();
-    for node in 0..2 {
-        let source = SimSource::new(&s, options, node, start).expect("sim source");
-        let cfg = shipper_config(
-            &set,
-            quic,
-            node,
-            Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None },
-        );
-        let opts = RunOptions { tuning, batch_log: true, ..RunOptions::default() };
-        shippers.push(spawn_shipper(cfg, Box::new(source), opts));
-    }
+    let shippers = sim_shippers(&s, options, &set, quic, 0..2, Instant::now());
     // More applied batches than the window holds, before each restart and after it.
     let enough = |i: &IngestDto| i.batches_applied > 3 * WINDOW && i.resumes >= 2;
     let i = wait_ingest(http, "instance 1 applied > 3 windows", enough).await;
@@ -301,7 +322,10 @@ async fn net_aggregator_restarts_of_every_kind_lock_no_shipper_out_regression_is
     assert_nobody_refused("instance 3", &i);
     let nodes: NodesDto = get_json(http, "/v1/nodes").await;
     for n in &nodes.nodes {
-        println!("instance 3: {} prior_instance {} (acked by instance 2 after its last snapshot)", n.name, n.prior_instance);
+        println!(
+            "instance 3: {} prior_instance {} (acked by instance 2 after its last snapshot)",
+            n.name, n.prior_instance
+        );
         for st in &n.streams {
             assert!(!st.lost.contains_key("unknown"), "{} {:#x}: {:?}", n.name, st.stream_id, st.lost);
         }

@@ -211,9 +211,10 @@ pub fn reorder_real_ms(time_scale: f64) -> u64 {
     if time_scale > 1.0 { 3 * REORDER_REAL_MS } else { REORDER_REAL_MS }
 }
 
-/// How long a run waits, after the simulated end, for every stream to settle and every
-/// decidable verdict to be final before it is scored as it is (printed when reached).
-/// On an idle 2-core machine runs settle within 1–3 s.
+/// How long a run waits, after the simulated end, for every stream to be exact and every
+/// live node's watermark to pass its last data by the reorder timeout and three
+/// heartbeats, before it is scored as it is (printed when reached). On an idle 2-core
+/// machine runs settle within a few seconds.
 pub const SETTLE_LIMIT: Duration = Duration::from_secs(90);
 
 /// Runs `spec` to its end and reads the verdicts.
@@ -303,34 +304,56 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         }
         tokio::time::sleep(Duration::from_millis(200).min(run_real - elapsed)).await;
     }
-    // The run ends on state, not on the clock: every stream settled and every decidable
-    // verdict final (or excused by the silent-node rule), however long this machine
-    // takes today — up to a generous, printed limit, after which it is scored as it is.
+    // The run ends on state, not on the clock: first every stream exact (everything the
+    // generator made is received or accounted for; a dead node's announced seqs in an
+    // explicit state), then every live node's P0 watermark past where it stood then by the
+    // reorder timeout and three heartbeats (node time) — the aggregator has confirmed, by
+    // heartbeats it processed, that nothing more can arrive for what it judged, so every
+    // verdict that finality allows is final. However long this machine takes today, up
+    // to a generous limit, after which the run is scored as it is (and says so).
     let settle_started = Instant::now();
-    let (nodes, verdicts, ended_at_ms) = loop {
+    let reorder_ns = aggregator_config(&set, &scenario, spec.time_scale).ingest.reorder_timeout_ns;
+    let beyond_ns = reorder_ns + 3 * scenario.timers.heartbeat_ms * 1_000_000;
+    let mut targets: Option<Vec<(String, u64)>> = None;
+    loop {
         let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
-        let verdicts: VerdictsDto = client::get_json(http, "/v1/verdicts?limit=100000").await?;
-        let ended_at_ms = match &agg {
-            Some(a) => a.shared.now() / 1_000_000,
-            None => client::get_json::<aggregator::api::dto::HealthzDto>(http, "/healthz").await?.uptime_ms,
-        };
-        let sc = crate::score::score(&truth, &nodes, &verdicts, ended_at_ms, &scenario.timers);
-        if sc.settled() {
-            break (nodes, verdicts, ended_at_ms);
+        let cons = crate::score::conservation(&truth, &nodes);
+        let exact = cons.iter().all(|c| c.exact == c.streams);
+        if exact && targets.is_none() {
+            targets = Some(
+                nodes
+                    .nodes
+                    .iter()
+                    .filter(|n| truth.nodes.iter().any(|t| t.name == n.name && t.dead_at_ms.is_none()))
+                    .filter(|n| n.watermark_p0_node_ns > 0)
+                    .map(|n| (n.name.clone(), n.watermark_p0_node_ns.saturating_add(beyond_ns)))
+                    .collect(),
+            );
+        }
+        let passed = targets.as_ref().is_some_and(|t| {
+            t.iter().all(|(name, at)| nodes.nodes.iter().any(|n| &n.name == name && n.watermark_p0_node_ns >= *at))
+        });
+        if passed {
+            break;
         }
         if settle_started.elapsed() >= SETTLE_LIMIT {
             eprintln!(
-                "loadgen: {} seed {}: not settled {SETTLE_LIMIT:?} after the simulated end (streams exact {}/{}, decidable ranks without a final verdict {} of which gated by a silent node {}); scoring as it is",
+                "loadgen: {} seed {}: not settled {SETTLE_LIMIT:?} after the simulated end (streams exact {}/{}, watermarks {}); scoring as it is",
                 scenario.name,
                 scenario.seed,
-                sc.conservation.iter().map(|c| c.exact).sum::<u64>(),
-                sc.conservation.iter().map(|c| c.streams).sum::<u64>(),
-                sc.non_final,
-                sc.non_final_gated_by_silent
+                cons.iter().map(|c| c.exact).sum::<u64>(),
+                cons.iter().map(|c| c.streams).sum::<u64>(),
+                if targets.is_some() { "not yet past the last data" } else { "not measured" },
             );
-            break (nodes, verdicts, ended_at_ms);
+            break;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
+    let verdicts: VerdictsDto = client::get_json(http, "/v1/verdicts?limit=100000").await?;
+    let ended_at_ms = match &agg {
+        Some(a) => a.shared.now() / 1_000_000,
+        None => client::get_json::<aggregator::api::dto::HealthzDto>(http, "/healthz").await?.uptime_ms,
     };
     let settled_in = settle_started.elapsed();
     crate::progress::finish(&bar);

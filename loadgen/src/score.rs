@@ -281,7 +281,15 @@ pub fn score(
         }
     }
 
-    // Conservation per node.
+    s.conservation = conservation(truth, nodes);
+    s
+}
+
+/// Conservation of every node's streams against the generator's counts (part of
+/// [`score`]; also what a run waits for before it is scored).
+#[must_use]
+pub fn conservation(truth: &GroundTruth, nodes: &NodesDto) -> Vec<NodeConservation> {
+    let dead: Vec<bool> = truth.nodes.iter().map(|n| n.dead_at_ms.is_some()).collect();
     let mut per: BTreeMap<u32, NodeConservation> = BTreeMap::new();
     for t in &truth.streams {
         let name = aggregator::certs::node_name(t.node);
@@ -322,21 +330,10 @@ pub fn score(
             }
         }
     }
-    s.conservation = per.into_values().collect();
-    s
+    per.into_values().collect()
 }
 
 impl Score {
-    /// The state a run waits for before it is scored (issue 16: runs end on state, not on
-    /// the clock): every stream exact — for a live node, received + lost + sampled out =
-    /// generated, so nothing is pending or in transit; for a dead one, everything its last
-    /// heartbeat announced is in an explicit state — and every decidable rank has a final
-    /// verdict, except where the silent-node rule excuses it.
-    #[must_use]
-    pub fn settled(&self) -> bool {
-        self.conservation.iter().all(|c| c.exact == c.streams) && self.non_final == self.non_final_gated_by_silent
-    }
-
     /// Every final verdict right, nothing falsely degraded, every stream exact, every
     /// identifiable culprit found, nothing old left non-final except behind a silent node.
     #[must_use]

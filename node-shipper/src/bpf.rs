@@ -976,7 +976,8 @@ impl Producer {
     /// # Errors
     /// The map could not be read.
     pub fn sampling_level(&self) -> Result<u32, LoadError> {
-        let raw = self.control.get(&0, 0).map_err(|e| LoadError::Kernel { what: CONTROL.into(), detail: e.to_string() })?;
+        let raw =
+            self.control.get(&0, 0).map_err(|e| LoadError::Kernel { what: CONTROL.into(), detail: e.to_string() })?;
         Ok(SamplingControl::read_from_bytes(&raw).map_or(0, |c| c.bulk_level.get()))
     }
 

@@ -284,7 +284,11 @@ pub async fn run(
             shared.ready.notify_one();
             let records_deadline = Instant::now() + FINAL_LOSS_RECORDS_WAIT;
             let delivered = spool_empties_by(&shared, records_deadline).await;
-            tracing::info!(frames = given_up, records_delivered = delivered, "unflushed frames given up as shipper_shutdown loss records");
+            tracing::info!(
+                frames = given_up,
+                records_delivered = delivered,
+                "unflushed frames given up as shipper_shutdown loss records"
+            );
         }
     } else {
         flushed = false;

@@ -343,11 +343,7 @@ const STATE_LIMIT: Duration = Duration::from_secs(120);
 
 /// ≈ 1 M bulk events/s per CPU until `done` holds (checked every 50 ms) or `limit`
 /// passes; returns how long it produced.
-fn produce_until(
-    producer: &std::sync::Arc<Producer>,
-    limit: Duration,
-    done: impl Fn(&Producer) -> bool,
-) -> Duration {
+fn produce_until(producer: &std::sync::Arc<Producer>, limit: Duration, done: impl Fn(&Producer) -> bool) -> Duration {
     let started = Instant::now();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let threads: Vec<_> = cpus()

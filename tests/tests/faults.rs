@@ -72,10 +72,8 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
     // The run ends on state: every stream settled (the backlog drained, evictions
     // reported), not after a fixed time.
     let truth = truth(&s, options);
-    let after = wait_nodes(agg.http_addr, "every stream settled after healing", |n| {
-        streams_settled(n, &truth, |_| true)
-    })
-    .await;
+    let after =
+        wait_nodes(agg.http_addr, "every stream settled after healing", |n| streams_settled(n, &truth, |_| true)).await;
     let verdicts_after: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?limit=100000").await;
     let reports = stop(shippers).await;
     let pstats = proxy.stats();
@@ -120,12 +118,20 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
         if t.class == "p0" || t.node != CUT {
             assert_eq!((got.received, evicted), (t.delivered, 0), "{name} {:#x} ({})", t.stream_id, t.class);
         } else {
-            assert_eq!(got.received + evicted, t.delivered, "{name} {:#x}", t.stream_id);
+            assert_eq!(got.received + evicted, t.delivered, "{name} {:#x}: {got:?}", t.stream_id);
         }
         assert_eq!(got.received + got.lost_total + got.sampled_out, t.generated, "{name} {:#x}", t.stream_id);
         assert_eq!((got.pending, got.in_transit), (0, 0), "{name} {:#x} settled", t.stream_id);
     }
-    assert_eq!(evicted_seen, cut_report.frames_lost_spool_full, "the aggregator counts what the shipper evicted");
+    // The aggregator counts what the shipper evicted — except batches it had applied
+    // whose acks the partition ate: their loss reports are ignored there (the frames were
+    // delivered, and counted received above), so it can count fewer, never more.
+    assert!(evicted_seen > 0, "the aggregator counts the evictions");
+    assert!(
+        evicted_seen <= cut_report.frames_lost_spool_full,
+        "the aggregator counts no more than the shipper evicted: {evicted_seen} vs {}",
+        cut_report.frames_lost_spool_full
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,9 +160,10 @@ async fn net_p0_latency_stays_low_while_bulk_saturates_the_link() {
     let truth = truth(&s, options);
     let offered = |n: &NodesDto| {
         truth.streams.iter().filter(|t| t.node == 0).all(|t| {
-            n.nodes.iter().flat_map(|x| &x.streams).any(|x| {
-                x.epoch == t.epoch && x.stream_id == t.stream_id && x.attempted + x.sampled_out == t.generated
-            })
+            n.nodes
+                .iter()
+                .flat_map(|x| &x.streams)
+                .any(|x| x.epoch == t.epoch && x.stream_id == t.stream_id && x.attempted + x.sampled_out == t.generated)
         })
     };
     wait_nodes(agg.http_addr, "node 0 offered its whole scenario", offered).await;

@@ -174,8 +174,7 @@ async fn net_a_poisoned_batch_is_nacked_accounted_as_rejected_and_flow_continues
     )
     .await;
     let truth = truth(&s, options);
-    let nodes =
-        wait_nodes(agg.http_addr, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
+    let nodes = wait_nodes(agg.http_addr, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
     let reports = stop(shippers).await;
     let rejected = agg.shared.counters.rejected();
     agg.shutdown();

@@ -5,8 +5,8 @@
 //! when it was applied, or when the shipper reported it lost (evicted from its spool,
 //! nacked, unflushed at shutdown — loss records carry `(shipper_session, batch_seq)`).
 //!
-//! Per session the state is the highest settled `batch_seq` (`high`; batch_seq starts at
-//! 1) and the *holes* below it — the seqs not settled yet — as inclusive ranges, at most
+//! Per session the state is the highest settled `batch_seq` (`high`; batch_seqs start
+//! at 1) and the *holes* below it — the seqs not settled yet — as inclusive ranges, at most
 //! `window` of them. A batch that would open a new hole beyond that is refused
 //! (`nack dedup_window_full`, which the shipper turns into loss records) rather than
 //! applied without being remembered; a hole is never closed over an unseen batch, because

@@ -45,8 +45,9 @@ impl T {
 
 fn conserved(t: &T, attempted: u64) {
     let c = t.t.counts();
-    // Every seq below high is received, lost or pending; above it, in transit.
-    assert_eq!(c.received + c.lost_total() + t.t.pending(), t.t.high());
+    // Every seq below high is received, lost, another instance's, or pending; above it,
+    // in transit.
+    assert_eq!(c.received + c.lost_total() + c.prior_instance + t.t.pending(), t.t.high());
     assert_eq!(t.t.high() + t.t.in_transit(), attempted.max(t.t.high()));
 }
 
@@ -255,4 +256,46 @@ fn kernel_drops_go_above_the_takeover_first_issue_10() {
     assert_eq!(c.lost[LossCause::Unknown.drop_slot().unwrap()], 0, "{:?}", t.losses());
     assert!(t.losses().contains(&(7, 8, Some(2), "kernel_ring_full".into())), "{:?}", t.losses());
     conserved(&t, 10);
+}
+
+/// Issue 16: an aggregator instance that missed part of a stream (restarted without the
+/// state, or SIGKILLed after its snapshot) sees it from the shipper's resume floor: what
+/// another instance received is `prior_instance`, never loss; kernel drops stay
+/// `kernel_ring_full` (above the floor first); held frames below the floor are received.
+#[test]
+fn a_resume_floor_counts_prior_instance_not_loss_regression_issue_16() {
+    let mut t = T::new();
+    // Another instance received 0..=9 except 4 (a kernel drop); 10 is still held by the
+    // shipper (resent); the kernel drops 12 after the restart.
+    assert!(t.t.on_resume(11, 0));
+    assert!(!t.t.on_resume(5, 0), "a floor below what this instance knows changes nothing");
+    t.frames(&[10, 11, 13], MS);
+    let hb = t.hb(14, 14, 2);
+    t.settle(hb, MS, 501 * MS);
+    let c = *t.t.counts();
+    assert_eq!(c.received, 3);
+    assert_eq!(c.lost[LossCause::KernelRingFull.drop_slot().unwrap()], 2, "{:?}", t.losses());
+    assert!(t.losses().contains(&(12, 12, Some(1), "kernel_ring_full".into())), "above the floor first");
+    assert_eq!(c.lost_total(), 2, "nothing unknown: {:?}", t.losses());
+    assert_eq!(c.prior_instance, 9, "0..=9 less the kernel drop");
+    assert_eq!(t.t.pending(), 0);
+    conserved(&t, 14);
+    // A held frame that arrives after settlement is revived from prior_instance.
+    t.frames(&[3], 600 * MS);
+    assert_eq!((t.t.counts().received, t.t.counts().prior_instance), (4, 8));
+    conserved(&t, 14);
+}
+
+/// Issue 16: the shipper's own P1 stream has no heartbeat counters to settle a window
+/// with, so its prior_instance is counted at once (and a held frame still revives it).
+#[test]
+fn a_resume_floor_on_the_shippers_own_stream_is_counted_at_once() {
+    let sid = proto_flat::StreamId::new(proto_flat::Class::P1, proto_flat::StreamId::SHIPPER_RING, 0).0;
+    let key = StreamKey { node: NodeId(1), epoch: 1, stream_id: sid };
+    let mut t = T { t: SeqTracker::new(key, TrackerLimits::default()), out: Vec::new(), ids: 0 };
+    assert!(t.t.on_resume(40, 0));
+    assert_eq!((t.t.counts().prior_instance, t.t.pending()), (40, 0));
+    assert!(t.losses().is_empty(), "not loss");
+    t.frames(&[38, 40], MS);
+    assert_eq!((t.t.counts().received, t.t.counts().prior_instance), (2, 39));
 }

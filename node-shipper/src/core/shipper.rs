@@ -20,19 +20,18 @@
 //! - a heartbeat's `spooled_through_seq` never claims a seq that is not in a cut batch:
 //!   the batcher is flushed before every heartbeat.
 
+use std::collections::BTreeMap;
+
+use proto_flat::batch::BatchView;
 use proto_flat::codes::{Class, LossCause, NackReason, WireEnum};
+use proto_flat::control::{MAX_RESUME_RANGES, MAX_RESUME_STREAMS};
+use proto_flat::decode::Frame;
 use proto_flat::encode::SectionedFrameWriter;
 use proto_flat::frames::{EpochStartFrame, FixedFrame};
 use proto_flat::header::StreamId;
 use proto_flat::sections::{ProgressEntry, SessionStreamEntry, ShipperStateEntry, StreamEntry};
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
-
-use std::collections::BTreeMap;
-
-use proto_flat::batch::BatchView;
-use proto_flat::control::{MAX_RESUME_RANGES, MAX_RESUME_STREAMS};
-use proto_flat::decode::Frame;
 
 use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
 use super::loss::lost_ranges;
@@ -363,6 +362,8 @@ impl ShipperCore {
         f.boot_id = e.boot_id;
         self.push_into_lane(f.as_bytes(), now);
         self.counters.epoch = e.epoch;
+        // Floors of ended epochs are never sent again.
+        self.released.retain(|&(epoch, _), _| epoch >= e.epoch);
     }
 
     /// Fresh kernel counters (every frame they count was handed in before). Sends a
@@ -495,6 +496,9 @@ impl ShipperCore {
     fn note_released(&mut self, bytes: &[u8]) {
         let Ok(view) = BatchView::parse(bytes) else { return };
         let epoch = view.header.epoch.get();
+        if epoch < self.batcher.meta().epoch {
+            return; // an ended epoch's floors are never sent again
+        }
         if view.lane() == Class::P1 {
             for frame in view.frames() {
                 let Ok(frame) = frame else { break };
@@ -883,6 +887,70 @@ mod tests {
         assert_eq!(c.poll_timeout(), 1001 * MS);
         c.handle_timeout(2_000, 1001 * MS);
         assert_eq!(c.stats().heartbeats, 2);
+    }
+
+    /// Issue 16: what a `resume` says — the held batches as ranges, and per stream one
+    /// past the highest seq that left the spool acked (frames, or a loss record's range).
+    #[test]
+    fn resume_names_held_batches_and_the_floor_of_every_acked_stream() {
+        let mut c = core(5000 + 4 * 700);
+        for seq in 0..30 {
+            c.handle_frame(&bulk(0, seq), 0);
+        }
+        c.flush(MS);
+        let sent = transmit(&mut c);
+        let seqs: Vec<u64> = sent.iter().map(|b| BatchView::parse(b).unwrap().header.batch_seq.get()).collect();
+        assert_eq!(seqs, vec![1, 2, 3], "three bulk batches of 10 frames");
+        // Batch 2 acked first (acks arrive out of order): the floor is past its frames.
+        c.handle_ack(&[(2, 2)], MS);
+        let r = c.resume();
+        assert_eq!((r.shipper_session, r.epoch, r.next_batch_seq), (2, 1, 4));
+        assert_eq!(r.held, vec![(1, 1), (3, 3)]);
+        assert_eq!(r.floors, vec![(StreamId::new(Class::P2, 1, 0).0, 20)]);
+        // A loss record acked in a P1 batch moves its stream's floor too, and the
+        // shipper's own stream moves with its acked P1 frames.
+        c.handle_nack(3, NackReason::SummaryMismatch, 2 * MS);
+        let p1 = transmit(&mut c);
+        let p1_seq = BatchView::parse(&p1[0]).unwrap().header.batch_seq.get();
+        c.handle_ack(&[(p1_seq, p1_seq)], 3 * MS);
+        let r = c.resume();
+        assert_eq!(r.held, vec![(1, 1)]);
+        assert_eq!(r.next_batch_seq, p1_seq + 1);
+        assert!(r.floors.contains(&(StreamId::new(Class::P2, 1, 0).0, 30)), "{:?}", r.floors);
+        assert!(r.floors.contains(&(SHIPPER_STREAM.0, 1)), "{:?}", r.floors);
+        // A new epoch: the old epoch's floors are gone.
+        c.handle_epoch(&EpochStart { epoch: 2, ..EpochStart::default() }, 4 * MS);
+        assert!(c.resume().floors.is_empty());
+    }
+
+    /// Issue 16: at shutdown what could not be flushed leaves as `shipper_shutdown` loss
+    /// records (never silently), and the per-lane identity holds.
+    #[test]
+    fn give_up_data_names_every_unflushed_frame_in_shutdown_loss_records() {
+        let mut c = core(1 << 20);
+        for seq in 0..25 {
+            c.handle_frame(&bulk(0, seq), 0);
+        }
+        c.flush(MS);
+        let _ = transmit(&mut c);
+        c.handle_ack(&[(1, 1)], 2 * MS);
+        assert_eq!(c.give_up_data(3 * MS), 15);
+        let records = transmit(&mut c);
+        let lost: Vec<_> =
+            frames_of(&records).filter_map(|f| if let Frame::LossRecord(r) = f { Some(*r) } else { None }).collect();
+        assert!(lost.iter().all(|r| r.cause() == LossCause::ShipperShutdown));
+        assert_eq!(lost.iter().map(|r| r.count.get()).sum::<u64>(), 15);
+        // The loss records' P1 batch acked: per lane, in = acked + lost.
+        let p1: Vec<u64> = records.iter().map(|b| BatchView::parse(b).unwrap().header.batch_seq.get()).collect();
+        for seq in p1 {
+            c.handle_ack(&[(seq, seq)], 4 * MS);
+        }
+        let s = c.stats();
+        for lane in 0..4 {
+            assert_eq!(s.frames_in_by_lane[lane], s.frames_acked_by_lane[lane] + s.frames_lost_by_lane[lane], "{lane}");
+        }
+        assert_eq!(s.frames_lost[LossCause::ShipperShutdown.drop_slot().unwrap()], 15);
+        assert!(c.spool().is_empty());
     }
 
     #[test]

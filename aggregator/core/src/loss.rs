@@ -13,7 +13,8 @@
 //!   (the loss is taken back and counted in `revived`), so the counts end exact;
 //! - a shipper loss record `(first..=last, count, cause)` declares `count` pending seqs in
 //!   its range lost with its cause (the rest of the range are kernel holes the shipper
-//!   never saw; they stay pending);
+//!   never saw; they stay pending); seqs of its range already settled as `unknown` (the
+//!   reorder timeout ran out first) take its cause instead, up to its count;
 //! - **settlement**, `reorder_timeout` after a heartbeat `(A, S, drops)` arrived: every
 //!   gap below `A` is lost (the kernel had attempted those seqs when it read its drop
 //!   counters, and the shipper sends a stream's frames in order, so a hole below frames
@@ -327,8 +328,75 @@ impl SeqTracker {
             remaining -= n;
             self.declare(start, lo, lo + n, slot(cause), reason, now, out, ids);
         }
+        if remaining > 0 {
+            self.reclassify_unknown(first, last, remaining, slot(cause), reason, now, out, ids);
+        }
         self.update_watermark();
         self.enforce_gap_cap(now, out, ids);
+    }
+
+    /// A loss record names seqs already settled as `unknown` (their batch was still on
+    /// its way when the reorder timeout ran out, then never came: a shipper gave it up at
+    /// shutdown, issue 16): the record knows why, so up to `count` of them move to its
+    /// cause — counts stay exact, a loss interval with the cause is emitted.
+    #[allow(clippy::too_many_arguments, reason = "one loss record's fields")]
+    fn reclassify_unknown(
+        &mut self,
+        first: u64,
+        last: u64,
+        count: u64,
+        to_slot: usize,
+        reason: u16,
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) {
+        let unknown = slot(LossCause::Unknown);
+        if to_slot == unknown {
+            return;
+        }
+        let mut remaining = count;
+        let mut i = 0;
+        while i < self.recent_lost.len() && remaining > 0 {
+            let r = self.recent_lost[i];
+            let (lo, hi) = (r.start.max(first), r.end.min(last.saturating_add(1)));
+            if usize::from(r.slot) != unknown || lo >= hi {
+                i += 1;
+                continue;
+            }
+            let hi = hi.min(lo + remaining);
+            let n = hi - lo;
+            remaining -= n;
+            // Split the remembered range: the piece takes the record's cause.
+            self.recent_lost.remove(i);
+            for (a, b, sl) in
+                [(r.start, lo, r.slot), (lo, hi, u8::try_from(to_slot).unwrap_or(u8::MAX)), (hi, r.end, r.slot)]
+            {
+                if a < b {
+                    self.recent_lost.push(LostRange { start: a, end: b, slot: sl });
+                }
+            }
+            if let Some(u) = self.counts.lost.get_mut(unknown) {
+                *u = u.saturating_sub(n);
+            }
+            if let Some(l) = self.counts.lost.get_mut(to_slot) {
+                *l += n;
+            }
+            *ids += 1;
+            let cause = LossCause::from_drop_slot(to_slot).unwrap_or(LossCause::Unknown);
+            out.push(LossInterval {
+                id: *ids,
+                stream: self.key,
+                first_seq: lo,
+                last_seq: hi - 1,
+                count: Some(n),
+                cause: cause.code(),
+                reason,
+                from_node_ns: self.ts_high,
+                to_node_ns: 0,
+                decided_at_ns: now,
+            });
+        }
     }
 
     /// A heartbeat's counters for this stream. Schedules nothing itself: the caller

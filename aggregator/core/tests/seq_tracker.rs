@@ -299,3 +299,24 @@ fn a_resume_floor_on_the_shippers_own_stream_is_counted_at_once() {
     t.frames(&[38, 40], MS);
     assert_eq!((t.t.counts().received, t.t.counts().prior_instance), (2, 39));
 }
+
+/// Issue 16: a batch still on its way when the reorder timeout ran out is settled
+/// `unknown`; when the shipper then gives it up (shutdown) its loss record knows why, and
+/// the seqs take that cause — counts exact, nothing left unknown.
+#[test]
+fn a_later_loss_record_names_the_cause_of_unknown_seqs() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 5], 0);
+    let hb = t.hb(6, 6, 0);
+    t.settle(hb, MS, 501 * MS);
+    assert_eq!(t.t.counts().lost[LossCause::Unknown.drop_slot().unwrap()], 3);
+    t.t.on_loss_record(2, 4, 3, LossCause::ShipperShutdown, 0, 900 * MS, &mut t.out, &mut t.ids);
+    let c = t.t.counts();
+    assert_eq!(c.lost[LossCause::Unknown.drop_slot().unwrap()], 0, "{:?}", t.losses());
+    assert_eq!(c.lost[LossCause::ShipperShutdown.drop_slot().unwrap()], 3);
+    assert!(t.losses().contains(&(2, 4, Some(3), "shipper_shutdown".into())), "{:?}", t.losses());
+    conserved(&t, 6);
+    // A record naming seqs that were received changes nothing.
+    t.t.on_loss_record(0, 1, 2, LossCause::ShipperShutdown, 0, 901 * MS, &mut t.out, &mut t.ids);
+    assert_eq!(t.t.counts().lost_total(), 3);
+}

@@ -50,7 +50,8 @@ pub struct NodeConservation {
     pub sampled_out: u64,
     /// The node died: events after its last heartbeat were never reported by anyone, so
     /// its streams are exact when every seq its last heartbeat announced is in an explicit
-    /// state (received, lost, pending, or in transit with the dead shipper);
+    /// state (received, lost, pending, or in transit with the dead shipper) — vacuously
+    /// so for a stream of which nothing reached the aggregator before the death;
     /// `unknowable_tail` is what the generator made that the aggregator never received.
     pub dead: bool,
     pub unknowable_tail: u64,
@@ -328,6 +329,13 @@ pub fn conservation(truth: &GroundTruth, nodes: &NodesDto) -> Vec<NodeConservati
             if g.received == t.delivered && g.lost == t.dropped && g.sampled_out == t.sampled_out {
                 c.equal_to_generator += 1;
             }
+        } else if dead_node {
+            // The node died before anything of this stream reached the aggregator (at 4×
+            // time a node that dies early may not get a batch through): nothing was
+            // announced, so nothing announced is unaccounted — all of it is the tail
+            // nobody could report.
+            c.exact += 1;
+            c.unknowable_tail += t.generated;
         }
     }
     per.into_values().collect()

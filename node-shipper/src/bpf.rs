@@ -463,7 +463,7 @@ fn take_ring(ebpf: &mut Ebpf, name: &str) -> Result<RingBuf<MapData>, LoadError>
     RingBuf::try_from(map).map_err(|e| LoadError::Kernel { what: name.into(), detail: e.to_string() })
 }
 
-/// Every (ring, CPU)'s counters, as stream entries (`spooled_through_seq` left 0: the
+/// Every (ring, CPU)'s counters, as stream entries (`held_from_seq` left 0: the
 /// shipper core fills it).
 fn read_counters(map: &PerCpuArray<MapData, CounterBytes>) -> Result<Vec<(StreamId, RingCounters)>, LoadError> {
     let mut out = Vec::new();

@@ -290,6 +290,18 @@ pub async fn run(
                 "unflushed frames given up as shipper_shutdown loss records"
             );
         }
+        if shared.core().spool().is_empty() {
+            // A last heartbeat once nothing is held (`held_from_seq` = `attempted_seq`),
+            // so the aggregator settles whatever gap is left instead of waiting for a
+            // frame or loss record that will not come.
+            {
+                let now = shared.now();
+                let mono = source.as_ref().map_or(0, |src| src.node_mono_ns());
+                shared.core().heartbeat_now(mono, now);
+            }
+            shared.ready.notify_one();
+            let _ = spool_empties_by(&shared, Instant::now() + FINAL_LOSS_RECORDS_WAIT).await;
+        }
     } else {
         flushed = false;
     }
@@ -340,7 +352,8 @@ pub async fn run(
 }
 
 /// How long the final `shipper_shutdown` loss records get to reach the aggregator after
-/// the flush deadline (they are a few small P1 batches; P1 goes before bulk).
+/// the flush deadline, and the last heartbeat after them (a few small P1 batches; P1
+/// goes before bulk).
 pub const FINAL_LOSS_RECORDS_WAIT: Duration = Duration::from_secs(2);
 
 /// Waits until the spool is empty (true) or `deadline` passes (false).

@@ -3,8 +3,8 @@
 //! A [`Source`] yields ring records exactly as a reader sees them (unparsed proto-flat
 //! frames), epoch starts, and kernel counters. Contract: counters are yielded only after
 //! every frame they count was yielded (or dropped in the kernel), so a heartbeat built
-//! from them never claims a seq that has not been read — `spooled_through_seq` is then
-//! exact.
+//! from them never claims a seq that has not been read, and everything below their
+//! `attempted_seq` has been read (or dropped) when the shipper computes `held_from_seq`.
 //!
 //! Sources now: [`CaptureSource`] (loadgen-sim capture files, one node's records, paced
 //! by their timestamps) and `SimSource` (feature `sim-source`: the simulator in process,

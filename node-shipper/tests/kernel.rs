@@ -339,7 +339,7 @@ async fn kernel_spool_pressure_raises_the_kernel_sampling_level() {
 
 /// How long a test waits for the state it checks (CI machines are shared: late is fine,
 /// wrong is not).
-const STATE_LIMIT: Duration = Duration::from_secs(120);
+const STATE_LIMIT: Duration = Duration::from_secs(100);
 
 /// ≈ 1 M bulk events/s per CPU until `done` holds (checked every 50 ms) or `limit`
 /// passes; returns how long it produced.

@@ -313,7 +313,7 @@ struct rw_stream_entry { /* 96 B */
 	__u64 attempted_seq; /* exclusive bound */
 	__u64 drops[RW_DROP_SLOTS];
 	__u64 sampled_out;
-	__u64 spooled_through_seq; /* exclusive bound */
+	__u64 held_from_seq; /* lowest seq still held unacked by the shipper, or attempted_seq */
 };
 
 struct rw_progress_entry { /* 104 B: the PROGRESS map value */

@@ -105,8 +105,9 @@ const _: () = assert!(size_of::<ResumeHead>() == 40);
 
 /// One stream's floor in a `resume` (16 B): every seq below `floor_seq` was delivered to
 /// (or declared lost to) an aggregator instance in a batch that will not be sent again,
-/// read by an earlier shipper session, or dropped by the kernel. An instance that never
-/// saw them counts the ones it cannot otherwise explain as `prior_instance`, not loss.
+/// was still held (and is sent again), or was dropped by the kernel. An instance that
+/// never saw them counts the ones it cannot otherwise explain as `prior_instance`, not
+/// loss.
 #[repr(C)]
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ResumeStream {

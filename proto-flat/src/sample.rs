@@ -150,7 +150,7 @@ pub fn heartbeat(seq: u64, ts_ns: u64, stream: StreamId, attempted_seq: u64) -> 
         *d = U64::new(3);
     }
     s.sampled_out = U64::new(10);
-    s.spooled_through_seq = U64::new(attempted_seq.saturating_sub(5));
+    s.held_from_seq = U64::new(attempted_seq.saturating_sub(5));
 
     let mut p = ProgressEntry::new_zeroed();
     p.comm_hash = U64::new(0x9e37_79b9_7f4a_7c15);

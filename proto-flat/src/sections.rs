@@ -73,9 +73,11 @@ pub struct StreamEntry {
     pub drops: [U64; DROP_SLOTS],
     /// Events the sampler skipped before taking a seq.
     pub sampled_out: U64,
-    /// Exclusive bound: every seq below it has been read off the ring by the shipper
-    /// (spooled, shipped, or covered by a loss record) — in transit, not lost.
-    pub spooled_through_seq: U64,
+    /// The lowest seq of the stream the shipper still holds unacked (in a batch, or in
+    /// a loss record's range), or `attempted_seq` when it holds none: below it every seq
+    /// it read left its spool for good; at or above it frames or loss records may still
+    /// come, so a gap there is in transit, not lost.
+    pub held_from_seq: U64,
 }
 const _: () = assert!(size_of::<StreamEntry>() == 96);
 

@@ -143,7 +143,7 @@ fn rust_layouts() -> Vec<Layout> {
         layout!(
             StreamEntry,
             "rw_stream_entry",
-            [stream_id, fill_max_ppm, attempted_seq, drops, sampled_out, spooled_through_seq]
+            [stream_id, fill_max_ppm, attempted_seq, drops, sampled_out, held_from_seq]
         ),
         layout!(
             ProgressEntry,

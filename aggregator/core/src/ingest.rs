@@ -591,7 +591,7 @@ impl Ingest {
                                 for e in entries.iter() {
                                     let counters = HeartbeatCounters {
                                         attempted: e.attempted_seq.get(),
-                                        spooled_through: e.spooled_through_seq.get(),
+                                        held_from: e.held_from_seq.get(),
                                         kernel_ring_full: e.drops_for(LossCause::KernelRingFull),
                                         kernel_oversized: e.drops_for(LossCause::Oversized),
                                         sampled_out: e.sampled_out.get(),

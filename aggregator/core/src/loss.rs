@@ -4,8 +4,8 @@
 //! - **received** (duplicates are ignored and counted);
 //! - **pending**: a gap below the highest seq seen, waiting for a late frame, a loss
 //!   record, or settlement;
-//! - **in transit**: above the highest seq seen, below the heartbeat's
-//!   `spooled_through_seq` (the shipper has it) or `attempted_seq` (still in the ring);
+//! - **in transit**: above the highest seq seen, below the heartbeat's `attempted_seq`
+//!   (the shipper has it, or it is still in the ring);
 //! - **lost(cause)**, as a [`LossInterval`].
 //!
 //! Resolution rules:
@@ -15,15 +15,18 @@
 //!   its range lost with its cause (the rest of the range are kernel holes the shipper
 //!   never saw; they stay pending); seqs of its range already settled as `unknown` (the
 //!   reorder timeout ran out first) take its cause instead, up to its count;
-//! - **settlement**, `reorder_timeout` after a heartbeat `(A, S, drops)` arrived: every
-//!   gap below `A` is lost (the kernel had attempted those seqs when it read its drop
-//!   counters, and the shipper sends a stream's frames in order, so a hole below frames
-//!   that did arrive is not in its spool): first to the
-//!   kernel's unexplained drop counts (`kernel_ring_full`, then `oversized`), the rest to
-//!   `shipper_restart` below a session's takeover floor, else `unknown`. The tail
-//!   `[high, S)` is in transit (in the spool, however long a partition lasts) unless the
-//!   unexplained kernel drops cover all of it. Counts are exact; where one range mixes
-//!   causes, causes are placed in seq order;
+//! - **settlement**, `reorder_timeout` after a heartbeat `(A, H, drops)` arrived: every
+//!   gap below `min(A, H)` is lost. `A` because the kernel had attempted those seqs when
+//!   it read its drop counters; `H` (`held_from_seq`) because it is the lowest seq the
+//!   shipper still held unacked, so a gap at or above it may still be filled or reported
+//!   (issue 16: a backlog resent out of order, a batch given up at shutdown). Causes:
+//!   first the kernel's unexplained drop counts (`kernel_ring_full`, then `oversized`),
+//!   the rest `prior_instance` below a resume floor, `shipper_restart` below a session's
+//!   takeover floor, else `unknown`. The tail `[high, A)` is in transit (in the spool,
+//!   however long a partition lasts) while the shipper still holds something of the
+//!   stream (`H < A`); once it holds nothing, everything it read was applied or reported,
+//!   so the tail is a hole like any other. Counts are exact; where one range mixes causes,
+//!   causes are placed in seq order;
 //! - an epoch change settles everything below the last `attempted_seq` and emits an
 //!   explicitly unknown tail above it;
 //! - a shipper's `resume` floor above `high` (another aggregator instance received or
@@ -59,7 +62,7 @@ pub struct Gap {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HeartbeatCounters {
     pub attempted: u64,
-    pub spooled_through: u64,
+    pub held_from: u64,
     pub kernel_ring_full: u64,
     pub kernel_oversized: u64,
     pub sampled_out: u64,
@@ -409,7 +412,7 @@ impl SeqTracker {
         // Counters are cumulative within an epoch; never go back.
         self.hb = Some(HeartbeatCounters {
             attempted: hb.attempted.max(prev.attempted),
-            spooled_through: hb.spooled_through.max(prev.spooled_through),
+            held_from: hb.held_from.max(prev.held_from),
             kernel_ring_full: hb.kernel_ring_full.max(prev.kernel_ring_full),
             kernel_oversized: hb.kernel_oversized.max(prev.kernel_oversized),
             sampled_out: hb.sampled_out.max(prev.sampled_out),
@@ -453,12 +456,12 @@ impl SeqTracker {
     // ---------------------------------------------------------------- resolution
 
     /// Settles with the counters of a heartbeat that arrived at `announced_ns`, now that
-    /// `reorder_timeout` has passed: every gap below its `attempted_seq` is lost — kernel
-    /// drops first (`kernel_ring_full`, then `oversized`), then `shipper_restart` below a
-    /// takeover floor, then `unknown`. The never-received tail `[high, spooled_through)`
-    /// is in transit (the shipper still holds it), unless the kernel's unexplained drops
-    /// cover all of it (an overflow at the end of a burst). After an epoch ended, the
-    /// whole tail up to `attempted` is settled.
+    /// `reorder_timeout` has passed: every gap below its `attempted_seq` and its
+    /// `held_from_seq` is lost — kernel drops first (`kernel_ring_full`, then `oversized`),
+    /// then `prior_instance` / `shipper_restart` below their floors, then `unknown`. The
+    /// never-received tail `[high, attempted)` is in transit while the shipper holds
+    /// something of the stream, and a hole like any other once it holds nothing (or the
+    /// epoch ended).
     pub fn settle(
         &mut self,
         hb: &HeartbeatCounters,
@@ -474,7 +477,24 @@ impl SeqTracker {
         // A gap is settled by a heartbeat only below that heartbeat's attempted_seq: the
         // kernel had attempted those seqs when it snapshotted its drop counters, so the
         // counters already include any drop among them.
-        let limit = if self.closed { u64::MAX } else { hb.attempted };
+        // And only below the lowest seq the shipper still held: at or above it a frame or a
+        // loss record may still come (a backlog after a partition arrives out of order; a
+        // batch given up at shutdown is reported after), so a hole there is in transit.
+        let limit = if self.closed { u64::MAX } else { hb.attempted.min(hb.held_from) };
+        // When the shipper held nothing (`held_from ≥ attempted`), everything it read left
+        // its spool acked — so was applied here — or named in an acked loss record: the
+        // never-received tail is not in transit, it is a hole like any other (kernel drops
+        // placed above the floors first, then the floors' causes). An epoch's end settles
+        // the whole tail the same way.
+        let tail_end = if self.closed { hb.attempted.max(self.high) } else { hb.attempted };
+        if (self.closed || hb.held_from >= hb.attempted) && tail_end > self.high {
+            self.gaps.insert(
+                self.high,
+                Gap { end: tail_end, lo_ts: self.ts_high, hi_ts: hb.snapshot_node_ns, created_at_ns: now },
+            );
+            self.pending += tail_end - self.high;
+            self.high = tail_end;
+        }
         let _ = announced_ns;
         // Kernel counts go first to holes at or above a session's takeover floor: the
         // session that reads there ships or reports everything it reads, so only the
@@ -489,25 +509,15 @@ impl SeqTracker {
             let Some(gap) = self.gaps.get(&start).copied() else { continue };
             self.resolve_from(start, start.max(floor), gap.end.min(limit), &mut unexplained, now, out, ids);
         }
-        let below: Vec<u64> = self.gaps.range(..limit.min(floor)).map(|(s, _)| *s).collect();
+        // Below the floor only once no hole above it waits on the shipper any more: the
+        // kernel's unexplained count may belong to those, and a hole below the floor given
+        // a drop that was not its own would leave theirs `unknown` later.
+        let waiting_above = self.gaps.iter().any(|(s, g)| g.end > floor && g.end > limit && *s < hb.attempted);
+        let below: Vec<u64> =
+            if waiting_above { Vec::new() } else { self.gaps.range(..limit.min(floor)).map(|(s, _)| *s).collect() };
         for start in below {
             let Some(gap) = self.gaps.get(&start).copied() else { continue };
             self.resolve(start, gap.end.min(limit), &mut unexplained, now, out, ids);
-        }
-        let tail_end = if self.closed { hb.attempted.max(self.high) } else { hb.spooled_through };
-        if tail_end > self.high {
-            let tail = tail_end - self.high;
-            let kernel_left = unexplained[0] + unexplained[1];
-            if self.closed || kernel_left >= tail {
-                let start = self.high;
-                self.gaps.insert(
-                    start,
-                    Gap { end: tail_end, lo_ts: self.ts_high, hi_ts: hb.snapshot_node_ns, created_at_ns: now },
-                );
-                self.pending += tail;
-                self.high = tail_end;
-                self.resolve(start, tail_end, &mut unexplained, now, out, ids);
-            }
         }
         self.update_watermark();
     }

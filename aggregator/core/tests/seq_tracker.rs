@@ -25,7 +25,7 @@ impl T {
     fn hb(&mut self, attempted: u64, spooled: u64, ring_full: u64) -> HeartbeatCounters {
         let hb = HeartbeatCounters {
             attempted,
-            spooled_through: spooled,
+            held_from: spooled,
             kernel_ring_full: ring_full,
             kernel_oversized: 0,
             sampled_out: 0,
@@ -319,4 +319,24 @@ fn a_later_loss_record_names_the_cause_of_unknown_seqs() {
     // A record naming seqs that were received changes nothing.
     t.t.on_loss_record(0, 1, 2, LossCause::ShipperShutdown, 0, 901 * MS, &mut t.out, &mut t.ids);
     assert_eq!(t.t.counts().lost_total(), 3);
+}
+
+/// Issue 16: a gap at or above the heartbeat's `held_from_seq` (the lowest seq the
+/// shipper still held unacked) is in transit, not lost — a backlog resent out of order
+/// after a partition fills it late; once the shipper holds nothing below it, it settles.
+#[test]
+fn a_gap_the_shipper_still_holds_waits_for_it() {
+    let mut t = T::new();
+    t.frames(&[0, 1, 5, 6], 0);
+    // The shipper still holds 2..=4 (their batch is on its way): nothing is lost.
+    let hb = t.hb(7, 2, 0);
+    t.settle(hb, MS, 501 * MS);
+    assert!(t.losses().is_empty(), "{:?}", t.losses());
+    assert_eq!(t.t.pending(), 3);
+    t.frames(&[2, 3], 600 * MS);
+    // Now it holds nothing: 4 is gone for good (unknown: no kernel drop, no loss record).
+    let hb = t.hb(7, 7, 0);
+    t.settle(hb, 700 * MS, 1_201 * MS);
+    assert_eq!(t.losses(), vec![(4, 4, Some(1), "unknown".into())]);
+    conserved(&t, 7);
 }

@@ -64,7 +64,7 @@ pub struct Snapshot<'a> {
     pub mono_ns: u64,
     /// Node wall-clock time of the snapshot.
     pub realtime_ns: u64,
-    /// Every (ring, CPU) stream of the node (`spooled_through_seq` is left 0: that is
+    /// Every (ring, CPU) stream of the node (`held_from_seq` is left 0: that is
     /// the shipper's to fill).
     pub streams: &'a [StreamEntry],
     /// PROGRESS entries of the node's instrumented ranks, one per (rank, communicator).

@@ -192,7 +192,7 @@ impl Batcher {
         self.lanes.iter().filter_map(|l| l.opened_at).min().map(|t| t + self.config.flush_interval_ns)
     }
 
-    /// Cuts every open batch (shutdown, or before a heartbeat so `spooled_through` is
+    /// Cuts every open batch (shutdown, or before a heartbeat so `held_from` is
     /// exact).
     pub fn flush(&mut self) -> Vec<Batch> {
         (0..self.lanes.len()).filter_map(|i| self.cut(i)).collect()

@@ -17,8 +17,9 @@
 //! - every frame handed in is in a batch that is acked, or named in a loss record (spool
 //!   full, rejected), or reported by [`ShipperCore::abandon`] at shutdown; the counters
 //!   say which, so `frames_in = acked + lost + abandoned + in spool/batcher` always;
-//! - a heartbeat's `spooled_through_seq` never claims a seq that is not in a cut batch:
-//!   the batcher is flushed before every heartbeat.
+//! - a heartbeat's `held_from_seq` is the lowest seq of the stream still held unacked
+//!   (a batch, or a loss record's range), or `attempted_seq`: the batcher is flushed
+//!   before every heartbeat, so nothing read is outside the spool when it is computed.
 
 use std::collections::BTreeMap;
 
@@ -256,8 +257,7 @@ pub struct ShipperCore {
     batch_log: Option<Vec<BatchEvent>>,
     batch_log_overflow: u64,
     /// Per `(epoch, stream_id)`: one past the highest seq of the stream in a batch that
-    /// left the spool acked (its frames, or a loss record's range), or the seq this
-    /// session took the stream over at — the `resume` floor. At most
+    /// left the spool acked (its frames, or a loss record's range) — the `resume` floor. At most
     /// [`MAX_RESUME_STREAMS`] entries; more are counted in `resume_streams_dropped`.
     released: BTreeMap<(u64, u32), u64>,
     resume_streams_dropped: u64,
@@ -366,6 +366,12 @@ impl ShipperCore {
         self.released.retain(|&(epoch, _), _| epoch >= e.epoch);
     }
 
+    /// A heartbeat now with the last counters (shutdown: once the spool is empty, so the
+    /// aggregator learns that nothing is held any more and settles what is left).
+    pub fn heartbeat_now(&mut self, node_mono_ns: u64, now: u64) {
+        self.heartbeat(node_mono_ns, now);
+    }
+
     /// Fresh kernel counters (every frame they count was handed in before). Sends a
     /// heartbeat at once: the aggregator's watermarks move with them.
     pub fn handle_counters(&mut self, counters: &SourceCounters, node_mono_ns: u64, now: u64) {
@@ -384,10 +390,6 @@ impl ShipperCore {
         let session = self.batcher.meta().shipper_session;
         let mut w = SectionedFrameWriter::session_start(self.shipper_stream, seq, node_mono_ns, session);
         w.section(streams);
-        let epoch = self.batcher.meta().epoch;
-        for e in streams {
-            self.raise_floor(epoch, e.stream_id.get(), e.attempted_seq.get());
-        }
         let frame = w.finish();
         self.push_into_lane(&frame, now);
         self.stats.session_starts += 1;
@@ -446,8 +448,10 @@ impl ShipperCore {
     /// Where the session stands, for the `resume` sent right after the control preface
     /// of every connection: the held `batch_seq`s (everything below `next_batch_seq`
     /// not held left the spool for good) and each stream's floor (one past the highest
-    /// seq of it that left the spool acked, or where this session took it over). An
-    /// aggregator that restarted settles what it no longer needs to wait for.
+    /// seq of it that left the spool acked). An aggregator that restarted settles what it
+    /// no longer needs to wait for. (Where this session took a stream over is not a
+    /// floor: the gap below it is the last session's unshipped tail, `shipper_restart`,
+    /// which the `session_start` frame tells the aggregator.)
     #[must_use]
     pub fn resume(&self) -> ResumeState {
         let mut seqs: Vec<u64> = self.spool.iter().map(|b| b.batch_seq).collect();
@@ -662,18 +666,52 @@ impl ShipperCore {
         }
     }
 
+    /// Per stream of `epoch`, the lowest seq still held unacked in the spool: in a ring
+    /// batch (its stream summary), or in the range of a loss record in a P1 batch. One
+    /// pass over the spool per heartbeat (summaries only; P1 batches are small).
+    fn held_from(&self, epoch: u64) -> BTreeMap<u32, u64> {
+        let mut low: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut note = |sid: u32, seq: u64| {
+            let v = low.entry(sid).or_insert(seq);
+            *v = (*v).min(seq);
+        };
+        for b in self.spool.iter() {
+            let Ok(view) = BatchView::parse(&b.bytes) else { continue };
+            if view.header.epoch.get() != epoch {
+                continue;
+            }
+            if b.lane == Class::P1 {
+                for f in view.frames() {
+                    match f {
+                        Ok(Frame::LossRecord(r)) => note(r.stream_id.get(), r.first_seq.get()),
+                        Ok(_) => {}
+                        Err(_) => break,
+                    }
+                }
+            } else {
+                for e in view.summary.iter() {
+                    note(e.stream_id.get(), e.first_seq.get());
+                }
+            }
+        }
+        low
+    }
+
     fn heartbeat(&mut self, node_mono_ns: u64, now: u64) {
-        // Everything read so far goes into batches first, so spooled_through is exact.
+        // Everything read so far goes into batches first, so held_from is exact.
         let cut = self.batcher.flush();
         self.cut.extend(cut);
         self.offer_cut(now);
+        let held = self.held_from(self.batcher.meta().epoch);
         let streams: Vec<StreamEntry> = self
             .counters
             .streams
             .iter()
             .map(|e| {
                 let mut e = *e;
-                e.spooled_through_seq = e.attempted_seq;
+                let attempted = e.attempted_seq.get();
+                let from = held.get(&e.stream_id.get()).map_or(attempted, |&h| h.min(attempted));
+                e.held_from_seq = U64::new(from);
                 e
             })
             .collect();
@@ -848,7 +886,7 @@ mod tests {
     }
 
     #[test]
-    fn heartbeats_carry_counters_spooled_through_and_state_also_when_idle() {
+    fn heartbeats_carry_counters_held_from_and_state_also_when_idle() {
         let mut c = core(1 << 20);
         for seq in 0..3 {
             c.handle_frame(&bulk(1, seq), 0);
@@ -869,7 +907,7 @@ mod tests {
             match s {
                 Section::Streams(es) => {
                     let e = es.iter().next().unwrap();
-                    assert_eq!(e.spooled_through_seq.get(), 3);
+                    assert_eq!(e.held_from_seq.get(), 0, "frames 0..=2 are still held unacked");
                     saw.0 = true;
                 }
                 Section::ShipperState(st) => {
@@ -883,10 +921,23 @@ mod tests {
         // The bulk frames went out before (or with) the heartbeat: flushed first.
         assert_eq!(frames_of(&sent).filter(|f| f.header().stream().class_code() == 2).count(), 3);
         assert_eq!(c.batcher().totals().sampled_out, 7);
-        // Idle: the next heartbeat still comes, at the interval.
+        // Idle: the next heartbeat still comes, at the interval; with everything acked it
+        // says nothing is held any more (held_from = attempted).
+        c.handle_ack(&[(1, u64::MAX)], 2 * MS);
         assert_eq!(c.poll_timeout(), 1001 * MS);
         c.handle_timeout(2_000, 1001 * MS);
         assert_eq!(c.stats().heartbeats, 2);
+        let held: Vec<u64> = frames_of(&transmit(&mut c))
+            .filter_map(|f| if let Frame::Heartbeat(h) = f { Some(h) } else { None })
+            .flat_map(|h| {
+                h.sections()
+                    .filter_map(|s| {
+                        if let Section::Streams(es) = s { Some(es.iter().next()?.held_from_seq.get()) } else { None }
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(held, vec![3]);
     }
 
     /// Issue 16: what a `resume` says — the held batches as ranges, and per stream one

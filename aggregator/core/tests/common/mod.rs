@@ -213,7 +213,7 @@ impl Sink for ShipperModel {
             .iter()
             .map(|e| {
                 let mut e = *e;
-                e.spooled_through_seq = e.attempted_seq;
+                e.held_from_seq = e.attempted_seq;
                 n.attempted.insert(e.stream_id.get(), e.attempted_seq.get());
                 e
             })

@@ -306,7 +306,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     }
     // The run ends on state, not on the clock: first every stream exact (everything the
     // generator made is received or accounted for; a dead node's announced seqs in an
-    // explicit state), then every live node's P0 watermark past where it stood then by the
+    // explicit state) and every dead node unreachable, then every live node's P0 watermark past where it stood then by the
     // reorder timeout and three heartbeats (node time) — the aggregator has confirmed, by
     // heartbeats it processed, that nothing more can arrive for what it judged, so every
     // verdict that finality allows is final. However long this machine takes today, up
@@ -319,7 +319,14 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
         let cons = crate::score::conservation(&truth, &nodes);
         let exact = cons.iter().all(|c| c.exact == c.streams);
-        if exact && targets.is_none() {
+        // A dead node gates its peers' verdicts until it is unreachable (DESIGN's
+        // silent-node rule): wait for that too (a node never heard of reads unreachable).
+        let dead_unreachable = truth
+            .nodes
+            .iter()
+            .filter(|t| t.dead_at_ms.is_some())
+            .all(|t| nodes.nodes.iter().find(|n| n.name == t.name).is_none_or(|n| n.liveness == "unreachable"));
+        if exact && dead_unreachable && targets.is_none() {
             targets = Some(
                 nodes
                     .nodes

@@ -385,20 +385,7 @@ impl SeqTracker {
             if let Some(l) = self.counts.lost.get_mut(to_slot) {
                 *l += n;
             }
-            *ids += 1;
-            let cause = LossCause::from_drop_slot(to_slot).unwrap_or(LossCause::Unknown);
-            out.push(LossInterval {
-                id: *ids,
-                stream: self.key,
-                first_seq: lo,
-                last_seq: hi - 1,
-                count: Some(n),
-                cause: cause.code(),
-                reason,
-                from_node_ns: self.ts_high,
-                to_node_ns: 0,
-                decided_at_ns: now,
-            });
+            out.push(self.interval(ids, (lo, hi), to_slot, reason, (self.ts_high, 0), now));
         }
     }
 
@@ -633,20 +620,33 @@ impl SeqTracker {
             self.kernel_attributed[cause_slot] += n;
         }
         self.remember_lost(lo, hi, cause_slot);
+        out.push(self.interval(ids, (lo, hi), cause_slot, reason, (gap.lo_ts, gap.hi_ts), now));
+    }
+
+    /// The loss interval `[lo, hi)` with the cause of `cause_slot`, numbered from `ids`.
+    fn interval(
+        &self,
+        ids: &mut u64,
+        (lo, hi): (u64, u64),
+        cause_slot: usize,
+        reason: u16,
+        (from_node_ns, to_node_ns): (u64, u64),
+        now: u64,
+    ) -> LossInterval {
         *ids += 1;
         let cause = LossCause::from_drop_slot(cause_slot).unwrap_or(LossCause::Unknown);
-        out.push(LossInterval {
+        LossInterval {
             id: *ids,
             stream: self.key,
             first_seq: lo,
             last_seq: hi - 1,
-            count: Some(n),
+            count: Some(hi - lo),
             cause: cause.code(),
             reason,
-            from_node_ns: gap.lo_ts,
-            to_node_ns: gap.hi_ts,
+            from_node_ns,
+            to_node_ns,
             decided_at_ns: now,
-        });
+        }
     }
 
     fn remember_lost(&mut self, lo: u64, hi: u64, cause_slot: usize) {

@@ -131,19 +131,25 @@ impl Shared {
     /// restarts from the snapshot.
     #[must_use]
     pub fn now(&self) -> u64 {
-        let elapsed = self.started.elapsed().as_nanos();
+        self.base_ns.saturating_add(self.aggregator_ns(self.started.elapsed()))
+    }
+
+    /// A real duration (time since start, a connection's RTT) in aggregator time, which
+    /// runs `time_scale` times faster in compressed test runs.
+    #[must_use]
+    pub fn aggregator_ns(&self, real: std::time::Duration) -> u64 {
+        let ns = u64::try_from(real.as_nanos()).unwrap_or(u64::MAX);
+        if (self.time_scale - 1.0).abs() < f64::EPSILON {
+            return ns;
+        }
         #[allow(
             clippy::cast_possible_truncation,
             clippy::cast_sign_loss,
             clippy::cast_precision_loss,
             reason = "ns of a run"
         )]
-        let scaled = if (self.time_scale - 1.0).abs() < f64::EPSILON {
-            u64::try_from(elapsed).unwrap_or(u64::MAX)
-        } else {
-            (elapsed as f64 * self.time_scale) as u64
-        };
-        self.base_ns.saturating_add(scaled)
+        let scaled = (ns as f64 * self.time_scale) as u64;
+        scaled
     }
 
     /// The core, locked (a poisoned lock means a panic mid-update: the state is still the

@@ -8,6 +8,9 @@
 //!   kernel dropped, or whose node died (its last frames died with its shipper: the
 //!   completion was inferred because the telemetry was lost);
 //! - `unknown_silent` for a rank on a node that died (the aggregator cannot know more);
+//! - `indeterminate(uninstrumented)` for a rank on a node that died before the aggregator
+//!   heard anything from it (nothing of the rank was ever on the wire: to the aggregator
+//!   it is a rank without instrumentation, and it says so);
 //! - `completed` for a rank the truth calls `indeterminate(key_collision)` that did
 //!   complete, when the op sharing its key only appears later (the verdict was final,
 //!   and true, before the collision was visible).
@@ -120,12 +123,24 @@ pub fn same_health(a: &str, b: &str) -> bool {
     a == b || (matches!(a, "silent" | "unreachable") && matches!(b, "silent" | "unreachable"))
 }
 
+/// What became of a rank's node, as far as scoring goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeFate {
+    Alive,
+    /// Died after the aggregator heard from it.
+    Died,
+    /// Died before anything of it reached the aggregator.
+    DiedUnheard,
+}
+
 /// Whether a verdict outcome is right for a truth outcome (see the module docs).
 #[must_use]
-pub fn agrees(truth: &str, verdict: &str, lost_frames: u32, node_dead: bool, completed: bool) -> bool {
+pub fn agrees(truth: &str, verdict: &str, lost_frames: u32, node: NodeFate, completed: bool) -> bool {
+    let node_dead = node != NodeFate::Alive;
     base(truth) == base(verdict)
         || (truth == "completed" && verdict == "completed_inferred" && (lost_frames > 0 || node_dead))
         || (verdict == "unknown_silent" && node_dead)
+        || (verdict == "indeterminate(uninstrumented)" && node == NodeFate::DiedUnheard)
         // A key shared with an op that only appears later: judged (correctly) before the
         // collision could be seen.
         || (truth == "indeterminate(key_collision)"
@@ -161,6 +176,21 @@ pub fn score(
     let by_key: BTreeMap<(String, String, u64, u32), &VerdictDto> =
         verdicts.verdicts.iter().map(|v| ((v.op.kind.clone(), v.op.comm.clone(), v.op.seq, v.rank), v)).collect();
     let dead: Vec<bool> = truth.nodes.iter().map(|n| n.dead_at_ms.is_some()).collect();
+    let fate: Vec<NodeFate> = (0u32..)
+        .zip(&truth.nodes)
+        .map(|(i, n)| {
+            if n.dead_at_ms.is_none() {
+                return NodeFate::Alive;
+            }
+            let name = aggregator::certs::node_name(i);
+            let heard = nodes
+                .nodes
+                .iter()
+                .find(|x| x.name == name)
+                .is_some_and(|x| x.streams.iter().any(|st| st.received > 0 || st.prior_instance > 0));
+            if heard { NodeFate::Died } else { NodeFate::DiedUnheard }
+        })
+        .collect();
     let old_before = ended_at_ms.saturating_sub(timers.stuck_deadline_ms + 500 + 2 * timers.heartbeat_ms);
     let mut ttf = Vec::new();
     for c in &truth.collectives {
@@ -173,13 +203,13 @@ pub fn score(
             s.decidable_ranks += 1;
             let t = base(&r.outcome).to_owned();
             s.outcomes.entry(t.clone()).or_default().truth += 1;
-            let node_dead = dead.get(r.node as usize).copied().unwrap_or(false);
+            let node_fate = fate.get(r.node as usize).copied().unwrap_or(NodeFate::Alive);
             match by_key.get(&(kind.clone(), comm.clone(), seq, r.rank)).filter(|v| v.is_final) {
                 Some(v) => {
                     s.final_verdicts += 1;
                     let got = base(&v.outcome).to_owned();
                     s.outcomes.entry(got.clone()).or_default().predicted += 1;
-                    if agrees(&r.outcome, &v.outcome, r.lost_frames, node_dead, r.completed) {
+                    if agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed) {
                         s.final_right += 1;
                         // Credit the truth's outcome (the equivalences map onto it).
                         s.outcomes.entry(t.clone()).or_default().correct += 1;
@@ -422,14 +452,18 @@ mod tests {
 
     #[test]
     fn equivalences_are_narrow() {
-        assert!(agrees("waiting_on(3)", "waiting_on(5)", 0, false, false));
-        assert!(agrees("completed", "completed_inferred", 2, false, true));
-        assert!(!agrees("completed", "completed_inferred", 0, false, true), "inferred without loss is not right");
-        assert!(agrees("completed", "completed_inferred", 0, true, true), "frames that died with the node's shipper");
-        assert!(agrees("blocked_by(world#3)", "unknown_silent", 0, true, false));
-        assert!(!agrees("stuck", "unknown_silent", 0, false, false), "silence only excuses a dead node's ranks");
-        assert!(!agrees("completed", "stuck", 0, false, true));
-        assert!(agrees("indeterminate(key_collision)", "completed", 0, false, true));
-        assert!(!agrees("indeterminate(key_collision)", "completed", 0, false, false));
+        use NodeFate::{Alive, Died, DiedUnheard};
+        assert!(agrees("waiting_on(3)", "waiting_on(5)", 0, Alive, false));
+        assert!(agrees("completed", "completed_inferred", 2, Alive, true));
+        assert!(!agrees("completed", "completed_inferred", 0, Alive, true), "inferred without loss is not right");
+        assert!(agrees("completed", "completed_inferred", 0, Died, true), "frames that died with the node's shipper");
+        assert!(agrees("blocked_by(world#3)", "unknown_silent", 0, Died, false));
+        assert!(!agrees("stuck", "unknown_silent", 0, Alive, false), "silence only excuses a dead node's ranks");
+        assert!(!agrees("completed", "stuck", 0, Alive, true));
+        assert!(agrees("indeterminate(key_collision)", "completed", 0, Alive, true));
+        assert!(!agrees("indeterminate(key_collision)", "completed", 0, Alive, false));
+        assert!(agrees("completed", "indeterminate(uninstrumented)", 0, DiedUnheard, true), "never on the wire");
+        assert!(!agrees("completed", "indeterminate(uninstrumented)", 0, Died, true), "it was heard: not right");
+        assert!(!agrees("completed", "indeterminate(uninstrumented)", 0, Alive, true));
     }
 }

@@ -519,6 +519,7 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
         r.shipper_session,
         r.epoch,
         r.next_batch_seq,
+        r.sent_ns,
         &r.held,
         &r.floors,
     ) {

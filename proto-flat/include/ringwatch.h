@@ -431,7 +431,7 @@ struct rw_resume_head { /* 40 B, then range_count rw_ack_range, then stream_coun
 	__u64 next_batch_seq;
 	__u32 range_count;
 	__u32 stream_count;
-	__u8 _reserved0[8];
+	__u64 sent_ns; /* node monotonic clock when written: a fresh clock sample (0: none) */
 };
 
 struct rw_resume_stream { /* 16 B */

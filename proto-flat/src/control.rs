@@ -99,7 +99,11 @@ pub struct ResumeHead {
     pub next_batch_seq: U64,
     pub range_count: U32,
     pub stream_count: U32,
-    pub _reserved0: [u8; 8],
+    /// The node's monotonic clock (the time base of its frames) when the shipper wrote
+    /// this `resume`: a fresh clock sample at connection time (0: none). Heartbeats
+    /// written before it may have waited in the spool, so the aggregator does not take
+    /// their send times as clock samples.
+    pub sent_ns: U64,
 }
 const _: () = assert!(size_of::<ResumeHead>() == 40);
 
@@ -138,6 +142,7 @@ pub enum ControlMessage<'a> {
         shipper_session: u64,
         epoch: u64,
         next_batch_seq: u64,
+        sent_ns: u64,
         held: &'a [AckRange],
         streams: &'a [ResumeStream],
     },
@@ -227,6 +232,7 @@ pub fn parse_control(bytes: &[u8]) -> Result<Option<(ControlMessage<'_>, usize)>
                 shipper_session: head.shipper_session.get(),
                 epoch: head.epoch.get(),
                 next_batch_seq: head.next_batch_seq.get(),
+                sent_ns: head.sent_ns.get(),
                 held,
                 streams,
             }
@@ -289,12 +295,14 @@ mod encode {
     }
 
     /// Appends a `resume`: `held` are inclusive `batch_seq` ranges, ascending; `streams`
-    /// are `(stream_id, floor_seq)`. Errors if either list is over its cap.
+    /// are `(stream_id, floor_seq)`; `sent_ns` is the node's monotonic clock now (see
+    /// [`ResumeHead::sent_ns`]). Errors if either list is over its cap.
     pub fn encode_resume(
         out: &mut Vec<u8>,
         shipper_session: u64,
         epoch: u64,
         next_batch_seq: u64,
+        sent_ns: u64,
         held: &[(u64, u64)],
         streams: &[(u32, u64)],
     ) -> Result<(), DecodeError> {
@@ -318,7 +326,7 @@ mod encode {
             // Both bounded by the caps checked above.
             range_count: U32::new(u32::try_from(held.len()).unwrap_or(u32::MAX)),
             stream_count: U32::new(u32::try_from(streams.len()).unwrap_or(u32::MAX)),
-            _reserved0: [0; 8],
+            sent_ns: U64::new(sent_ns),
         };
         out.extend_from_slice(head.as_bytes());
         for &(first, last) in held {
@@ -392,11 +400,18 @@ mod tests {
     #[test]
     fn resume_round_trips_and_refuses_hostile_counts() {
         let mut out = Vec::new();
-        encode_resume(&mut out, 9, 2, 40, &[(3, 5), (9, 9)], &[(0x0201_0000, 77)]).unwrap();
+        encode_resume(&mut out, 9, 2, 40, 1234, &[(3, 5), (9, 9)], &[(0x0201_0000, 77)]).unwrap();
         let (msg, used) = parse_control(&out).unwrap().unwrap();
         assert_eq!(used, out.len());
         match msg {
-            ControlMessage::Resume { shipper_session: 9, epoch: 2, next_batch_seq: 40, held, streams } => {
+            ControlMessage::Resume {
+                shipper_session: 9,
+                epoch: 2,
+                next_batch_seq: 40,
+                sent_ns: 1234,
+                held,
+                streams,
+            } => {
                 assert_eq!(held.len(), 2);
                 assert_eq!((held[1].first.get(), held[1].last.get()), (9, 9));
                 assert_eq!((streams[0].stream_id.get(), streams[0].floor_seq.get()), (0x0201_0000, 77));
@@ -412,7 +427,7 @@ mod tests {
         huge[8 + 24..8 + 28].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(parse_control(&huge), Err(DecodeError::TooLarge { .. })));
         let too_many = alloc::vec![(1u64, 1u64); MAX_RESUME_RANGES + 1];
-        assert!(encode_resume(&mut Vec::new(), 1, 1, 1, &too_many, &[]).is_err());
+        assert!(encode_resume(&mut Vec::new(), 1, 1, 1, 0, &too_many, &[]).is_err());
     }
 
     #[test]

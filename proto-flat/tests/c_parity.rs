@@ -218,7 +218,7 @@ fn rust_layouts() -> Vec<Layout> {
         layout!(
             ResumeHead,
             "rw_resume_head",
-            [shipper_session, epoch, next_batch_seq, range_count, stream_count, _reserved0]
+            [shipper_session, epoch, next_batch_seq, range_count, stream_count, sent_ns]
         ),
         layout!(ResumeStream, "rw_resume_stream", [stream_id, _reserved0, floor_seq]),
     ]

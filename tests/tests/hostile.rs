@@ -58,7 +58,7 @@ async fn attack(
     payloads: &[Vec<u8>],
 ) -> Result<(Vec<NackReason>, bool), String> {
     let mut resume = Vec::new();
-    encode_resume(&mut resume, 0, 1, 0, &[], &[]).map_err(|e| e.to_string())?;
+    encode_resume(&mut resume, 0, 1, 0, 0, &[], &[]).map_err(|e| e.to_string())?;
     attack_with(aggregator, files, &resume, payloads).await
 }
 
@@ -222,7 +222,7 @@ async fn net_hostile_peers_are_refused_and_counted_while_honest_accounting_stays
         .await
         .expect("connects");
     let mut huge = Vec::new();
-    encode_resume(&mut huge, 1, 1, u64::MAX, &[(1, 1)], &[]).expect("encodes");
+    encode_resume(&mut huge, 1, 1, u64::MAX, 0, &[(1, 1)], &[]).expect("encodes");
     huge[8 + 24..8 + 28].copy_from_slice(&u32::MAX.to_le_bytes()); // range_count
     let over = attack_with(agg.quic_addr, TlsFiles { ca: &ca, cert: &c5b, key: &k5b }, &huge, &[b7_again()])
         .await

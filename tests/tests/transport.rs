@@ -137,7 +137,13 @@ async fn net_eight_shippers_from_the_simulator_match_ground_truth() {
             let v = by_key.get(&key).unwrap_or_else(|| panic!("no verdict for {key:?} (truth {})", r.outcome));
             assert!(v.is_final, "{key:?} not final: {}", v.outcome);
             assert!(
-                loadgen::score::agrees(&r.outcome, &v.outcome, r.lost_frames, false, r.completed),
+                loadgen::score::agrees(
+                    &r.outcome,
+                    &v.outcome,
+                    r.lost_frames,
+                    loadgen::score::NodeFate::Alive,
+                    r.completed
+                ),
                 "{key:?}: truth {} verdict {}",
                 r.outcome,
                 v.outcome

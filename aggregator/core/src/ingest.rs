@@ -89,6 +89,9 @@ pub struct IngestStats {
     pub resume_windows: u64,
     /// Resume stream entries beyond `max_streams_per_node` or of a closed epoch.
     pub resume_streams_refused: u64,
+    /// Heartbeats written before their connection's `resume` (they waited in the
+    /// shipper's spool), not taken as clock samples.
+    pub clock_samples_stale: u64,
 }
 
 /// One node's ingest state.
@@ -337,9 +340,22 @@ impl Ingest {
     /// when any, and this instance did not restore a snapshot (which records its own gap
     /// at the node's first batch), the node gets a knowledge gap from this instance's
     /// start to now. False if the node was refused by `max_nodes`.
-    pub fn handle_resume(&mut self, now: u64, node: NodeId, epoch: u64, floors: &[(u32, u64)]) -> Option<u64> {
+    ///
+    /// `clock` is `(sent_ns, rtt_ns)`: the resume's node time and the connection's RTT, a
+    /// fresh clock sample (see [`ClockEstimate::on_resume`]).
+    pub fn handle_resume(
+        &mut self,
+        now: u64,
+        node: NodeId,
+        epoch: u64,
+        clock: (u64, u64),
+        floors: &[(u32, u64)],
+    ) -> Option<u64> {
         if !self.ensure_node(now, node, epoch) {
             return None;
+        }
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.clock.on_resume(clock.0, now, clock.1);
         }
         self.maybe_new_epoch(now, node, epoch, [0; 16]);
         let mut windows = 0u64;
@@ -581,8 +597,10 @@ impl Ingest {
             match frame {
                 Frame::Heartbeat(hb) => {
                     let snapshot = hb.head.snapshot_ns.get();
-                    if let Some(n) = self.nodes.get_mut(&node) {
-                        n.clock.on_heartbeat(h.ts_ns.get(), now, rtt_ns);
+                    if let Some(n) = self.nodes.get_mut(&node)
+                        && !n.clock.on_heartbeat(h.ts_ns.get(), now, rtt_ns)
+                    {
+                        self.stats.clock_samples_stale += 1;
                     }
                     let clock = self.nodes.get(&node).map(|n| n.clock.clone()).unwrap_or_default();
                     for section in hb.sections() {
@@ -726,11 +744,15 @@ impl Ingest {
                 && wm > n.watermark_ns[c]
             {
                 n.watermark_ns[c] = wm;
+                // Everything stamped up to the watermark has arrived, so it happened by
+                // now: a clock estimate that says otherwise is clamped, never trusted
+                // into the future.
+                let cluster_ns = n.clock.to_cluster(wm).min(i64::try_from(now).unwrap_or(i64::MAX));
                 self.out.push(Record::Watermark(Watermark {
                     node,
                     class: class.code(),
                     node_ns: wm,
-                    cluster_ns: n.clock.to_cluster(wm),
+                    cluster_ns,
                     epsilon_ns: n.clock.epsilon_ns(now).unwrap_or(u64::MAX),
                 }));
             }

@@ -18,9 +18,11 @@
 //!   `last_completed ≥ k`, or the rank's completion of a later op on the communicator
 //!   (ops on a communicator complete in order); an enqueue proves entry only;
 //! - C1: any completion of a strong collective proves every rank entered;
-//! - deadlines count from when k became the oldest unfinished op (the previous op's
-//!   completion, or k's first sight): stuck `max(20 s, 4 × p99)` of (comm, op, size
-//!   bucket), join 600 s; nothing is `stuck`/`not_joined` before them;
+//! - deadlines count from when k became the oldest unfinished op: when k − 1 was decided
+//!   or completed by every participant, in cluster time (not when k − 1's verdict became
+//!   final, so deadlines of consecutive ops do not stack), or k's first sight if later:
+//!   stuck `max(20 s, 4 × p99)` of (comm, op, size bucket), join 600 s; nothing is
+//!   `stuck`/`not_joined` before them;
 //! - C3 culprit classes in order: (a) not entered while instrumented and fresh; (b) an
 //!   earlier unresolved op of the same rank (`blocked_by`); (c) on a silent or
 //!   unreachable node (`unknown_silent`, never gating); (e) the only GPU that never
@@ -32,6 +34,15 @@
 //!   bulk loss never touches a verdict;
 //! - final once every gating participant's `w_p0` has passed `decided_at` + the
 //!   reorder timeout; a final `stuck` that completes later emits `Recovered`.
+//!   `decided_at` is the frame time of the evidence (the last completion) or, for a
+//!   decision resting on evidence without a frame time of its own (an inference from
+//!   PROGRESS or a later op, an undecidable rank), the aggregator time it was first
+//!   reached, kept while it holds — so a completion frame overtaken by PROGRESS or by
+//!   a later op is in before the inference can become final;
+//! - an op needs no deadline to be final once every rank will say no more: completed,
+//!   `indeterminate(uninstrumented | no_completion_source | key_collision)`, or
+//!   `unknown_silent` on an unreachable node. A rank judged uninstrumented makes every
+//!   fresh node gate (its PROGRESS may only be late).
 //!
 //! Memory: in-flight ops are capped (`max_ops`; the oldest is evicted and counted).
 
@@ -155,6 +166,10 @@ struct OpState {
     /// Distinct nodes of the participants seen so far (for watermark marking).
     nodes: Vec<NodeId>,
     decided_at_ns: u64,
+    /// Aggregator time when the current outcomes were first reached (0: never decided):
+    /// a decision with no frame time of its own is dated then, and stays dated then while
+    /// it holds, so its finality can catch up with it.
+    decided_now_ns: u64,
     is_final: bool,
     key_collision: bool,
 }
@@ -292,6 +307,7 @@ impl OpState {
             verdicts: Vec::new(),
             nodes: Vec::new(),
             decided_at_ns: 0,
+            decided_now_ns: 0,
             is_final: false,
             key_collision: false,
         }
@@ -789,12 +805,20 @@ impl CollectiveMatcher {
         self.config.stuck_min_ns.max(p99.unwrap_or(0).saturating_mul(4))
     }
 
-    /// When op k became the oldest unfinished op: when op k − 1 became final (or k's
-    /// first sight, if later or if k − 1 was never seen); never while k − 1 is open.
+    /// When op k became the oldest unfinished op: when op k − 1 was decided or completed
+    /// by every participant, in cluster time (or k's first sight, if later or if k − 1
+    /// was never seen) — not when k − 1's verdict became final, so the deadlines of
+    /// consecutive ops do not stack; never while k − 1 is undecided.
     fn clock_start(&self, op: &OpState) -> u64 {
         let OpRef::Coll { comm, seq } = op.key else { return op.first_seen_ns };
-        if seq > 1 && self.ops.get(&OpRef::Coll { comm, seq: seq - 1 }).is_some_and(|p| !p.is_final) {
-            return u64::MAX;
+        if seq > 1
+            && let Some(prev) = self.ops.get(&OpRef::Coll { comm, seq: seq - 1 })
+            && !prev.is_final
+        {
+            let decided = prev.decided_now_ns != 0
+                && prev.verdicts.len() == prev.participants.len()
+                && prev.verdicts.iter().all(|v| v.as_ref().is_some_and(|v| !matches!(v.outcome, Outcome::InFlight)));
+            return if decided { prev.decided_at_ns.max(op.first_seen_ns) } else { u64::MAX };
         }
         match self.comm_done.get(&comm) {
             Some(&(done, at)) if done + 1 == seq => at.max(op.first_seen_ns),
@@ -1060,37 +1084,75 @@ impl CollectiveMatcher {
             }
         }
 
-        // Decision time and finality.
-        let last_completion = op.observed().filter(|o| o.completed.is_some()).map(|o| o.completed_cluster_ns).max();
-        // An op none of whose frames arrived is decided as of the later frame that revealed
-        // it (a fixed time, so finality can catch up with it).
-        let unseen = op.ranks.iter().all(|r| !r.present) && op.first_seen_ns > 0;
-        let decided_at = if all_completed {
-            last_completion
-                .and_then(|t| u64::try_from(t).ok())
-                .or(unseen.then_some(op.first_seen_ns))
-                .map_or(now, |t| t.min(now))
+        // Decision time and finality. A decision resting on evidence with no frame time of
+        // its own (an inference from PROGRESS or a later op, an undecidable rank) is dated
+        // when these outcomes were first reached, and keeps that date while they hold: the
+        // evidence arrived by then, so once every gating watermark passes that date (+ the
+        // reorder timeout) any frame stamped before the evidence is in — a completion frame
+        // overtaken by a PROGRESS entry or a later op cannot turn up after finality.
+        let same_as_before = op.decided_now_ns != 0
+            && rs.iter().zip(&outcomes).all(|(r, o)| {
+                op.slot(r.rank)
+                    .and_then(|i| op.verdicts.get(i))
+                    .and_then(Option::as_ref)
+                    .is_some_and(|v| v.outcome == *o)
+            });
+        let decided_now = if same_as_before { op.decided_now_ns } else { now };
+        let last_completion = op
+            .observed()
+            .filter(|o| o.completed.is_some())
+            .map(|o| o.completed_cluster_ns)
+            .max()
+            .and_then(|t| u64::try_from(t).ok());
+        let any_inferred = rs.iter().any(|r| r.completed == Some(false));
+        // Ranks that will never say more: completed, undecidable for good, or on an
+        // unreachable node (DESIGN: peers' verdicts become final once it is unreachable).
+        let settled_rank = |r: &R, o: &Outcome| {
+            r.completed.is_some()
+                || matches!(
+                    o,
+                    Outcome::Indeterminate(
+                        Indeterminate::Uninstrumented | Indeterminate::NoCompletionSource | Indeterminate::KeyCollision
+                    )
+                )
+                || (matches!(o, Outcome::UnknownSilent) && r.live == LivenessState::Unreachable)
+        };
+        let resolved = !all_completed && rs.iter().zip(&outcomes).all(|(r, o)| settled_rank(r, o));
+        let decided_at = if all_completed && !any_inferred {
+            last_completion.map_or(decided_now, |t| t.min(decided_now))
+        } else if all_completed || resolved {
+            last_completion.map_or(decided_now, |t| t.max(decided_now))
         } else if past_stuck {
-            stuck_at.min(now)
+            stuck_at.min(decided_now)
         } else if decisive && past_join {
-            join_at.min(now)
+            join_at.min(decided_now)
         } else if let Some((_, root_decided)) = blocked_root {
-            root_decided.min(now)
+            root_decided.min(decided_now)
         } else {
-            now
+            decided_now
         };
-        let gating: Vec<NodeId> = rs.iter().filter(|r| r.live == LivenessState::Fresh).filter_map(|r| r.node).collect();
-        let settled = |m: &Self| {
-            gating.iter().all(|n| {
-                m.nodes.get(n).is_some_and(|v| {
-                    let need =
-                        i64::try_from(decided_at.saturating_add(m.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
-                    v.w_p0_cluster_ns >= need
-                })
-            })
-        };
+        let mut gating: Vec<NodeId> =
+            rs.iter().filter(|r| r.live == LivenessState::Fresh).filter_map(|r| r.node).collect();
+        // A rank judged uninstrumented may only be one whose node has not said so yet:
+        // every node this aggregator hears from must be past the decision first.
+        if rs
+            .iter()
+            .zip(&outcomes)
+            .any(|(r, o)| r.completed.is_none() && matches!(o, Outcome::Indeterminate(Indeterminate::Uninstrumented)))
+        {
+            gating.extend(
+                self.nodes
+                    .iter()
+                    .filter(|(_, v)| v.liveness.is_none_or(|l| l == LivenessState::Fresh))
+                    .map(|(n, _)| *n),
+            );
+        }
+        let need = i64::try_from(decided_at.saturating_add(self.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
+        let settled = |m: &Self| gating.iter().all(|n| m.nodes.get(n).is_some_and(|v| v.w_p0_cluster_ns >= need));
         let terminal = all_completed || outcomes.iter().all(|o| !matches!(o, Outcome::InFlight));
-        let is_final = terminal && settled(self) && (all_completed || past_stuck || decisive || blocked_root.is_some());
+        let is_final = terminal
+            && settled(self)
+            && (all_completed || resolved || past_stuck || decisive || blocked_root.is_some());
 
         // Durations of completed ops feed the stuck deadline: kernel start to end on
         // each rank's own clock (never across clocks), the longest rank.
@@ -1348,6 +1410,7 @@ impl CollectiveMatcher {
             let mut o = op;
             o.verdicts = new_verdicts;
             o.decided_at_ns = decided_at;
+            o.decided_now_ns = decided_now;
             let due = if past_stuck { now + self.config.reorder_timeout_ns } else { stuck_at.min(join_at) };
             if due != u64::MAX {
                 self.deadlines.insert((due, key));

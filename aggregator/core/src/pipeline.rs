@@ -79,7 +79,8 @@ impl Core {
     /// A connection's `resume`, applied before any of its batches: the session's dedup
     /// state settles what the shipper no longer holds, and every stream floor above what
     /// this instance saw opens a window that only held frames, loss records, kernel drop
-    /// counts or `prior_instance` close (see [`crate::dedup`], [`crate::loss`]).
+    /// counts or `prior_instance` close (see [`crate::dedup`], [`crate::loss`]). `clock` is
+    /// `(sent_ns, rtt_ns)`: the resume's node time and the connection's RTT.
     #[allow(clippy::too_many_arguments, reason = "one resume message's fields")]
     pub fn handle_resume(
         &mut self,
@@ -88,10 +89,11 @@ impl Core {
         session: u64,
         epoch: u64,
         next_batch_seq: u64,
+        clock: (u64, u64),
         held: &[(u64, u64)],
         floors: &[(u32, u64)],
     ) -> Resumed {
-        let Some(windows) = self.ingest.handle_resume(now, node, epoch, floors) else {
+        let Some(windows) = self.ingest.handle_resume(now, node, epoch, clock, floors) else {
             return Resumed { refused: true, ..Resumed::default() };
         };
         let batches_settled = self.ingest.dedup_mut().resume(node, session, next_batch_seq, held);

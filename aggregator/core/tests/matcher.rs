@@ -528,6 +528,32 @@ fn replay(
         }
         m.handle_record(now, rec);
     }
+    // The cluster goes on after the log: every node's data through its end has landed
+    // (idle heartbeats move watermarks), so a decision reached late in a replay — its
+    // evidence arrived late in this order — becomes final too. Finality must not depend
+    // on which order the same records came in, only on the watermarks passing.
+    let mut nodes: Vec<(NodeId, u64)> = records
+        .iter()
+        .filter_map(|(_, r)| match r {
+            ringwatch_core::Record::Watermark(w) if w.class == 0 => Some((w.node, w.epsilon_ns)),
+            _ => None,
+        })
+        .collect();
+    nodes.sort_unstable_by_key(|n| n.0);
+    nodes.dedup_by_key(|n| n.0);
+    let end = now + 30_000_000_000;
+    for (node, epsilon_ns) in nodes {
+        m.handle_record(
+            now,
+            &ringwatch_core::Record::Watermark(ringwatch_core::records::Watermark {
+                node,
+                class: 0,
+                node_ns: end,
+                cluster_ns: i64::try_from(end).unwrap_or(i64::MAX),
+                epsilon_ns,
+            }),
+        );
+    }
     for _ in 0..400 {
         now += 250_000_000;
         m.handle_timeout(now);

@@ -576,6 +576,10 @@ fn fused_group_completes_together() {
     c.tick(S);
     c.watermarks(&[1, 2]);
     c.tick(S);
+    // The inference is dated when it was reached (the first tick): final once the
+    // watermarks pass that + the reorder timeout.
+    c.watermarks(&[1, 2]);
+    c.tick(S);
     let recv_on_0 = &c.verdicts[&(OpRef::P2p { comm: k, src: 1, dst: 0, p2p_seq: 1 }, 0)];
     assert_eq!((recv_on_0.outcome, recv_on_0.is_final), (Outcome::CompletedInferred, true));
 }
@@ -632,6 +636,14 @@ fn an_op_none_of_whose_frames_arrived_is_inferred_from_the_seq_gap() {
     c.tick(S / 10);
     for rank in 0..2 {
         c.frame(1, 10 + rank, k, 3, rank, 2, Phase::KernelEnd, None, 3);
+    }
+    c.tick(S);
+    // The inference was reached at that tick, and is dated then: final once the node's
+    // data is in through it + the reorder timeout.
+    c.watermarks(&[1]);
+    c.tick(S / 10);
+    for rank in 0..2 {
+        assert_eq!(c.outcome(k, 2, rank), (Outcome::CompletedInferred, false), "not before the watermark passed");
     }
     c.tick(S);
     c.watermarks(&[1]);

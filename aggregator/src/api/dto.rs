@@ -66,6 +66,9 @@ pub struct IngestDto {
     pub resume_batches_settled: u64,
     pub resume_stream_windows: u64,
     pub dedup_window_full: u64,
+    /// Heartbeats written before their connection's `resume` (they waited in the
+    /// shipper's spool): their counters count, their send times are not clock samples.
+    pub clock_samples_stale: u64,
     /// The last snapshot: how long the core's lock was held to take it (µs), and when
     /// (aggregator ms).
     pub last_snapshot_hold_us: u64,

@@ -89,6 +89,7 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
         resume_batches_settled: dedup.resume_settled,
         resume_stream_windows: stats.resume_windows,
         dedup_window_full: dedup.window_full,
+        clock_samples_stale: stats.clock_samples_stale,
         last_snapshot_hold_us: c.last_snapshot_hold_us.load(Relaxed),
         last_snapshot_at_ms: c.last_snapshot_at_ms.load(Relaxed),
     })

@@ -112,7 +112,9 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         Ok(r) => {
             let now = shared.now();
             let mut core = shared.core();
-            let done = core.handle_resume(now, node, r.session, r.epoch, r.next_batch_seq, &r.held, &r.floors);
+            let rtt = shared.aggregator_ns(conn.rtt());
+            let clock = (r.sent_ns, rtt);
+            let done = core.handle_resume(now, node, r.session, r.epoch, r.next_batch_seq, clock, &r.held, &r.floors);
             shared.drain_events(&mut core);
             drop(core);
             if done.refused {
@@ -195,7 +197,7 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                 }
             }
-            let rtt = u64::try_from(conn2.rtt().as_nanos()).unwrap_or(u64::MAX);
+            let rtt = shared.aggregator_ns(conn2.rtt());
             match apply(&shared, node, rtt, &bytes) {
                 Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
                 Ok(answer) => {
@@ -231,6 +233,7 @@ struct Resume {
     session: u64,
     epoch: u64,
     next_batch_seq: u64,
+    sent_ns: u64,
     held: Vec<(u64, u64)>,
     floors: Vec<(u32, u64)>,
 }
@@ -250,15 +253,17 @@ async fn read_resume(recv: &mut quinn::RecvStream) -> Result<Resume, String> {
         msg[..head.len()].copy_from_slice(&head);
         recv.read_exact(&mut msg[head.len()..]).await.map_err(|e| e.to_string())?;
         match parse_control(&msg) {
-            Ok(Some((ControlMessage::Resume { shipper_session, epoch, next_batch_seq, held, streams }, _))) => {
-                Ok(Resume {
-                    session: shipper_session,
-                    epoch,
-                    next_batch_seq,
-                    held: held.iter().map(|r| (r.first.get(), r.last.get())).collect(),
-                    floors: streams.iter().map(|s| (s.stream_id.get(), s.floor_seq.get())).collect(),
-                })
-            }
+            Ok(Some((
+                ControlMessage::Resume { shipper_session, epoch, next_batch_seq, sent_ns, held, streams },
+                _,
+            ))) => Ok(Resume {
+                session: shipper_session,
+                epoch,
+                next_batch_seq,
+                sent_ns,
+                held: held.iter().map(|r| (r.first.get(), r.last.get())).collect(),
+                floors: streams.iter().map(|s| (s.stream_id.get(), s.floor_seq.get())).collect(),
+            }),
             Ok(Some((other, _))) => Err(format!("expected resume, got {other:?}")),
             Ok(None) => Err("truncated resume".to_owned()),
             Err(e) => Err(e.to_string()),

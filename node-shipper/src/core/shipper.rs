@@ -244,6 +244,8 @@ pub struct ShipperCore {
     next_heartbeat_ns: u64,
     counters: SourceCounters,
     sampling_level: u8,
+    /// The node's monotonic clock as last handed in (a `resume`'s clock sample).
+    node_mono_ns: u64,
     stats: ShipperStats,
     /// Batches cut but not yet offered to the spool (offering can cut more: loss records).
     cut: Vec<Batch>,
@@ -269,6 +271,9 @@ pub struct ResumeState {
     pub shipper_session: u64,
     pub epoch: u64,
     pub next_batch_seq: u64,
+    /// The node's monotonic clock as last handed to the core (by the reader's last turn):
+    /// the `resume`'s fresh clock sample.
+    pub sent_ns: u64,
     /// Held `batch_seq`s, inclusive ranges, ascending.
     pub held: Vec<(u64, u64)>,
     /// `(stream_id, floor_seq)` of the current epoch.
@@ -288,6 +293,7 @@ impl ShipperCore {
             next_heartbeat_ns: now + config.heartbeat_interval_ns,
             counters: SourceCounters::default(),
             sampling_level: 0,
+            node_mono_ns: 0,
             stats: ShipperStats::default(),
             cut: Vec::new(),
             pending_loss_records: false,
@@ -471,7 +477,14 @@ impl ShipperCore {
         }
         let meta = self.batcher.meta();
         let floors = self.released.range((meta.epoch, 0)..=(meta.epoch, u32::MAX)).map(|(k, v)| (k.1, *v)).collect();
-        ResumeState { shipper_session: meta.shipper_session, epoch: meta.epoch, next_batch_seq, held, floors }
+        ResumeState {
+            shipper_session: meta.shipper_session,
+            epoch: meta.epoch,
+            next_batch_seq,
+            sent_ns: self.node_mono_ns,
+            held,
+            floors,
+        }
     }
 
     /// Resume floors that did not fit [`MAX_RESUME_STREAMS`].
@@ -553,6 +566,7 @@ impl ShipperCore {
     /// Cuts batches whose flush interval passed; heartbeats when due (also when idle,
     /// with the last counters).
     pub fn handle_timeout(&mut self, node_mono_ns: u64, now: u64) {
+        self.node_mono_ns = self.node_mono_ns.max(node_mono_ns);
         for lane in 0..4 {
             if self.spool.in_flight(lane) == 0 {
                 self.lane_progress_ns[lane] = now;
@@ -698,6 +712,7 @@ impl ShipperCore {
     }
 
     fn heartbeat(&mut self, node_mono_ns: u64, now: u64) {
+        self.node_mono_ns = self.node_mono_ns.max(node_mono_ns);
         // Everything read so far goes into batches first, so held_from is exact.
         let cut = self.batcher.flush();
         self.cut.extend(cut);

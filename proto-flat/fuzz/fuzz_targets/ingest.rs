@@ -33,14 +33,14 @@ fuzz_target!(|data: &[u8]| {
     // Time moves on between inputs; the first byte says how far (0–255 × 10 ms).
     *now += u64::from(data.first().copied().unwrap_or(0)) * 10_000_000;
     let bytes = data.get(1..).unwrap_or(&[]);
-    if let Ok(Some((ControlMessage::Resume { shipper_session, epoch, next_batch_seq, held, streams }, _))) =
+    if let Ok(Some((ControlMessage::Resume { shipper_session, epoch, next_batch_seq, sent_ns, held, streams }, _))) =
         parse_control(bytes)
     {
         let held: Vec<(u64, u64)> = held.iter().map(|r| (r.first.get(), r.last.get())).collect();
         let floors: Vec<(u32, u64)> = streams.iter().map(|s| (s.stream_id.get(), s.floor_seq.get())).collect();
         // The node is whatever the certificate said; any id will do.
         let node = NodeId(shipper_session & 0xff);
-        let _ = core.handle_resume(*now, node, shipper_session, epoch, next_batch_seq, &held, &floors);
+        let _ = core.handle_resume(*now, node, shipper_session, epoch, next_batch_seq, (sent_ns, 200_000), &held, &floors);
         while core.poll_event().is_some() {}
     }
     ingest(core, *now, bytes);

@@ -92,6 +92,9 @@ pub struct IngestStats {
     /// Heartbeats written before their connection's `resume` (they waited in the
     /// shipper's spool), not taken as clock samples.
     pub clock_samples_stale: u64,
+    /// Frames with seq `u64::MAX` and loss records ending there (no seq can follow):
+    /// refused before any arithmetic on them.
+    pub seq_out_of_range: u64,
 }
 
 /// One node's ingest state.
@@ -467,8 +470,19 @@ impl Ingest {
         scratch: &mut Vec<LossInterval>,
     ) -> bool {
         self.stats.frames += 1;
+        if h.seq.get() == u64::MAX {
+            // No seq can follow it: a hostile or corrupt frame, refused before arithmetic.
+            self.stats.seq_out_of_range += 1;
+            return false;
+        }
         match Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
-            Some(t) => t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id),
+            Some(t) => {
+                let fresh = t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
+                if !fresh {
+                    self.stats.duplicate_frames += 1;
+                }
+                fresh
+            }
             // Untracked (a cap refused the stream, or a closed epoch): still delivered.
             None => true,
         }
@@ -492,6 +506,10 @@ impl Ingest {
             for item in batch.headers() {
                 let Ok((h, _)) = item else { break };
                 frames += 1;
+                if h.seq.get() == u64::MAX {
+                    self.stats.seq_out_of_range += 1;
+                    continue;
+                }
                 let sid = h.stream_id.get();
                 if sid != last_stream || tracker.is_none() {
                     last_stream = sid;
@@ -509,7 +527,6 @@ impl Ingest {
             let Ok(frame) = item else { break };
             let h = frame.header();
             if !self.account_frame(now, node, epoch, h, scratch) {
-                self.stats.duplicate_frames += 1;
                 continue;
             }
             let stream = StreamKey { node, epoch, stream_id: h.stream_id.get() };
@@ -591,7 +608,6 @@ impl Ingest {
             let Ok(frame) = item else { break };
             let h = frame.header();
             if !self.account_frame(now, node, epoch, h, scratch) {
-                self.stats.duplicate_frames += 1;
                 continue;
             }
             match frame {
@@ -679,6 +695,10 @@ impl Ingest {
                     // not a batch loss.
                     let batch_seq = r.batch_seq.get();
                     if batch_seq != 0 && !self.dedup.settle_lost(node, r.shipper_session.get(), batch_seq) {
+                        continue;
+                    }
+                    if r.last_seq.get() == u64::MAX {
+                        self.stats.seq_out_of_range += 1;
                         continue;
                     }
                     if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)

@@ -758,7 +758,7 @@ impl CollectiveMatcher {
         self.seen_through.insert(comm, seq);
         let missing = seq - high - 1;
         if missing > MAX_SEQ_GAP_OPS {
-            self.stats.seq_gap_ops_skipped += missing;
+            self.stats.seq_gap_ops_skipped = self.stats.seq_gap_ops_skipped.saturating_add(missing);
             return;
         }
         for k in high + 1..seq {

@@ -663,3 +663,17 @@ fn an_op_none_of_whose_frames_arrived_is_inferred_from_the_seq_gap() {
     assert_eq!(c.m.stats().ops_inferred_from_seq_gap, 1);
     assert_eq!(c.outcome(k, 3, 0), (Outcome::Completed, true));
 }
+
+#[test]
+fn huge_comm_op_seq_gaps_are_counted_without_overflow_regression_fuzz() {
+    // Found by the ingest fuzz target: two communicators each jumping from op 1 to op
+    // u64::MAX overflowed the skipped-ops counter (a panic on the batch path).
+    let mut c = Case::new();
+    for h in [500, 501] {
+        let k = comm(h);
+        c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
+        c.frame(1, 10, k, u64::MAX, 0, 2, Phase::EnqueueStart, None, 2);
+    }
+    c.tick(S);
+    assert_eq!(c.m.stats().seq_gap_ops_skipped, u64::MAX, "saturated, not wrapped");
+}

@@ -69,6 +69,8 @@ pub struct IngestDto {
     /// Heartbeats written before their connection's `resume` (they waited in the
     /// shipper's spool): their counters count, their send times are not clock samples.
     pub clock_samples_stale: u64,
+    /// Frames with seq `u64::MAX` and loss records ending there, refused.
+    pub seq_out_of_range: u64,
     /// The last snapshot: how long the core's lock was held to take it (µs), and when
     /// (aggregator ms).
     pub last_snapshot_hold_us: u64,

@@ -90,6 +90,7 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
         resume_stream_windows: stats.resume_windows,
         dedup_window_full: dedup.window_full,
         clock_samples_stale: stats.clock_samples_stale,
+        seq_out_of_range: stats.seq_out_of_range,
         last_snapshot_hold_us: c.last_snapshot_hold_us.load(Relaxed),
         last_snapshot_at_ms: c.last_snapshot_at_ms.load(Relaxed),
     })

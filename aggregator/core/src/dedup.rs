@@ -86,10 +86,6 @@ pub struct DedupStats {
     pub resumed_ranges_forgotten: u64,
 }
 
-/// Ranges settled by resumes a session remembers (loss reports for batches in them are
-/// applied); older ones are forgotten, counted.
-const RESUMED_RANGES: usize = 64;
-
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
 struct Session {
     /// Highest settled batch_seq (0: none).
@@ -99,8 +95,12 @@ struct Session {
     /// Settled by a loss report (a lost batch has one report per stream it carried, so
     /// later reports for it must still apply). The newest `window` are kept.
     lost: BTreeSet<u64>,
-    /// Inclusive ranges a resume settled without this instance applying them.
-    resumed: Vec<(u64, u64)>,
+    /// Inclusive ranges a resume settled without this instance applying them (start →
+    /// end): loss reports for batches in them are applied. The lowest are forgotten
+    /// (counted) beyond `window` ranges — the same bound as the holes they came from: a
+    /// partition that evicted every other batch leaves one range per eviction, and
+    /// forgetting one turns its loss report into `unknown` loss.
+    resumed: BTreeMap<u64, u64>,
     last_used: u64,
 }
 
@@ -143,7 +143,7 @@ impl Session {
     }
 
     fn was_resumed(&self, seq: u64) -> bool {
-        self.resumed.iter().any(|&(a, b)| a <= seq && seq <= b)
+        self.resumed.range(..=seq).next_back().is_some_and(|(_, &end)| seq <= end)
     }
 }
 
@@ -248,6 +248,7 @@ impl BatchDedup {
     /// that this instance had not seen (0 when it saw everything: a plain reconnect).
     pub fn resume(&mut self, node: NodeId, session: u64, next_batch_seq: u64, held: &[(u64, u64)]) -> u64 {
         self.stats.resumes += 1;
+        let window = self.config.window as usize;
         let through = next_batch_seq.saturating_sub(1);
         let s = self.session(node, session);
         // Held ranges sorted and merged (a peer's list is not trusted to be either).
@@ -291,12 +292,12 @@ impl BatchDedup {
         }
         s.holes = holes;
         let mut forgotten = 0;
-        for r in newly_resumed {
-            if s.resumed.len() >= RESUMED_RANGES {
-                s.resumed.remove(0);
+        for (a, b) in newly_resumed {
+            s.resumed.insert(a, b);
+            if s.resumed.len() > window.max(1) {
+                s.resumed.pop_first();
                 forgotten += 1;
             }
-            s.resumed.push(r);
         }
         self.stats.resumed_ranges_forgotten += forgotten;
         self.stats.resume_settled = self.stats.resume_settled.saturating_add(settled_now);
@@ -378,6 +379,25 @@ mod tests {
         assert_eq!(d.stats().lost_but_applied, 1);
         // A resend of a batch reported lost is a duplicate (its frames are counted lost).
         assert_eq!(d.admit(N, 1, 2), Admit::Duplicate);
+    }
+
+    /// A partition evicted every other batch while P0/P1 batches between them stayed held:
+    /// the reconnect's resume settles one range per eviction. Loss reports for all of them
+    /// must still apply (with 64 remembered ranges, CI saw 11,102 bulk frames of such
+    /// reports become `unknown` in the partition test).
+    #[test]
+    fn loss_reports_apply_for_every_range_a_fragmented_resume_settled() {
+        let mut d = BatchDedup::new(DedupConfig { window: 1024, sessions_per_node: 2 });
+        assert_eq!(d.admit(N, 1, 1), Admit::New);
+        // Held: every even batch 2..=1000; odd ones were evicted (their reports still queued).
+        let held: Vec<(u64, u64)> = (1..=500).map(|i| (2 * i, 2 * i)).collect();
+        assert_eq!(d.resume(N, 1, 1001, &held), 499, "the odd batches 3..=999");
+        for seq in (3..1000).step_by(2) {
+            assert!(d.settle_lost(N, 1, seq), "the report for evicted batch {seq} applies");
+        }
+        assert_eq!(d.stats().resumed_ranges_forgotten, 0);
+        assert_eq!(d.stats().lost_but_applied, 0);
+        assert!(!d.settle_lost(N, 1, 1), "a report for the applied batch does not");
     }
 
     /// Issue 16: an aggregator restarted without state saw batch 12345 first and waited

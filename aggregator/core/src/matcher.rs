@@ -40,9 +40,10 @@
 //!   reached, kept while it holds — so a completion frame overtaken by PROGRESS or by
 //!   a later op is in before the inference can become final;
 //! - an op needs no deadline to be final once every rank will say no more: completed,
-//!   `indeterminate(uninstrumented | no_completion_source | key_collision)`, or
-//!   `unknown_silent` on an unreachable node. A rank judged uninstrumented makes every
-//!   fresh node gate (its PROGRESS may only be late).
+//!   `indeterminate(no_completion_source | key_collision)`, or `unknown_silent` on an
+//!   unreachable node. A rank without PROGRESS (`uninstrumented`) is not one: it looks
+//!   the same as a rank of a node that has not connected yet, so it waits for the stuck
+//!   deadline.
 //!
 //! Memory: in-flight ops are capped (`max_ops`; the oldest is evicted and counted).
 
@@ -1107,14 +1108,12 @@ impl CollectiveMatcher {
         let any_inferred = rs.iter().any(|r| r.completed == Some(false));
         // Ranks that will never say more: completed, undecidable for good, or on an
         // unreachable node (DESIGN: peers' verdicts become final once it is unreachable).
+        // Not a rank without PROGRESS: to the aggregator it looks the same as a rank of a
+        // node that has not connected yet (CI saw a late node's ranks go final as
+        // `uninstrumented`), so that one still waits for the stuck deadline.
         let settled_rank = |r: &R, o: &Outcome| {
             r.completed.is_some()
-                || matches!(
-                    o,
-                    Outcome::Indeterminate(
-                        Indeterminate::Uninstrumented | Indeterminate::NoCompletionSource | Indeterminate::KeyCollision
-                    )
-                )
+                || matches!(o, Outcome::Indeterminate(Indeterminate::NoCompletionSource | Indeterminate::KeyCollision))
                 || (matches!(o, Outcome::UnknownSilent) && r.live == LivenessState::Unreachable)
         };
         let resolved = !all_completed && rs.iter().zip(&outcomes).all(|(r, o)| settled_rank(r, o));
@@ -1131,22 +1130,7 @@ impl CollectiveMatcher {
         } else {
             decided_now
         };
-        let mut gating: Vec<NodeId> =
-            rs.iter().filter(|r| r.live == LivenessState::Fresh).filter_map(|r| r.node).collect();
-        // A rank judged uninstrumented may only be one whose node has not said so yet:
-        // every node this aggregator hears from must be past the decision first.
-        if rs
-            .iter()
-            .zip(&outcomes)
-            .any(|(r, o)| r.completed.is_none() && matches!(o, Outcome::Indeterminate(Indeterminate::Uninstrumented)))
-        {
-            gating.extend(
-                self.nodes
-                    .iter()
-                    .filter(|(_, v)| v.liveness.is_none_or(|l| l == LivenessState::Fresh))
-                    .map(|(n, _)| *n),
-            );
-        }
+        let gating: Vec<NodeId> = rs.iter().filter(|r| r.live == LivenessState::Fresh).filter_map(|r| r.node).collect();
         let need = i64::try_from(decided_at.saturating_add(self.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
         let settled = |m: &Self| gating.iter().all(|n| m.nodes.get(n).is_some_and(|v| v.w_p0_cluster_ns >= need));
         let terminal = all_completed || outcomes.iter().all(|o| !matches!(o, Outcome::InFlight));

@@ -40,10 +40,10 @@
 //!   reached, kept while it holds — so a completion frame overtaken by PROGRESS or by
 //!   a later op is in before the inference can become final;
 //! - an op needs no deadline to be final once every rank will say no more: completed,
-//!   `indeterminate(no_completion_source | key_collision)`, or `unknown_silent` on an
-//!   unreachable node. A rank without PROGRESS (`uninstrumented`) is not one: it looks
-//!   the same as a rank of a node that has not connected yet, so it waits for the stuck
-//!   deadline.
+//!   or `indeterminate(no_completion_source | key_collision)`. A rank without PROGRESS
+//!   (`uninstrumented`: it looks the same as a rank of a node that has not connected yet)
+//!   and a rank on an unreachable node (a live node's connection can close for a moment)
+//!   are not: their ops wait for the stuck deadline.
 //!
 //! Memory: in-flight ops are capped (`max_ops`; the oldest is evicted and counted).
 
@@ -1106,15 +1106,16 @@ impl CollectiveMatcher {
             .max()
             .and_then(|t| u64::try_from(t).ok());
         let any_inferred = rs.iter().any(|r| r.completed == Some(false));
-        // Ranks that will never say more: completed, undecidable for good, or on an
-        // unreachable node (DESIGN: peers' verdicts become final once it is unreachable).
-        // Not a rank without PROGRESS: to the aggregator it looks the same as a rank of a
-        // node that has not connected yet (CI saw a late node's ranks go final as
-        // `uninstrumented`), so that one still waits for the stuck deadline.
+        // Ranks that will never say more: completed, or undecidable for good. Not a rank
+        // without PROGRESS: to the aggregator it looks the same as a rank of a node that
+        // has not connected yet (CI saw a late node's ranks go final as
+        // `uninstrumented`); and not a rank on an unreachable node: under a CPU hog a live
+        // node's connection closed, it was unreachable for a moment, and a hung op's
+        // verdicts went final as `unknown_silent` for it. Both still wait for the stuck
+        // deadline.
         let settled_rank = |r: &R, o: &Outcome| {
             r.completed.is_some()
                 || matches!(o, Outcome::Indeterminate(Indeterminate::NoCompletionSource | Indeterminate::KeyCollision))
-                || (matches!(o, Outcome::UnknownSilent) && r.live == LivenessState::Unreachable)
         };
         let resolved = !all_completed && rs.iter().zip(&outcomes).all(|(r, o)| settled_rank(r, o));
         let decided_at = if all_completed && !any_inferred {

@@ -55,7 +55,13 @@ pub struct AggregatorConfig {
     /// Aggregator time per real time (1 in production; `loadgen --time-scale` compresses
     /// simulated runs, whose node clocks run as fast).
     pub time_scale: f64,
+    /// How long a degraded verdict keeps its GPU degraded without new evidence
+    /// (aggregator time; 300 s).
+    pub degraded_clear_ns: u64,
 }
+
+/// How long a degraded verdict keeps its GPU degraded without new evidence, by default.
+pub const DEGRADED_CLEAR_NS: u64 = 300_000_000_000;
 
 impl AggregatorConfig {
     /// Defaults around a certificate set, listening on ephemeral loopback ports.
@@ -76,6 +82,7 @@ impl AggregatorConfig {
             snapshot_path: None,
             snapshot_interval_ms: 10_000,
             time_scale: 1.0,
+            degraded_clear_ns: DEGRADED_CLEAR_NS,
         }
     }
 }
@@ -135,6 +142,7 @@ impl Aggregator {
             None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), instance, 1, cfg.verdict_cap, hold),
         };
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
+        shared.degraded_clear_ns = cfg.degraded_clear_ns;
         let shared = Arc::new(shared);
         let listener = tokio::net::TcpListener::bind(cfg.http)
             .await

@@ -122,7 +122,7 @@ impl Shared {
             counters: Counters::default(),
             instance,
             epoch,
-            degraded_clear_ns: 300_000_000_000,
+            degraded_clear_ns: crate::DEGRADED_CLEAR_NS,
             hold_acks_from_ns,
         }
     }

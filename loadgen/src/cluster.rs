@@ -152,6 +152,14 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
         ..IngestConfig::default()
     };
     cfg.time_scale = time_scale;
+    // The truth states node health as of the run's end; the run is read after its settle
+    // phase, which takes as long as this machine needs today (up to SETTLE_LIMIT real).
+    // A GPU degraded near the end must not clear meanwhile (under a CPU hog a long
+    // settle let `gpu-straggler-skew`'s straggler clear: a "missed" culprit).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ns")]
+    let settle_ns = (SETTLE_LIMIT.as_nanos() as f64 * time_scale.max(1.0)) as u64;
+    cfg.degraded_clear_ns =
+        cfg.degraded_clear_ns.max(s.duration_ms.saturating_mul(1_000_000).saturating_add(2 * settle_ns));
     cfg
 }
 

@@ -39,7 +39,16 @@ async fn sweep(name: &str) {
         );
         assert_eq!(sc.false_degraded, 0, "{name} seed {seed}");
         for c in &sc.conservation {
-            assert_eq!(c.exact, c.streams, "{name} seed {seed}: {} not exact: {c:?}", c.node);
+            // On failure: the node's streams as the aggregator sees them, and what its
+            // shipper reported (which side holds the missing frames).
+            let streams =
+                r.nodes.nodes.iter().find(|n| n.name == c.node).map(|n| (&n.liveness, n.connected, &n.streams));
+            let report = r.reports.iter().find(|x| x.node_name == c.node);
+            assert_eq!(
+                c.exact, c.streams,
+                "{name} seed {seed}: {} not exact: {c:?}\n{streams:#?}\n{report:#?}",
+                c.node
+            );
         }
         assert_eq!(sc.culprits_found, sc.culprits, "{name} seed {seed}: identifiable culprits missed");
         assert_eq!(

@@ -72,6 +72,10 @@ pub struct Report {
     pub batches_nacked: u64,
     pub spool_evicted: u64,
     pub spool_resent: u64,
+    /// Lanes sent again (acks stalled, or a batch's stream failed or was stopped), and
+    /// the failed or stopped streams among them.
+    pub lane_resends: u64,
+    pub send_failures: u64,
     /// Unacked when the shutdown deadline passed (given up, reported here).
     pub unflushed_batches: u64,
     pub unflushed_frames: u64,
@@ -336,6 +340,8 @@ pub async fn run(
         batches_nacked: stats.batches_nacked,
         spool_evicted: spool.evicted,
         spool_resent: spool.resent,
+        lane_resends: stats.lane_resends,
+        send_failures: stats.send_failures,
         unflushed_batches: unflushed.batches,
         unflushed_frames: unflushed.frames,
         unflushed_batches_by_lane: unflushed.batches_by_lane,
@@ -547,17 +553,27 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
                     closed = true;
                     break;
                 };
-                let conn = conn.clone();
+                let (conn, shared) = (conn.clone(), Arc::clone(shared));
                 tokio::spawn(async move {
-                    // A failure leaves the batch unacked in the spool; it is sent again
-                    // after the reconnect.
-                    if let Ok(mut s) = conn.open_uni().await {
-                        let _ = s.set_priority(lane_priority(lane));
-                        if s.write_all(&bytes).await.is_ok() {
-                            let _ = s.finish();
+                    // The batch stays unacked in the spool until its ack. A stream that
+                    // fails, or that the aggregator stops (it gives up reading a stream
+                    // that stalls), sends its lane again now on this connection; a closed
+                    // connection sends everything unacked again after the reconnect.
+                    let delivered = match conn.open_uni().await {
+                        Ok(mut s) => {
+                            let _ = s.set_priority(lane_priority(lane));
+                            s.write_all(&bytes).await.is_ok()
+                                && s.finish().is_ok()
+                                && matches!(s.stopped().await, Ok(None))
                         }
-                    }
+                        Err(_) => false,
+                    };
                     drop(permit);
+                    if !delivered && conn.close_reason().is_none() {
+                        let now = shared.now();
+                        shared.core_for_net().handle_send_failed(seq, now);
+                        shared.ready.notify_one();
+                    }
                 });
             }
             if closed {

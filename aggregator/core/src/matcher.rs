@@ -25,7 +25,8 @@
 //!   `stuck`/`not_joined` before them;
 //! - C3 culprit classes in order: (a) not entered while instrumented and fresh; (b) an
 //!   earlier unresolved op of the same rank (`blocked_by`); (c) on a silent or
-//!   unreachable node (`unknown_silent`, never gating); (e) the only GPU that never
+//!   unreachable node (`unknown_silent`; a silent node's watermark still gates, so such a
+//!   verdict is final only once the node is unreachable); (e) the only GPU that never
 //!   started k while every peer's did → `stuck`. Culprits on one node → the others
 //!   `waiting_on(culprit)`; on none or several → `waiting_on(unknown)` (hung, culprit
 //!   unknown);
@@ -326,6 +327,16 @@ impl OpState {
     fn observed(&self) -> impl Iterator<Item = &RankObs> {
         self.ranks.iter().filter(|r| r.present)
     }
+}
+
+/// Whether a node's watermark gates deadlines and finality. A `silent` node still does:
+/// its connection is open and its data may be queued on either side (under a CPU hog a
+/// live node's heartbeats were processed seconds late, and a hung op of its own went
+/// final as `unknown_silent` for it). Only an `unreachable` node — connection closed, or
+/// unheard for the unreachable timeout — stops gating; its ranks' verdicts can then be
+/// final as `unknown_silent`.
+fn gates(live: LivenessState) -> bool {
+    live != LivenessState::Unreachable
 }
 
 fn strong(op: u8) -> bool {
@@ -918,7 +929,7 @@ impl CollectiveMatcher {
         // interleaving of the same records decides the same).
         let horizon = rs
             .iter()
-            .filter(|r| r.live == LivenessState::Fresh)
+            .filter(|r| gates(r.live))
             .map(|r| {
                 r.node.and_then(|n| self.nodes.get(&n)).and_then(|v| u64::try_from(v.w_p0_cluster_ns).ok()).unwrap_or(0)
             })
@@ -1131,7 +1142,7 @@ impl CollectiveMatcher {
         } else {
             decided_now
         };
-        let gating: Vec<NodeId> = rs.iter().filter(|r| r.live == LivenessState::Fresh).filter_map(|r| r.node).collect();
+        let gating: Vec<NodeId> = rs.iter().filter(|r| gates(r.live)).filter_map(|r| r.node).collect();
         let need = i64::try_from(decided_at.saturating_add(self.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
         let settled = |m: &Self| gating.iter().all(|n| m.nodes.get(n).is_some_and(|v| v.w_p0_cluster_ns >= need));
         let terminal = all_completed || outcomes.iter().all(|o| !matches!(o, Outcome::InFlight));
@@ -1162,15 +1173,37 @@ impl CollectiveMatcher {
             self.learn_residuals(&op);
         }
         if is_final && all_completed && is_coll {
-            // Kernel starts on one cluster clock: each node's residual correction
-            // (learned from strong collectives' completions) applied.
+            // Where each rank's kernel started, relative to a common reference, with the
+            // reference's uncertainty. A strong collective ends at one moment on every
+            // rank (its last step needs everyone), so its own end is the reference: a
+            // rank's start measured back from its end on its own clock, no cross-node
+            // clock in it (ε 0: under a CPU hog the heartbeat estimate's ε grew past a
+            // 200 ms lag, and a GPU-side straggler went untagged). Other collectives:
+            // kernel starts on one cluster clock, each node's residual correction
+            // (learned from strong collectives' completions) applied, ± ε.
+            let same_clock = strong(op.op);
             let per_rank: Vec<(u32, i64, i64, u64)> = rs
                 .iter()
                 .filter_map(|r| {
-                    let o = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.started_cluster_ns != 0)?;
+                    let o = op.slot(r.rank).and_then(|i| op.ranks.get(i))?;
+                    if same_clock {
+                        if o.completed.is_none() || o.started_node_ns == 0 || o.completed_node_ns < o.started_node_ns {
+                            return None;
+                        }
+                        let start = -i64::try_from(o.completed_node_ns - o.started_node_ns).ok()?;
+                        let host_gap = if o.enqueued_cluster_ns != 0 {
+                            o.enqueued_cluster_ns.saturating_sub(o.started_cluster_ns)
+                        } else {
+                            0
+                        };
+                        return Some((r.rank, start, start.saturating_add(host_gap), 0));
+                    }
+                    if o.started_cluster_ns == 0 {
+                        return None;
+                    }
                     let c = o.node.map_or(0, |n| self.correction_ns(n));
                     let eps = r.node.map_or(u64::MAX / 8, |n| self.epsilon_ns(n));
-                    Some((r.rank, o.started_cluster_ns - c, o.enqueued_cluster_ns - c, eps))
+                    Some((r.rank, o.started_cluster_ns.saturating_sub(c), o.enqueued_cluster_ns.saturating_sub(c), eps))
                 })
                 .collect();
             let mut starts: Vec<i64> = per_rank.iter().map(|x| x.1).collect();
@@ -1182,11 +1215,11 @@ impl CollectiveMatcher {
                     let bound = self.config.straggler_threshold_ns.max(3u64.saturating_mul(
                         eps_a.min(u64::MAX / 8).saturating_add(eps_max.unwrap_or(0).min(u64::MAX / 8)),
                     ));
-                    let lag = start - median;
+                    let lag = start.saturating_sub(median);
                     let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
                     // Host-side when the rank's own enqueue was already late by most of
                     // the lag (the GPU started as soon as the host let it).
-                    let host = enqueued - median > lag / 2;
+                    let host = enqueued.saturating_sub(median) > lag / 2;
                     let h = self.lag_history.entry(RankKey { comm, rank }).or_default();
                     if h.len() >= 5 {
                         h.remove(0);

@@ -131,6 +131,16 @@ impl Case {
         }));
     }
 
+    fn liveness(&mut self, node: u64, state: ringwatch_core::records::LivenessState) {
+        let now = self.now;
+        self.rec(Record::Liveness(ringwatch_core::records::Liveness {
+            node: NodeId(node),
+            state,
+            at_ns: now,
+            last_heard_ns: now,
+        }));
+    }
+
     fn watermarks(&mut self, nodes: &[u64]) {
         for &n in nodes {
             let t = i64::try_from(self.now).unwrap();
@@ -437,12 +447,7 @@ fn ras_missing_rank_is_silent_not_stuck() {
     }
     // Rank 3's node was heard once, then went silent.
     c.progress(4, 13, k, 3, 0, 0, 0, ProcState::Running);
-    c.rec(Record::Liveness(ringwatch_core::records::Liveness {
-        node: NodeId(4),
-        state: ringwatch_core::records::LivenessState::Silent,
-        at_ns: c.now,
-        last_heard_ns: c.now,
-    }));
+    c.liveness(4, ringwatch_core::records::LivenessState::Silent);
     for _ in 0..25 {
         for rank in 0..3u32 {
             c.progress(u64::from(rank) + 1, 10 + rank, k, rank, 1, 1, 0, ProcState::Running);
@@ -451,10 +456,53 @@ fn ras_missing_rank_is_silent_not_stuck() {
         c.tick(S);
     }
     assert_eq!(c.outcome(k, 1, 3).0, Outcome::UnknownSilent);
+    // A silent node still gates (its data may be queued): no deadline has passed on its
+    // watermark, nothing is final yet.
+    assert!(c.verdicts.values().all(|v| !v.is_final));
+    c.liveness(4, ringwatch_core::records::LivenessState::Unreachable);
+    c.tick(S);
+    assert_eq!(c.outcome(k, 1, 3), (Outcome::UnknownSilent, true));
     for rank in 0..3 {
         assert_eq!(c.outcome(k, 1, rank), (Outcome::WaitingOn(Some(3)), true));
     }
     assert!(c.m.node_health(c.now, 300 * S).values().all(|h| *h != ringwatch_core::Health::Degraded));
+}
+
+#[test]
+fn a_silent_node_that_comes_back_is_judged_on_its_frames_regression_issue_17() {
+    // Under a CPU hog a live node's heartbeats were processed seconds late: it read
+    // `silent` past a hung op's stuck deadline, and the op went final `unknown_silent`
+    // for it. A silent node keeps gating: when its data arrives, the op is judged on it.
+    let mut c = Case::new();
+    let k = comm(107);
+    for rank in 0..3u32 {
+        let node = u64::from(rank) + 1;
+        c.frame(node, 10 + rank, k, 1, rank, 3, Phase::EnqueueStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 3, Phase::KernelStart, None, 1);
+    }
+    c.liveness(3, ringwatch_core::records::LivenessState::Silent);
+    for _ in 0..25 {
+        for rank in 0..2u32 {
+            c.progress(u64::from(rank) + 1, 10 + rank, k, rank, 1, 1, 0, ProcState::Running);
+        }
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    assert!(c.verdicts.values().all(|v| !v.is_final), "nothing final while node 3 is silent");
+    // Node 3 is back: its PROGRESS shows the kernel started and never ended, like its peers.
+    c.liveness(3, ringwatch_core::records::LivenessState::Fresh);
+    for _ in 0..3 {
+        for rank in 0..3u32 {
+            c.progress(u64::from(rank) + 1, 10 + rank, k, rank, 1, 1, 0, ProcState::Running);
+        }
+        c.watermarks(&[1, 2, 3]);
+        c.tick(S);
+    }
+    for rank in 0..3 {
+        let (o, f) = c.outcome(k, 1, rank);
+        assert!(f, "final once every node's watermark passed");
+        assert_ne!(o, Outcome::UnknownSilent, "rank {rank}");
+    }
 }
 
 #[test]
@@ -676,4 +724,59 @@ fn huge_comm_op_seq_gaps_are_counted_without_overflow_regression_fuzz() {
     }
     c.tick(S);
     assert_eq!(c.m.stats().seq_gap_ops_skipped, u64::MAX, "saturated, not wrapped");
+}
+
+#[test]
+fn a_gpu_side_straggler_is_tagged_whatever_the_clock_uncertainty_regression_issue_17() {
+    // Under a CPU hog the heartbeat clock estimate's ε grew past a 200 ms lag and a
+    // GPU-side straggler went untagged (`net_sweep_gpu_straggler_skew`). A strong
+    // collective ends at one moment on every rank, so the lag is measured back from each
+    // rank's own end on its own clock: no clock offset or ε enters.
+    let mut c = Case::new();
+    c.skew.insert(2, 300_000_000); // node 2's cluster mapping is 300 ms off
+    let k = comm(108);
+    let ms = 1_000_000;
+    for seq in 1..=6u64 {
+        for rank in 0..4u32 {
+            c.frame(u64::from(rank) + 1, 10 + rank, k, seq, rank, 4, Phase::EnqueueStart, None, seq);
+        }
+        for rank in 0..3u32 {
+            c.frame(u64::from(rank) + 1, 10 + rank, k, seq, rank, 4, Phase::KernelStart, None, seq);
+        }
+        c.tick(200 * ms);
+        c.frame(4, 13, k, seq, 3, 4, Phase::KernelStart, None, seq);
+        c.tick(30 * ms);
+        for rank in 0..4u32 {
+            c.frame(u64::from(rank) + 1, 10 + rank, k, seq, rank, 4, Phase::KernelEnd, None, seq);
+        }
+        for _ in 0..3 {
+            for rank in 0..4u32 {
+                c.progress(u64::from(rank) + 1, 10 + rank, k, rank, seq, seq, seq, ProcState::Running);
+            }
+            for n in 1..=4u64 {
+                let t = i64::try_from(c.now).unwrap();
+                c.rec(Record::Watermark(Watermark {
+                    node: NodeId(n),
+                    class: 0,
+                    node_ns: c.now,
+                    cluster_ns: t,
+                    epsilon_ns: 400 * ms,
+                }));
+            }
+            c.tick(S);
+        }
+    }
+    let tagged: Vec<(u32, bool, i64)> = c
+        .verdicts
+        .values()
+        .filter(|v| v.is_final)
+        .filter_map(|v| {
+            v.tags.iter().find_map(|t| match t {
+                ringwatch_core::verdict::VerdictTag::Straggler { host, lag_ns, .. } => Some((v.rank, *host, *lag_ns)),
+                _ => None,
+            })
+        })
+        .collect();
+    assert!(tagged.len() >= 3, "tagged from the third lagging op on: {tagged:?}");
+    assert!(tagged.iter().all(|&(rank, host, lag)| rank == 3 && !host && lag >= 190 * 1_000_000), "{tagged:?}");
 }

@@ -163,8 +163,10 @@ pub struct ShipperStats {
     /// Batches whose loss records could not be built (corrupted spool bytes).
     pub loss_record_errors: u64,
     pub hellos: u64,
-    /// Lanes sent again because their acks stalled.
+    /// Lanes sent again because their acks stalled or a batch's stream failed.
     pub lane_resends: u64,
+    /// Streams that failed or that the aggregator stopped while their batch was unacked.
+    pub send_failures: u64,
     /// The aggregator instance of the last hello.
     pub aggregator_instance: u64,
     pub aggregator_epoch: u64,
@@ -567,15 +569,7 @@ impl ShipperCore {
     /// with the last counters).
     pub fn handle_timeout(&mut self, node_mono_ns: u64, now: u64) {
         self.node_mono_ns = self.node_mono_ns.max(node_mono_ns);
-        for lane in 0..4 {
-            if self.spool.in_flight(lane) == 0 {
-                self.lane_progress_ns[lane] = now;
-            } else if now.saturating_sub(self.lane_progress_ns[lane]) >= self.config.lane_stall_ns {
-                self.spool.resend_lane(lane);
-                self.stats.lane_resends += 1;
-                self.lane_progress_ns[lane] = now;
-            }
-        }
+        self.check_stalls(now);
         while let Some(b) = self.batcher.poll_cut(now) {
             self.cut.push(b);
         }
@@ -711,8 +705,42 @@ impl ShipperCore {
         low
     }
 
+    /// A lane with batches in flight and no ack for `lane_stall_ns` is sent again. Runs on
+    /// every timeout and every heartbeat: a finished source's shipper only heartbeats
+    /// (CI under a CPU hog saw a bulk batch whose stream the aggregator stopped wait,
+    /// unacked and never resent, through the whole settle phase).
+    fn check_stalls(&mut self, now: u64) {
+        for lane in 0..4 {
+            if self.spool.in_flight(lane) == 0 {
+                self.lane_progress_ns[lane] = now;
+            } else if now.saturating_sub(self.lane_progress_ns[lane]) >= self.config.lane_stall_ns {
+                self.resend_lane(lane, now);
+            }
+        }
+    }
+
+    fn resend_lane(&mut self, lane: usize, now: u64) {
+        self.spool.resend_lane(lane);
+        self.stats.lane_resends += 1;
+        if let Some(p) = self.lane_progress_ns.get_mut(lane) {
+            *p = now;
+        }
+    }
+
+    /// The stream that carried batch `batch_seq` failed or the aggregator stopped it (it
+    /// gave up reading a stream that stalled): the batch is still held unacked, so its
+    /// lane is sent again now (the aggregator dedups the copies) instead of after the
+    /// lane stalls — on a busy lane, other batches' acks would hide the stall.
+    pub fn handle_send_failed(&mut self, batch_seq: u64, now: u64) {
+        if let Some(lane) = self.spool.lane_of_sent(batch_seq) {
+            self.stats.send_failures += 1;
+            self.resend_lane(lane, now);
+        }
+    }
+
     fn heartbeat(&mut self, node_mono_ns: u64, now: u64) {
         self.node_mono_ns = self.node_mono_ns.max(node_mono_ns);
+        self.check_stalls(now);
         // Everything read so far goes into batches first, so held_from is exact.
         let cut = self.batcher.flush();
         self.cut.extend(cut);
@@ -898,6 +926,41 @@ mod tests {
             "the nacked batch is gone"
         );
         assert_eq!(c.stats().batches_nacked, 1);
+    }
+
+    #[test]
+    fn a_stopped_stream_or_a_stalled_lane_sends_its_batches_again_also_when_only_heartbeating() {
+        // Regression (CI under a CPU hog): the aggregator stopped a bulk stream it could
+        // not read in time; the source had finished, so the shipper only heartbeated and
+        // never ran its stall check: the batch waited unacked through the settle phase.
+        let mut c = core(1 << 20);
+        for seq in 0..10 {
+            c.handle_frame(&bulk(2, seq), 0);
+        }
+        c.flush(MS);
+        let first = transmit(&mut c);
+        assert_eq!(first.len(), 1);
+        let seq = BatchView::parse(&first[0]).unwrap().header.batch_seq.get();
+        // A failed stream: sent again at once.
+        c.handle_send_failed(seq, 2 * MS);
+        assert_eq!(transmit(&mut c), first, "the same batch again");
+        assert_eq!((c.stats().send_failures, c.stats().lane_resends), (1, 1));
+        // An unknown or already acked batch_seq changes nothing.
+        c.handle_send_failed(seq + 100, 3 * MS);
+        assert!(transmit(&mut c).is_empty());
+        // No ack for the stall time: a heartbeat alone (no timeout call) sends it again.
+        let counters = SourceCounters::default();
+        c.handle_counters(&counters, 10 * MS, 2 * MS + 5_000 * MS);
+        let again: Vec<Vec<u8>> = transmit(&mut c)
+            .into_iter()
+            .filter(|b| BatchView::parse(b).unwrap().header.lane == Class::P2.code())
+            .collect();
+        assert_eq!(again, first);
+        assert_eq!(c.stats().lane_resends, 2);
+        c.handle_ack(&[(1, u64::MAX)], 5_010 * MS);
+        c.handle_counters(&counters, 20 * MS, 20_000 * MS);
+        assert!(transmit(&mut c).iter().all(|b| BatchView::parse(b).unwrap().header.lane != Class::P2.code()));
+        assert_eq!(c.stats().lane_resends, 2, "acked: nothing more");
     }
 
     #[test]

@@ -252,6 +252,12 @@ impl Spool {
         self.sent.get(lane).copied().unwrap_or(0)
     }
 
+    /// The lane of batch `batch_seq` if it is held and was sent (unacked, in flight).
+    #[must_use]
+    pub fn lane_of_sent(&self, batch_seq: u64) -> Option<usize> {
+        (0..4).find(|&l| self.lanes[l].iter().take(self.sent[l]).any(|b| b.batch_seq == batch_seq))
+    }
+
     /// Every unacked batch of `lane` is sent again on the same connection (its sends
     /// stalled: no ack for too long). The aggregator dedups the copies.
     pub fn resend_lane(&mut self, lane: usize) {

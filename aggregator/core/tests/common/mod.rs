@@ -274,14 +274,24 @@ pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restart
             model.cut_all(node);
         }
     }
-    // Live shippers keep heartbeating after the run; one more, after every delayed
-    // batch has arrived, lets the last gaps settle.
+    // Live shippers keep heartbeating after the run: one, after every delayed batch has
+    // arrived, lets the last gaps settle; then one a second until a dead node is
+    // unreachable (a silent node still gates its peers' verdicts), so live nodes stay
+    // fresh meanwhile, as real shippers do.
     model.now_ns += 2 * (net.max_delay_ms + 10) * 1_000_000 + 1_000_000_000;
     let dead: Vec<bool> = sim.model().dead_at.iter().map(|&d| d != u64::MAX).collect();
-    for node in 0..scenario.cluster.nodes {
-        if !dead[node as usize] {
-            model.heartbeat(node);
+    let last_death = sim.model().dead_at.iter().copied().filter(|&d| d != u64::MAX).max();
+    let until = last_death.map_or(0, |d| d + IngestConfig::default().unreachable_ns + 2_000_000_000);
+    loop {
+        for node in 0..scenario.cluster.nodes {
+            if !dead[node as usize] {
+                model.heartbeat(node);
+            }
         }
+        if model.now_ns >= until {
+            break;
+        }
+        model.now_ns += 1_000_000_000;
     }
     deliver(sim, model, net)
 }

@@ -144,6 +144,7 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
         stuck_min_ns: s.timers.stuck_deadline_ms * 1_000_000,
         join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
         reorder_timeout_ns: reorder_ns,
+        straggler_threshold_ns: straggler_threshold_ns(s),
         ..MatcherConfig::default()
     };
     cfg.ingest = IngestConfig {
@@ -161,6 +162,13 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
     cfg.degraded_clear_ns =
         cfg.degraded_clear_ns.max(s.duration_ms.saturating_mul(1_000_000).saturating_add(2 * settle_ns));
     cfg
+}
+
+/// The scenario's straggler threshold, for the aggregator (the truth judges with it too).
+#[must_use]
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms to ns, non-negative")]
+pub fn straggler_threshold_ns(s: &Scenario) -> u64 {
+    (s.timers.straggler_threshold_ms.max(0.0) * 1e6) as u64
 }
 
 /// The shipper of node `node` with a simulator source, heartbeating every

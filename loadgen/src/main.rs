@@ -37,7 +37,46 @@ fn command() -> Command {
             )
             .arg(Arg::new("scenario").required(true).help("a built-in scenario name, or a scenario TOML file"))
             .arg(Arg::new("json").long("json").action(ArgAction::SetTrue).help("print the score as JSON"))
-            .arg(Arg::new("check").long("check").action(ArgAction::SetTrue).help("exit 1 unless the score is perfect")),
+            .arg(Arg::new("check").long("check").action(ArgAction::SetTrue).help("exit 1 unless the score is perfect"))
+            .arg(
+                Arg::new("net-drop")
+                    .long("net-drop")
+                    .value_parser(value_parser!(f64))
+                    .help("put the UDP fault proxy between shippers and aggregator: drop this fraction of datagrams"),
+            )
+            .arg(
+                Arg::new("net-delay-ms")
+                    .long("net-delay-ms")
+                    .value_parser(value_parser!(u64))
+                    .help("fault proxy: delay every datagram this long"),
+            )
+            .arg(
+                Arg::new("net-jitter-ms")
+                    .long("net-jitter-ms")
+                    .value_parser(value_parser!(u64))
+                    .help("fault proxy: add up to this much random delay"),
+            )
+            .arg(
+                Arg::new("aggregator")
+                    .long("aggregator")
+                    .value_parser(value_parser!(std::net::SocketAddr))
+                    .requires_all(["api", "certs"])
+                    .help("drive an aggregator already running at this QUIC address (with --api and --certs)"),
+            )
+            .arg(
+                Arg::new("api")
+                    .long("api")
+                    .value_parser(value_parser!(std::net::SocketAddr))
+                    .requires("aggregator")
+                    .help("that aggregator's HTTP address"),
+            )
+            .arg(
+                Arg::new("certs")
+                    .long("certs")
+                    .value_parser(value_parser!(std::path::PathBuf))
+                    .requires("aggregator")
+                    .help("the certificate directory that aggregator was started with (`aggregator certs init`)"),
+            ),
         )
         .subcommand(
             common(Command::new("demo").about("the demo cluster: 8 nodes, a P0 overflow, a hung GPU, a dead node"))
@@ -287,5 +326,42 @@ fn main() -> ExitCode {
             eprintln!("loadgen: {e}");
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_accepts_the_documented_proxy_and_external_flags_regression_issue_17() {
+        // The README documented these flags; the CLI refused every one of them.
+        let m = command()
+            .try_get_matches_from([
+                "loadgen",
+                "run",
+                "demo",
+                "--net-drop",
+                "0.02",
+                "--net-delay-ms",
+                "2",
+                "--net-jitter-ms",
+                "3",
+                "--aggregator",
+                "127.0.0.1:4433",
+                "--api",
+                "127.0.0.1:8080",
+                "--certs",
+                "/tmp/rw-certs",
+            ])
+            .expect("documented flags parse");
+        let (_, run) = m.subcommand().expect("run");
+        let f = net_faults(run).expect("proxy faults");
+        assert_eq!((f.drop_fraction, f.delay_ms, f.jitter_ms), (0.02, 2, 3));
+        let x = external(run).expect("external aggregator");
+        assert_eq!((x.quic.port(), x.http.port()), (4433, 8080));
+        // Half an external aggregator is a usage error, not a silent embedded run.
+        assert!(command().try_get_matches_from(["loadgen", "run", "demo", "--aggregator", "127.0.0.1:4433"]).is_err());
+        assert!(command().try_get_matches_from(["loadgen", "run", "demo", "--api", "127.0.0.1:8080"]).is_err());
     }
 }

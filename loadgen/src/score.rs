@@ -2,8 +2,9 @@
 //! in, a [`Score`] out (a table for people, JSON for scripts).
 //!
 //! What counts as right (documented once, here):
-//! - the same outcome (arguments aside: `waiting_on(3)` and `waiting_on(5)` both are
-//!   `waiting_on`);
+//! - the same outcome; `waiting_on` must name the truth's culprit when both name one
+//!   (`waiting_on(3)` for `waiting_on(5)` is wrong; `waiting_on(unknown)` names none
+//!   and is right for either);
 //! - `completed_inferred` for a rank the truth says `completed` *and* whose frames the
 //!   kernel dropped, or whose node died (its last frames died with its shipper: the
 //!   completion was inferred because the telemetry was lost);
@@ -15,12 +16,15 @@
 //!   complete, when the op sharing its key only appears later (the verdict was final,
 //!   and true, before the collision was visible).
 //!
+//! Communicators whose keys collide share op keys, so one verdict stands for a rank of
+//! each: it is scored once, and right only if right for every truth op with its key.
+//!
 //! Only final verdicts of ranks the truth marks decidable are scored (ops no rank ever
 //! entered are not: nothing of them is on the wire); the rest are
 //! counted (`non_final`), and those whose op is older than the stuck deadline + reorder
 //! timeout + 2 heartbeats at the end are listed apart, with the ones a silent node gates.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use aggregator::api::dto::{NodesDto, VerdictDto, VerdictsDto};
 use loadgen_sim::GroundTruth;
@@ -101,6 +105,8 @@ pub struct Score {
     pub missed_degraded: u64,
     /// Node health equal to the truth's.
     pub nodes_right: u64,
+    /// The others: (node, truth, got).
+    pub health_wrong: Vec<(String, String, String)>,
     pub nodes: u64,
     /// Identifiable culprits (GPU hangs: a `stuck` verdict on their node; GPU-side
     /// stragglers: their node degraded) found.
@@ -112,6 +118,19 @@ pub struct Score {
 
 fn base(s: &str) -> &str {
     s.split('(').next().unwrap_or("")
+}
+
+/// The same outcome; for `waiting_on`, the same culprit when both name a rank (naming
+/// none where the truth knows one is not naming a wrong one).
+fn same_outcome(truth: &str, verdict: &str) -> bool {
+    let arg = |s: &str| s.split_once('(').map(|(_, a)| a.trim_end_matches(')').to_owned());
+    base(truth) == base(verdict)
+        && (base(truth) != "waiting_on" || {
+            match (arg(truth).as_deref(), arg(verdict).as_deref()) {
+                (Some(t), Some(v)) if t != "unknown" && v != "unknown" => t == v,
+                _ => true,
+            }
+        })
 }
 
 /// Whether two health names are the same answer. `silent` and `unreachable` are one:
@@ -137,7 +156,7 @@ pub enum NodeFate {
 #[must_use]
 pub fn agrees(truth: &str, verdict: &str, lost_frames: u32, node: NodeFate, completed: bool) -> bool {
     let node_dead = node != NodeFate::Alive;
-    base(truth) == base(verdict)
+    same_outcome(truth, verdict)
         || (truth == "completed" && verdict == "completed_inferred" && (lost_frames > 0 || node_dead))
         || (verdict == "unknown_silent" && node_dead)
         || (verdict == "indeterminate(uninstrumented)" && node == NodeFate::DiedUnheard)
@@ -193,6 +212,9 @@ pub fn score(
         .collect();
     let old_before = ended_at_ms.saturating_sub(timers.stuck_deadline_ms + 500 + 2 * timers.heartbeat_ms);
     let mut ttf = Vec::new();
+    // Colliding communicators share op keys: one verdict stands for the rank of every
+    // truth op with its key. It is scored once, and right only if right for each.
+    let mut scored: HashMap<(String, String, u64, u32), (String, bool)> = HashMap::new();
     for c in &truth.collectives {
         let Some((kind, comm, seq)) = truth_key(c) else { continue };
         if !c.ranks.iter().any(|r| r.entered) {
@@ -200,13 +222,40 @@ pub fn score(
             continue;
         }
         for r in c.ranks.iter().filter(|r| r.decidable) {
+            let node_fate = fate.get(r.node as usize).copied().unwrap_or(NodeFate::Alive);
+            let key = (kind.clone(), comm.clone(), seq, r.rank);
+            if let Some((credited, right)) = scored.get_mut(&key) {
+                let v = by_key.get(&key).filter(|v| v.is_final);
+                if let Some(v) = v
+                    && *right
+                    && !agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed)
+                {
+                    *right = false;
+                    s.final_right -= 1;
+                    if let Some(o) = s.outcomes.get_mut(credited.as_str()) {
+                        o.correct -= 1;
+                    }
+                    if s.wrong_examples.len() < 10 {
+                        s.wrong_examples.push((
+                            format!("{}#{seq}", c.comm),
+                            r.rank,
+                            r.outcome.clone(),
+                            v.outcome.clone(),
+                        ));
+                    }
+                }
+                continue;
+            }
             s.decidable_ranks += 1;
             let t = base(&r.outcome).to_owned();
             s.outcomes.entry(t.clone()).or_default().truth += 1;
-            let node_fate = fate.get(r.node as usize).copied().unwrap_or(NodeFate::Alive);
-            match by_key.get(&(kind.clone(), comm.clone(), seq, r.rank)).filter(|v| v.is_final) {
+            match by_key.get(&key).filter(|v| v.is_final) {
                 Some(v) => {
                     s.final_verdicts += 1;
+                    scored.insert(
+                        key.clone(),
+                        (t.clone(), agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed)),
+                    );
                     let got = base(&v.outcome).to_owned();
                     s.outcomes.entry(got.clone()).or_default().predicted += 1;
                     if agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed) {
@@ -234,6 +283,7 @@ pub fn score(
                     }
                 }
                 None => {
+                    scored.insert(key.clone(), (t.clone(), false));
                     s.non_final += 1;
                     if c.ranks.iter().any(|x| dead.get(x.node as usize).copied().unwrap_or(false)) {
                         s.non_final_gated_by_silent += 1;
@@ -245,9 +295,7 @@ pub fn score(
                         if gated {
                             s.non_final_old_gated_by_silent += 1;
                         } else if s.non_final_examples.len() < 10 {
-                            let so_far = by_key
-                                .get(&(kind.clone(), comm.clone(), seq, r.rank))
-                                .map_or_else(|| "none".to_owned(), |v| v.outcome.clone());
+                            let so_far = by_key.get(&key).map_or_else(|| "none".to_owned(), |v| v.outcome.clone());
                             s.non_final_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), so_far));
                         }
                     }
@@ -284,6 +332,8 @@ pub fn score(
         let got = nodes.nodes.iter().find(|x| x.name == n.name).map_or("unknown", |x| x.health.as_str());
         if same_health(got, &n.health) {
             s.nodes_right += 1;
+        } else {
+            s.health_wrong.push((n.name.clone(), n.health.clone(), got.to_owned()));
         }
         if got == "degraded" && n.health != "degraded" {
             s.false_degraded += 1;
@@ -373,7 +423,8 @@ pub fn conservation(truth: &GroundTruth, nodes: &NodesDto) -> Vec<NodeConservati
 
 impl Score {
     /// Every final verdict right, nothing falsely degraded, every stream exact, every
-    /// identifiable culprit found, nothing old left non-final except behind a silent node.
+    /// identifiable culprit found, nothing old left non-final except behind a silent node,
+    /// every node's health the truth's.
     #[must_use]
     pub fn perfect(&self) -> bool {
         self.final_right == self.final_verdicts
@@ -381,6 +432,7 @@ impl Score {
             && self.conservation.iter().all(|c| c.exact == c.streams)
             && self.culprits_found == self.culprits
             && self.non_final_old == self.non_final_old_gated_by_silent
+            && self.nodes_right == self.nodes
     }
 
     /// The table for people.
@@ -416,6 +468,9 @@ impl Score {
             "node health right {}/{}; false degraded {}; missed degraded {}; identifiable culprits found {}/{}",
             self.nodes_right, self.nodes, self.false_degraded, self.missed_degraded, self.culprits_found, self.culprits
         );
+        for (node, truth, got) in &self.health_wrong {
+            let _ = writeln!(o, "  health of {node}: truth {truth}, aggregator {got}");
+        }
         let t = &self.time_to_final;
         let _ = writeln!(
             o,
@@ -453,7 +508,10 @@ mod tests {
     #[test]
     fn equivalences_are_narrow() {
         use NodeFate::{Alive, Died, DiedUnheard};
-        assert!(agrees("waiting_on(3)", "waiting_on(5)", 0, Alive, false));
+        assert!(!agrees("waiting_on(3)", "waiting_on(5)", 0, Alive, false), "the wrong culprit named");
+        assert!(agrees("waiting_on(3)", "waiting_on(3)", 0, Alive, false));
+        assert!(agrees("waiting_on(3)", "waiting_on(unknown)", 0, Alive, false), "no culprit named");
+        assert!(agrees("waiting_on(unknown)", "waiting_on(5)", 0, Alive, false));
         assert!(agrees("completed", "completed_inferred", 2, Alive, true));
         assert!(!agrees("completed", "completed_inferred", 0, Alive, true), "inferred without loss is not right");
         assert!(agrees("completed", "completed_inferred", 0, Died, true), "frames that died with the node's shipper");

@@ -72,8 +72,8 @@ pub struct Report {
     pub batches_nacked: u64,
     pub spool_evicted: u64,
     pub spool_resent: u64,
-    /// Lanes sent again (acks stalled, or a batch's stream failed or was stopped), and
-    /// the failed or stopped streams among them.
+    /// Lanes sent again because their acks stalled, and batches sent again because
+    /// their stream failed or the aggregator stopped it.
     pub lane_resends: u64,
     pub send_failures: u64,
     /// Unacked when the shutdown deadline passed (given up, reported here).
@@ -557,21 +557,26 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
                 tokio::spawn(async move {
                     // The batch stays unacked in the spool until its ack. A stream that
                     // fails, or that the aggregator stops (it gives up reading a stream
-                    // that stalls), sends its lane again now on this connection; a closed
-                    // connection sends everything unacked again after the reconnect.
+                    // that stalls), sends that batch again now on this connection; a
+                    // closed connection sends everything unacked again after the
+                    // reconnect.
+                    // The permit bounds streams being written, not streams awaiting
+                    // the peer's transport ack: P0 must not wait behind bulk for it
+                    // (the P0-under-saturation test saw a p99 of 1.8 s when it did).
                     let delivered = match conn.open_uni().await {
                         Ok(mut s) => {
                             let _ = s.set_priority(lane_priority(lane));
-                            s.write_all(&bytes).await.is_ok()
-                                && s.finish().is_ok()
-                                && matches!(s.stopped().await, Ok(None))
+                            let written = s.write_all(&bytes).await.is_ok() && s.finish().is_ok();
+                            drop(permit);
+                            written && matches!(s.stopped().await, Ok(None))
                         }
-                        Err(_) => false,
+                        Err(_) => {
+                            drop(permit);
+                            false
+                        }
                     };
-                    drop(permit);
                     if !delivered && conn.close_reason().is_none() {
-                        let now = shared.now();
-                        shared.core_for_net().handle_send_failed(seq, now);
+                        shared.core_for_net().handle_send_failed(seq);
                         shared.ready.notify_one();
                     }
                 });

@@ -194,8 +194,10 @@ pub struct VerdictDto {
 pub struct OpDto {
     /// `collective`, `p2p`, `graph`.
     pub kind: String,
-    /// Communicator hash (hex) and instance.
+    /// Communicator hash (hex), disambiguator (hex) and instance: together the
+    /// communicator's key (two communicators sharing a hash differ in the disambiguator).
     pub comm: String,
+    pub comm_disambiguator: String,
     pub comm_instance: u64,
     /// `comm_op_seq`, `p2p_seq` or `replay_idx`.
     pub seq: u64,
@@ -270,7 +272,13 @@ impl OpDto {
             OpRef::P2p { comm, p2p_seq, .. } => ("p2p", comm, p2p_seq),
             OpRef::Graph { comm, replay_idx, .. } => ("graph", comm, u64::from(replay_idx)),
         };
-        Self { kind: kind.into(), comm: format!("{:016x}", comm.hash), comm_instance: comm.instance, seq }
+        Self {
+            kind: kind.into(),
+            comm: format!("{:016x}", comm.hash),
+            comm_disambiguator: format!("{:016x}", comm.disambiguator),
+            comm_instance: comm.instance,
+            seq,
+        }
     }
 }
 

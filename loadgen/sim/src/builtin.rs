@@ -18,6 +18,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("enqueue-only", include_str!("../../scenarios/enqueue-only.toml")),
     ("mixed", include_str!("../../scenarios/mixed.toml")),
     ("demo", include_str!("../../scenarios/demo.toml")),
+    ("host-pause", include_str!("../../scenarios/host-pause.toml")),
 ];
 
 /// The built-in scenario `name`.

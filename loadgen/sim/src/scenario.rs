@@ -335,8 +335,9 @@ pub enum MismatchField {
 }
 
 /// A fault with its time window and target. Kernel-side and workload faults are applied
-/// by the simulator; shipper and transport faults are only scheduled here and applied by
-/// the harness that runs the shipper or the network (`Simulation::scheduled_faults`).
+/// by the simulator. Shipper and transport faults (`spool_overflow`, `shipper_restart`,
+/// `aggregator_restart`, `partition`, `duplicate_batches`) are parsed and refused by
+/// [`Scenario::validate`]: no harness applies them yet.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Fault {
@@ -350,7 +351,7 @@ pub enum Fault {
         #[serde(default = "full")]
         fraction: f64,
     },
-    /// Shipper spool overflow (applied by the shipper harness).
+    /// Shipper spool overflow (refused: no harness applies it yet).
     SpoolOverflow { node: u32, from_ms: u64, until_ms: u64 },
     /// A rank stops issuing ops (late join, or an exited process when `reason = exited`).
     NotJoined {
@@ -375,7 +376,7 @@ pub enum Fault {
     Mismatch { node: u32, gpu: u32, comm: String, at_ms: u64, field: MismatchField },
     /// The node dies: no frames, no heartbeats; its collectives block.
     NodeDead { node: u32, at_ms: u64 },
-    /// The shipper restarts: new session, same epoch (applied by the shipper harness).
+    /// The shipper restarts: new session, same epoch (refused: no harness applies it yet).
     ShipperRestart { node: u32, at_ms: u64, down_ms: u64 },
     /// The kernel counters are recreated: a new epoch, seqs from 0.
     CounterReset { node: u32, at_ms: u64 },
@@ -387,11 +388,11 @@ pub enum Fault {
     Graph { comm: String, from_ms: u64, until_ms: u64 },
     /// A rank without the profiler shim: no P0 frames, no PROGRESS.
     Uninstrumented { node: u32, gpu: u32 },
-    /// Transport: the aggregator restarts (applied by the transport harness).
+    /// Transport: the aggregator restarts (refused: no harness applies it yet).
     AggregatorRestart { at_ms: u64, down_ms: u64 },
-    /// Transport: the node is cut off (applied by the transport harness).
+    /// Transport: the node is cut off (refused: no harness applies it yet).
     Partition { node: u32, from_ms: u64, until_ms: u64 },
-    /// Transport: batches are delivered twice (applied by the transport harness).
+    /// Transport: batches are delivered twice (refused: no harness applies it yet).
     DuplicateBatches { node: u32, from_ms: u64, until_ms: u64 },
 }
 
@@ -589,6 +590,17 @@ impl Scenario {
                 if !names.contains(comm) {
                     p.push(format!("faults[{i}] ({}): communicator {comm:?} does not exist", f.kind()));
                 }
+            }
+            if !f.applied_by_simulator() {
+                // Parsed so the error can say what it is, but nothing applies it yet: a
+                // scenario that names it would run without it and be scored as if it
+                // happened.
+                p.push(format!(
+                    "faults[{i}] ({}): no harness applies this fault kind yet (`loadgen run` and the \
+                     core simulation would run without it); the real-process tests exercise \
+                     shipper and aggregator restarts, partitions and spool overflow directly",
+                    f.kind()
+                ));
             }
             if let Fault::RingOverflow { fraction, from_ms, until_ms, .. } = f
                 && (!(0.0..=1.0).contains(fraction) || from_ms >= until_ms)

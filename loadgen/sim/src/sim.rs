@@ -356,13 +356,6 @@ impl Simulation {
         self.done
     }
 
-    /// Faults the simulator only schedules (shipper and transport faults), for the
-    /// harness that runs the shipper or the network.
-    #[must_use]
-    pub fn scheduled_faults(&self) -> Vec<Fault> {
-        self.scenario.faults.iter().filter(|f| !f.applied_by_simulator()).cloned().collect()
-    }
-
     /// A node's name (the DNS SAN its certificate would carry).
     #[must_use]
     pub fn node_name(node: u32) -> String {

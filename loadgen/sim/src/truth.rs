@@ -333,6 +333,14 @@ pub(crate) fn build(
         .filter(|st| st.class == "p0" && st.dropped.values().sum::<u64>() > 0)
         .map(|st| st.node)
         .collect();
+    // Ranks in an op with a hung channel whose stuck deadline passed by the end.
+    let channel_hung: std::collections::BTreeSet<usize> = m
+        .ops
+        .iter()
+        .filter(|o| o.hung_channel.is_some())
+        .filter(|o| o.participants.iter().filter_map(|p| p.k_start).min().is_some_and(|t| t + stuck < horizon))
+        .flat_map(|o| o.participants.iter().map(|p| p.rank as usize))
+        .collect();
     let mut gpus = Vec::new();
     for r in &m.ranks {
         let mut health = if lossy_nodes.contains(&r.node) { "healthy_lossy" } else { "healthy" };
@@ -348,16 +356,28 @@ pub(crate) fn build(
                 Fault::GpuHang { node, gpu, at_ms, .. } if node == r.node && gpu == r.gpu && at_ms * ms < horizon => {
                     raise("degraded", format!("gpu hung at {at_ms} ms"), &mut why);
                 }
-                Fault::ChannelHang { node, gpu, at_ms, channel, .. }
-                    if node == r.node && gpu == r.gpu && at_ms * ms < horizon =>
-                {
-                    raise("degraded", format!("channel {channel} hung at {at_ms} ms"), &mut why);
+                // A channel that never ends on every rank singles out nobody: every
+                // participant of the hung op is suspect, none degraded.
+                Fault::ChannelHang { at_ms, channel, .. } if channel_hung.contains(&(r.global as usize)) => {
+                    raise("suspect", format!("in an op whose channel {channel} hung at {at_ms} ms"), &mut why);
                 }
-                Fault::GpuStraggler { node, gpu, lag_ms, .. } if node == r.node && gpu == r.gpu => {
+                // A lag within the straggler bound is not a straggler (the aggregator is
+                // given the same threshold).
+                Fault::GpuStraggler { node, gpu, lag_ms, .. }
+                    if node == r.node
+                        && gpu == r.gpu
+                        && lag_ms > s.timers.straggler_threshold_ms.max(6.0 * s.timers.clock_epsilon_ms) =>
+                {
                     raise("degraded", format!("gpu-side straggler, {lag_ms} ms"), &mut why);
                 }
-                Fault::NotJoined { node, gpu, from_ms, .. }
-                    if node == r.node && gpu == r.gpu && from_ms * ms < horizon =>
+                // Suspect once the absence reached the join deadline (a pause that ended
+                // sooner — a checkpoint — leaves the GPU healthy).
+                Fault::NotJoined { node, gpu, from_ms, until_ms, reason, .. }
+                    if node == r.node
+                        && gpu == r.gpu
+                        && from_ms * ms < horizon
+                        && (reason == JoinReason::Exited
+                            || until_ms.is_none_or(|u| u.saturating_sub(from_ms) >= s.timers.join_deadline_ms)) =>
                 {
                     raise("suspect", format!("not joined from {from_ms} ms (host side)"), &mut why);
                 }

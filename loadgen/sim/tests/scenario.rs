@@ -59,6 +59,25 @@ fn unknown_fields_and_kinds_are_refused() {
 }
 
 #[test]
+fn fault_kinds_no_harness_applies_are_refused_by_name_regression_issue_17() {
+    // `loadgen run` accepted these and never applied them: a run was scored as if they
+    // happened.
+    let base = "name = \"x\"\nduration_ms = 10\n[cluster]\nnodes = 1\ngpus_per_node = 1\n";
+    for (kind, fields) in [
+        ("spool_overflow", "node = 0\nfrom_ms = 1\nuntil_ms = 2\n"),
+        ("shipper_restart", "node = 0\nat_ms = 1\ndown_ms = 2\n"),
+        ("aggregator_restart", "at_ms = 1\ndown_ms = 2\n"),
+        ("partition", "node = 0\nfrom_ms = 1\nuntil_ms = 2\n"),
+        ("duplicate_batches", "node = 0\nfrom_ms = 1\nuntil_ms = 2\n"),
+    ] {
+        let err = Scenario::parse(&format!("{base}[[faults]]\nkind = \"{kind}\"\n{fields}")).unwrap_err().to_string();
+        assert!(err.contains(kind) && err.contains("no harness applies"), "{kind}: {err}");
+    }
+    let ok = format!("{base}[[faults]]\nkind = \"node_dead\"\nnode = 0\nat_ms = 1\n");
+    assert!(Scenario::parse(&ok).is_ok());
+}
+
+#[test]
 fn documentation_lists_every_fault_kind_and_scenario() {
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../scenarios/README.md")).unwrap();
     for kind in [

@@ -172,16 +172,11 @@ fn enqueue_only_mask_is_indeterminate() {
 
 #[test]
 fn mixed_faults_show_up_in_truth_and_output() {
-    let (sim, check, t) = run(&scenario("mixed"), None, 1e-5);
+    let (_, check, t) = run(&scenario("mixed"), None, 1e-5);
     assert!(check.epochs.iter().any(|(n, e)| *n == 2 && e.epoch == 2), "counter reset → epoch 2");
     assert!(t.streams.iter().any(|s| s.node == 2 && s.epoch == 2));
     assert!(outcomes(&t).any(|r| r.outcome == "indeterminate(key_collision)"));
     assert!(outcomes(&t).any(|r| r.outcome == "indeterminate(uninstrumented)"));
     assert!(t.collectives.iter().any(|c| c.graph_replay.is_some() && c.comm_op_seq == 0));
     assert!(check.seen.values().any(|s| s.out_of_order > 0), "reordering must be visible in seq order");
-    let scheduled: Vec<_> = sim.scheduled_faults().iter().map(|f| f.kind()).collect();
-    assert_eq!(
-        scheduled,
-        ["spool_overflow", "shipper_restart", "aggregator_restart", "partition", "duplicate_batches"]
-    );
 }

@@ -163,9 +163,9 @@ pub struct ShipperStats {
     /// Batches whose loss records could not be built (corrupted spool bytes).
     pub loss_record_errors: u64,
     pub hellos: u64,
-    /// Lanes sent again because their acks stalled or a batch's stream failed.
+    /// Lanes sent again because their acks stalled.
     pub lane_resends: u64,
-    /// Streams that failed or that the aggregator stopped while their batch was unacked.
+    /// Batches sent again because their stream failed or the aggregator stopped it.
     pub send_failures: u64,
     /// The aggregator instance of the last hello.
     pub aggregator_instance: u64,
@@ -728,13 +728,13 @@ impl ShipperCore {
     }
 
     /// The stream that carried batch `batch_seq` failed or the aggregator stopped it (it
-    /// gave up reading a stream that stalled): the batch is still held unacked, so its
-    /// lane is sent again now (the aggregator dedups the copies) instead of after the
-    /// lane stalls — on a busy lane, other batches' acks would hide the stall.
-    pub fn handle_send_failed(&mut self, batch_seq: u64, now: u64) {
-        if let Some(lane) = self.spool.lane_of_sent(batch_seq) {
+    /// gave up reading a stream that stalled): the batch is still held unacked, so it —
+    /// only it: a congested link must not get every unacked batch again — is its lane's
+    /// next to send, instead of waiting for the lane to stall (on a busy lane, other
+    /// batches' acks would hide the stall for as long as the lane stays busy).
+    pub fn handle_send_failed(&mut self, batch_seq: u64) {
+        if self.spool.requeue_sent(batch_seq).is_some() {
             self.stats.send_failures += 1;
-            self.resend_lane(lane, now);
         }
     }
 
@@ -941,12 +941,12 @@ mod tests {
         let first = transmit(&mut c);
         assert_eq!(first.len(), 1);
         let seq = BatchView::parse(&first[0]).unwrap().header.batch_seq.get();
-        // A failed stream: sent again at once.
-        c.handle_send_failed(seq, 2 * MS);
+        // A failed stream: that batch is sent again at once.
+        c.handle_send_failed(seq);
         assert_eq!(transmit(&mut c), first, "the same batch again");
-        assert_eq!((c.stats().send_failures, c.stats().lane_resends), (1, 1));
+        assert_eq!((c.stats().send_failures, c.stats().lane_resends), (1, 0));
         // An unknown or already acked batch_seq changes nothing.
-        c.handle_send_failed(seq + 100, 3 * MS);
+        c.handle_send_failed(seq + 100);
         assert!(transmit(&mut c).is_empty());
         // No ack for the stall time: a heartbeat alone (no timeout call) sends it again.
         let counters = SourceCounters::default();
@@ -956,11 +956,11 @@ mod tests {
             .filter(|b| BatchView::parse(b).unwrap().header.lane == Class::P2.code())
             .collect();
         assert_eq!(again, first);
-        assert_eq!(c.stats().lane_resends, 2);
+        assert_eq!(c.stats().lane_resends, 1);
         c.handle_ack(&[(1, u64::MAX)], 5_010 * MS);
         c.handle_counters(&counters, 20 * MS, 20_000 * MS);
         assert!(transmit(&mut c).iter().all(|b| BatchView::parse(b).unwrap().header.lane != Class::P2.code()));
-        assert_eq!(c.stats().lane_resends, 2, "acked: nothing more");
+        assert_eq!(c.stats().lane_resends, 1, "acked: nothing more");
     }
 
     #[test]

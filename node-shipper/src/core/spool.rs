@@ -252,10 +252,20 @@ impl Spool {
         self.sent.get(lane).copied().unwrap_or(0)
     }
 
-    /// The lane of batch `batch_seq` if it is held and was sent (unacked, in flight).
-    #[must_use]
-    pub fn lane_of_sent(&self, batch_seq: u64) -> Option<usize> {
-        (0..4).find(|&l| self.lanes[l].iter().take(self.sent[l]).any(|b| b.batch_seq == batch_seq))
+    /// Batch `batch_seq`, sent and unacked, goes out again: it becomes its lane's next
+    /// batch to send (its stream failed, or the aggregator stopped it unread). Returns its
+    /// lane; `None` if it is not held as sent (acked meanwhile, or never sent).
+    pub fn requeue_sent(&mut self, batch_seq: u64) -> Option<usize> {
+        let (lane, i) = (0..4).find_map(|l| {
+            self.lanes[l].iter().take(self.sent[l]).position(|b| b.batch_seq == batch_seq).map(|i| (l, i))
+        })?;
+        let b = self.lanes[lane].remove(i)?;
+        self.sent[lane] -= 1;
+        self.sent_bytes[lane] -= b.bytes.len();
+        let at = self.sent[lane];
+        self.lanes[lane].insert(at, b);
+        self.counters.resent += 1;
+        Some(lane)
     }
 
     /// Every unacked batch of `lane` is sent again on the same connection (its sends

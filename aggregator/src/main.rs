@@ -74,6 +74,13 @@ fn command() -> Command {
                         .value_parser(value_parser!(u32).range(1..=1_048_576))
                         .help("per shipper session, holes (unsettled batch ranges) remembered before batches are refused [default: 8192]"),
                 )
+                .arg(
+                    Arg::new("expect-nodes")
+                        .long("expect-nodes")
+                        .value_name("N")
+                        .value_parser(value_parser!(u32).range(1..=1_000_000))
+                        .help("the cluster's node count: a rank that never reports (no profiler shim) is then final as indeterminate(uninstrumented) once every node's data is in, instead of after the stuck deadline"),
+                )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
                 .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
                 .arg(
@@ -147,6 +154,9 @@ fn main() -> ExitCode {
             cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
             if let Some(&w) = r.get_one::<u32>("dedup-window") {
                 cfg.ingest.dedup.window = w;
+            }
+            if let Some(&n) = r.get_one::<u32>("expect-nodes") {
+                cfg.matcher.expected_nodes = n;
             }
             let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
                 Ok(rt) => rt,

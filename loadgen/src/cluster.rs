@@ -145,6 +145,7 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
         join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
         reorder_timeout_ns: reorder_ns,
         straggler_threshold_ns: straggler_threshold_ns(s),
+        expected_nodes: s.cluster.nodes,
         ..MatcherConfig::default()
     };
     cfg.ingest = IngestConfig {

@@ -122,6 +122,7 @@ sweeps! {
     net_sweep_mixed => "mixed";
     net_sweep_demo => "demo";
     net_sweep_host_pause => "host-pause", new;
+    net_sweep_uninstrumented_rank => "uninstrumented-rank", new;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

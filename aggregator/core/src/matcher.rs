@@ -41,10 +41,12 @@
 //!   reached, kept while it holds — so a completion frame overtaken by PROGRESS or by
 //!   a later op is in before the inference can become final;
 //! - an op needs no deadline to be final once every rank will say no more: completed,
-//!   or `indeterminate(no_completion_source | key_collision)`. A rank without PROGRESS
-//!   (`uninstrumented`: it looks the same as a rank of a node that has not connected yet)
-//!   and a rank on an unreachable node (a live node's connection can close for a moment)
-//!   are not: their ops wait for the stuck deadline.
+//!   or `indeterminate(no_completion_source | key_collision)`, or — when the cluster's
+//!   size is configured (`expected_nodes`) and that many nodes' watermarks passed the
+//!   decision — `indeterminate(uninstrumented)` (without the size, a rank without
+//!   PROGRESS looks the same as a rank of a node that has not connected yet). A rank on
+//!   an unreachable node is not (a live node's connection can close for a moment): its
+//!   ops wait for the stuck deadline.
 //!
 //! Memory: in-flight ops are capped (`max_ops`; the oldest is evicted and counted).
 
@@ -73,6 +75,12 @@ pub struct MatcherConfig {
     pub duration_window: usize,
     /// Straggler threshold; the bound is `max(threshold, 3·(ε_a + ε_b))`.
     pub straggler_threshold_ns: u64,
+    /// How many nodes the cluster has (0: unknown). Known, a rank nobody ever reported
+    /// (no frame, no PROGRESS) is `uninstrumented` for good once that many nodes'
+    /// watermarks have passed the decision — all of their data from then is in, and none
+    /// names the rank — instead of after the stuck deadline (a node that has not
+    /// connected yet looks the same until then).
+    pub expected_nodes: u32,
 }
 
 impl Default for MatcherConfig {
@@ -84,6 +92,7 @@ impl Default for MatcherConfig {
             max_ops: 200_000,
             duration_window: 128,
             straggler_threshold_ns: 50_000_000,
+            expected_nodes: 0,
         }
     }
 }
@@ -1117,18 +1126,30 @@ impl CollectiveMatcher {
             .max()
             .and_then(|t| u64::try_from(t).ok());
         let any_inferred = rs.iter().any(|r| r.completed == Some(false));
-        // Ranks that will never say more: completed, or undecidable for good. Not a rank
-        // without PROGRESS: to the aggregator it looks the same as a rank of a node that
-        // has not connected yet (CI saw a late node's ranks go final as
-        // `uninstrumented`); and not a rank on an unreachable node: under a CPU hog a live
-        // node's connection closed, it was unreachable for a moment, and a hung op's
-        // verdicts went final as `unknown_silent` for it. Both still wait for the stuck
-        // deadline.
+        // Ranks that will never say more: completed, or undecidable for good. A rank
+        // without PROGRESS only when the cluster's size is known and every node's data is
+        // in past the decision: otherwise it looks the same as a rank of a node that has
+        // not connected yet (CI saw a late node's ranks go final as `uninstrumented`).
+        // Not a rank on an unreachable node: under a CPU hog a live node's connection
+        // closed, it was unreachable for a moment, and a hung op's verdicts went final as
+        // `unknown_silent` for it. Those wait for the stuck deadline.
+        // With the cluster's size known, a rank without PROGRESS settles once every node's
+        // watermark has passed the decision (see `MatcherConfig::expected_nodes`).
+        let expected = usize::try_from(self.config.expected_nodes).unwrap_or(usize::MAX);
+        let quiet = |o: &Outcome| expected > 0 && matches!(o, Outcome::Indeterminate(Indeterminate::Uninstrumented));
         let settled_rank = |r: &R, o: &Outcome| {
             r.completed.is_some()
+                || quiet(o)
                 || matches!(o, Outcome::Indeterminate(Indeterminate::NoCompletionSource | Indeterminate::KeyCollision))
         };
-        let resolved = !all_completed && rs.iter().zip(&outcomes).all(|(r, o)| settled_rank(r, o));
+        let every_node_in = || {
+            let at = last_completion.map_or(decided_now, |t| t.max(decided_now));
+            let need = i64::try_from(at.saturating_add(self.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
+            self.nodes.values().filter(|v| v.w_p0_cluster_ns >= need).count() >= expected
+        };
+        let resolved = !all_completed
+            && rs.iter().zip(&outcomes).all(|(r, o)| settled_rank(r, o))
+            && (!outcomes.iter().any(quiet) || every_node_in());
         let decided_at = if all_completed && !any_inferred {
             last_completion.map_or(decided_now, |t| t.min(decided_now))
         } else if all_completed || resolved {

@@ -19,6 +19,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("mixed", include_str!("../../scenarios/mixed.toml")),
     ("demo", include_str!("../../scenarios/demo.toml")),
     ("host-pause", include_str!("../../scenarios/host-pause.toml")),
+    ("uninstrumented-rank", include_str!("../../scenarios/uninstrumented-rank.toml")),
 ];
 
 /// The built-in scenario `name`.

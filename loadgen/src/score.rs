@@ -16,6 +16,10 @@
 //!   complete, when the op sharing its key only appears later (the verdict was final,
 //!   and true, before the collision was visible).
 //!
+//! Node health must be the truth's (`silent` and `unreachable` are one answer); a node
+//! that died before the aggregator heard anything of it is absent from its node list,
+//! and that is right.
+//!
 //! Communicators whose keys collide share op keys, so one verdict stands for a rank of
 //! each: it is scored once, and right only if right for every truth op with its key.
 //!
@@ -330,7 +334,11 @@ pub fn score(
     for n in &truth.nodes {
         s.nodes += 1;
         let got = nodes.nodes.iter().find(|x| x.name == n.name).map_or("unknown", |x| x.health.as_str());
-        if same_health(got, &n.health) {
+        // A node that died before anything of it reached the aggregator is not listed
+        // there at all: it never existed on the wire (seen beside a CPU hog: node-07's
+        // shipper had not connected before the node died).
+        let unheard = fate.get(n.node as usize) == Some(&NodeFate::DiedUnheard) && got == "unknown";
+        if same_health(got, &n.health) || unheard {
             s.nodes_right += 1;
         } else {
             s.health_wrong.push((n.name.clone(), n.health.clone(), got.to_owned()));

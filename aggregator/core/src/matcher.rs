@@ -39,7 +39,9 @@
 //!   decision resting on evidence without a frame time of its own (an inference from
 //!   PROGRESS or a later op, an undecidable rank), the aggregator time it was first
 //!   reached, kept while it holds — so a completion frame overtaken by PROGRESS or by
-//!   a later op is in before the inference can become final;
+//!   a later op is in before the inference can become final; a decision past the stuck
+//!   deadline is dated no earlier than the latest frame it rests on (a rank that starts
+//!   k after a long pause has its completion in before the decision is final);
 //! - an op needs no deadline to be final once every rank will say no more: completed,
 //!   or `indeterminate(no_completion_source | key_collision)`, or — when the cluster's
 //!   size is configured (`expected_nodes`) and that many nodes' watermarks passed the
@@ -1155,7 +1157,24 @@ impl CollectiveMatcher {
         } else if all_completed || resolved {
             last_completion.map_or(decided_now, |t| t.max(decided_now))
         } else if past_stuck {
-            stuck_at.min(decided_now)
+            // Never before the latest frame the decision rests on: a rank paused past the
+            // deadline that then enqueues and starts k makes every rank "started, waiting"
+            // at that moment, and its completion follows milliseconds later — dated at the
+            // deadline, the decision was final before that completion could arrive (a
+            // checkpoint pause at 1x: `waiting_on(unknown)` final, every later op
+            // `blocked_by` it). A state known from PROGRESS alone is dated when reached.
+            let progress_only = rs.iter().any(|r| {
+                let obs = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present);
+                (r.entered && obs.is_none_or(|o| o.entered.is_none() && o.started.is_none()))
+                    || (r.started && obs.is_none_or(|o| o.started.is_none()))
+            });
+            let latest_frame = op
+                .observed()
+                .map(|o| o.enqueued_cluster_ns.max(o.started_cluster_ns).max(o.first_cluster_ns))
+                .max()
+                .and_then(|t| u64::try_from(t).ok())
+                .unwrap_or(0);
+            if progress_only { decided_now } else { stuck_at.max(latest_frame).min(decided_now) }
         } else if decisive && past_join {
             join_at.min(decided_now)
         } else if let Some((_, root_decided)) = blocked_root {

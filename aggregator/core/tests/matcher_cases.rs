@@ -780,3 +780,44 @@ fn a_gpu_side_straggler_is_tagged_whatever_the_clock_uncertainty_regression_issu
     assert!(tagged.len() >= 3, "tagged from the third lagging op on: {tagged:?}");
     assert!(tagged.iter().all(|&(rank, host, lag)| rank == 3 && !host && lag >= 190 * 1_000_000), "{tagged:?}");
 }
+
+#[test]
+fn a_rank_that_starts_after_the_deadline_is_not_final_before_its_completion_regression_issue_17() {
+    // A checkpoint pause past the stuck deadline: rank 1 enqueues and starts k long after
+    // its peers. The moment it starts, every rank is "started, waiting"; its completion
+    // follows milliseconds later. Dated at the deadline, that decision was final before the
+    // completion could arrive (`waiting_on(unknown)` final, at 1x time, in real runs).
+    let mut c = Case::new();
+    let k = comm(109);
+    for rank in [0u32, 2, 3] {
+        let node = u64::from(rank) + 1;
+        c.frame(node, 10 + rank, k, 1, rank, 4, Phase::EnqueueStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 4, Phase::KernelStart, None, 1);
+    }
+    for _ in 0..30 {
+        for rank in 0..4u32 {
+            let (enq, kst) = if rank == 1 { (0, 0) } else { (1, 1) };
+            c.progress(u64::from(rank) + 1, 10 + rank, k, rank, enq, kst, 0, ProcState::Running);
+        }
+        c.watermarks(&[1, 2, 3, 4]);
+        c.tick(S);
+    }
+    assert!(c.verdicts.values().all(|v| !v.is_final), "rank 1 has not joined: nothing final");
+    // Rank 1 is back: it enqueues and starts k (one evaluation), and every watermark moves on.
+    c.frame(2, 11, k, 1, 1, 4, Phase::EnqueueStart, None, 1);
+    c.frame(2, 11, k, 1, 1, 4, Phase::KernelStart, None, 1);
+    c.watermarks(&[1, 2, 3, 4]);
+    c.tick(S / 100);
+    assert!(c.verdicts.values().all(|v| !v.is_final), "started a moment ago: its completion may be in flight");
+    for rank in 0..4u32 {
+        c.frame(u64::from(rank) + 1, 10 + rank, k, 1, rank, 4, Phase::KernelEnd, None, 1);
+    }
+    for _ in 0..3 {
+        c.watermarks(&[1, 2, 3, 4]);
+        c.tick(S);
+    }
+    for rank in 0..4 {
+        assert_eq!(c.outcome(k, 1, rank), (Outcome::Completed, true), "rank {rank}");
+    }
+    assert_eq!(c.m.stats().revisions_after_final, 0);
+}

@@ -369,7 +369,11 @@ impl ShipperCore {
         f.start_realtime_ns = U64::new(e.start_realtime_ns);
         f.boot_id = e.boot_id;
         self.push_into_lane(f.as_bytes(), now);
-        self.counters.epoch = e.epoch;
+        // The old epoch's counters say nothing of the new one: a heartbeat before the
+        // new epoch's first counters must not carry them (the aggregator would read the
+        // old counts as the new streams' `attempted_seq`, which only ever grows, and wait
+        // for frames that never come).
+        self.counters = SourceCounters { epoch: e.epoch, mono_ns: e.mono_ns, ..SourceCounters::default() };
         // Floors of ended epochs are never sent again.
         self.released.retain(|&(epoch, _), _| epoch >= e.epoch);
     }
@@ -1016,6 +1020,37 @@ mod tests {
             })
             .collect();
         assert_eq!(held, vec![3]);
+    }
+
+    /// Regression (issue 16, `mixed` beside a CPU hog): a heartbeat between a new epoch's
+    /// start and its first counters carried the old epoch's stream counts under the new
+    /// epoch; the aggregator kept them (counters only grow) and waited for them forever.
+    #[test]
+    fn a_heartbeat_after_an_epoch_change_carries_no_counters_of_the_old_epoch_regression_issue_16() {
+        let mut c = core(1 << 20);
+        let mut e = StreamEntry::new_zeroed();
+        e.stream_id = U32::new(StreamId::new(Class::P2, 1, 1).0);
+        e.attempted_seq = U64::new(2300);
+        let counters = SourceCounters { epoch: 1, mono_ns: 900, streams: vec![e], progress: vec![] };
+        c.handle_counters(&counters, 1_000, MS);
+        c.handle_epoch(&EpochStart { epoch: 2, mono_ns: 1_500, ..EpochStart::default() }, 2 * MS);
+        c.heartbeat_now(2_000, 3 * MS);
+        let sent = transmit(&mut c);
+        let last = frames_of(&sent).filter_map(|f| if let Frame::Heartbeat(h) = f { Some(h) } else { None }).last();
+        let streams: Vec<u64> = last
+            .expect("a heartbeat")
+            .sections()
+            .filter_map(|s| {
+                if let Section::Streams(es) = s {
+                    Some(es.iter().map(|e| e.attempted_seq.get()).collect::<Vec<_>>())
+                } else {
+                    None
+                }
+            })
+            .flatten()
+            .collect();
+        assert!(streams.is_empty(), "epoch 2's heartbeat carried epoch 1's counts {streams:?}");
+        assert_eq!((c.counters().epoch, c.counters().mono_ns), (2, 1_500));
     }
 
     /// Issue 16: what a `resume` says — the held batches as ranges, and per stream one

@@ -240,12 +240,7 @@ pub fn score(
                         o.correct -= 1;
                     }
                     if s.wrong_examples.len() < 10 {
-                        s.wrong_examples.push((
-                            format!("{}#{seq}", c.comm),
-                            r.rank,
-                            r.outcome.clone(),
-                            v.outcome.clone(),
-                        ));
+                        s.wrong_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), describe(v)));
                     }
                 }
                 continue;
@@ -274,12 +269,7 @@ pub fn score(
                             s.outcomes.entry(t.clone()).or_default().predicted += 1;
                         }
                     } else if s.wrong_examples.len() < 10 {
-                        s.wrong_examples.push((
-                            format!("{}#{seq}", c.comm),
-                            r.rank,
-                            r.outcome.clone(),
-                            v.outcome.clone(),
-                        ));
+                        s.wrong_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), describe(v)));
                     }
                     if let Some(f) = v.final_at_ms {
                         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
@@ -372,6 +362,18 @@ pub fn score(
 
     s.conservation = conservation(truth, nodes);
     s
+}
+
+/// A verdict for a WRONG line: outcome, then what decided it and when.
+fn describe(v: &VerdictDto) -> String {
+    format!(
+        "{} (evidence: {}; decided {} ms, final {} ms, revision {})",
+        v.outcome,
+        v.evidence,
+        v.decided_at_ms,
+        v.final_at_ms.map_or_else(|| "-".to_owned(), |f| f.to_string()),
+        v.revision
+    )
 }
 
 /// Conservation of every node's streams against the generator's counts (part of
@@ -504,6 +506,12 @@ impl Score {
         }
         for (op, rank, t, v) in &self.wrong_examples {
             let _ = writeln!(o, "WRONG {op} rank {rank}: truth {t}, verdict {v}");
+        }
+        if self.non_final_old > self.non_final_old_gated_by_silent {
+            for (op, rank, t, v) in &self.non_final_examples {
+                let _ =
+                    writeln!(o, "NOT FINAL (old, not gated by a silent node) {op} rank {rank}: truth {t}, so far {v}");
+            }
         }
         o
     }

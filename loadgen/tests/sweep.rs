@@ -123,6 +123,7 @@ sweeps! {
     net_sweep_demo => "demo";
     net_sweep_host_pause => "host-pause", true;
     net_sweep_uninstrumented_rank => "uninstrumented-rank", true;
+    net_sweep_epoch_tail => "epoch-tail", true;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -120,6 +120,9 @@ pub struct MatcherStats {
     pub ops_inferred_from_seq_gap: u64,
     /// Seq gaps wider than [`MAX_SEQ_GAP_OPS`]: those ops get no verdict (counted).
     pub seq_gap_ops_skipped: u64,
+    /// PROGRESS entries older than the one already held for their rank (a heartbeat
+    /// that arrived out of order or was resent): ignored.
+    pub progress_stale: u64,
 }
 
 /// The widest `comm_op_seq` gap filled with inferred ops at once (a hostile or broken
@@ -199,6 +202,10 @@ struct ProgressView {
     last_completed: u64,
     snapshot_cluster_ns: i64,
     received_at_ns: u64,
+    /// The node epoch and node time of the heartbeat snapshot it came from: a later
+    /// entry replaces it only if it is newer (heartbeats can arrive out of order).
+    epoch: u64,
+    snapshot_node_ns: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
@@ -478,6 +485,17 @@ impl CollectiveMatcher {
             Record::Lifecycle(l) => self.on_lifecycle(now, l),
             Record::Progress(p) => {
                 let key = RankKey { comm: p.comm, rank: p.rank };
+                // A heartbeat older than the one already applied for this rank (out of
+                // order, or resent) must not turn fresh evidence stale: a decision taken
+                // on a stale entry (PROGRESS from before the stuck deadline) could go
+                // final wrong. Newer = later epoch, or same epoch and later snapshot.
+                if let Some(old) = self.progress.get(&key)
+                    && old.node == Some(p.node)
+                    && (old.epoch, old.snapshot_node_ns) > (p.epoch, p.snapshot_node_ns)
+                {
+                    self.stats.progress_stale += 1;
+                    return;
+                }
                 self.progress.insert(
                     key,
                     ProgressView {
@@ -491,6 +509,8 @@ impl CollectiveMatcher {
                         last_completed: p.last_completed_op,
                         snapshot_cluster_ns: p.snapshot_cluster_ns,
                         received_at_ns: now,
+                        epoch: p.epoch,
+                        snapshot_node_ns: p.snapshot_node_ns,
                     },
                 );
                 // Ops of this communicator up to what the entry proves may change.

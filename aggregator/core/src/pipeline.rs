@@ -10,7 +10,9 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::dedup::Admit;
 use crate::ingest::{Ingest, IngestConfig};
-use crate::matcher::{CollectiveMatcher, MatcherConfig};
+use std::collections::BTreeMap;
+
+use crate::matcher::{CollectiveMatcher, Health, MatcherConfig};
 use crate::records::NodeId;
 use crate::verdict::MatcherEvent;
 
@@ -128,6 +130,45 @@ impl Core {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// Frames of `node`'s P0 (lifecycle) streams lost by any cause, net of revivals, and
+    /// how many its P0 streams attempted (received + lost + still open), over every epoch.
+    #[must_use]
+    pub fn p0_loss(&self, node: NodeId) -> (u64, u64) {
+        self.ingest.trackers(node).filter(|t| t.key.stream_id >> 24 == 0).fold((0, 0), |(lost, seen), t| {
+            let c = t.counts();
+            (lost + c.lost_total(), seen + c.received + c.lost_total() + t.pending() + t.in_transit())
+        })
+    }
+
+    /// Node health: the matcher's (its worst GPU, or its liveness), and `healthy_lossy`
+    /// for an otherwise healthy node whose P0 telemetry lost frames — telemetry loss is
+    /// what the operator is told, whether or not a verdict had to infer around it (and
+    /// whatever the order in which the loss and the verdicts it touches were learnt).
+    #[must_use]
+    pub fn node_health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<NodeId, Health> {
+        let mut out = self.matcher.node_health(now, degraded_clear_ns);
+        for (node, h) in &mut out {
+            *h = self.with_p0_loss(*node, *h);
+        }
+        out
+    }
+
+    /// GPU health, `(node, gpu_uuid)`: the matcher's, with `healthy_lossy` for an
+    /// otherwise healthy GPU of a node whose P0 telemetry lost frames (a node's P0 streams
+    /// are per CPU and carry every rank of it).
+    #[must_use]
+    pub fn gpu_health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
+        let mut out = self.matcher.health(now, degraded_clear_ns);
+        for ((node, _), h) in &mut out {
+            *h = self.with_p0_loss(*node, *h);
+        }
+        out
+    }
+
+    fn with_p0_loss(&self, node: NodeId, h: Health) -> Health {
+        if h == Health::Healthy && self.p0_loss(node).0 > 0 { Health::HealthyLossy } else { h }
     }
 
     /// The next verdict or recovery event.

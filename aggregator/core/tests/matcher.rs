@@ -674,3 +674,25 @@ fn one_uninstrumented_rank_gates_nobody_and_everything_goes_final_regression_iss
     assert_eq!(by_outcome.len(), 2, "nothing else: {by_outcome:?}");
     assert!(j.health_at_end.values().all(|h| *h == Health::Healthy), "{:?}", j.health_at_end);
 }
+
+#[test]
+fn an_epoch_reset_with_tail_drops_is_telemetry_loss_not_degradation_regression_issue_17() {
+    // Node 1's counters are recreated between heartbeats while both its rings overflow:
+    // its missing frames are telemetry loss (completions inferred), never a hang; every
+    // collective verdict final by the end; node 1 healthy, lossy.
+    let j = judge(&scenario("epoch-tail"), 1e-4, Net::default());
+    print_confusion("epoch-tail", &confusion(&j));
+    let coll: Vec<&Verdict> = outcomes(&j).filter(|v| matches!(v.op, OpRef::Coll { .. })).collect();
+    assert!(coll.len() > 300, "{} verdicts", coll.len());
+    let other: Vec<_> = coll
+        .iter()
+        .filter(|v| !matches!(v.outcome, Outcome::Completed | Outcome::CompletedInferred))
+        .map(|v| (v.op, v.rank, v.outcome))
+        .collect();
+    assert!(other.is_empty(), "{other:?}");
+    assert!(coll.iter().any(|v| v.outcome == Outcome::CompletedInferred), "the tail drops hid completions");
+    assert!(coll.iter().all(|v| v.is_final), "all final by the end");
+    assert_eq!(j.matcher.stats().revisions_after_final, 0);
+    assert!(degraded(&j).is_empty());
+    assert_eq!(health_of(&j, 1), Health::HealthyLossy);
+}

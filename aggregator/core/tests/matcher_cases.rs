@@ -109,7 +109,23 @@ impl Case {
 
     #[allow(clippy::too_many_arguments, reason = "test builder")]
     fn progress(&mut self, node: u64, pid: u32, c: Comm, rank: u32, enq: u64, kst: u64, done: u64, state: ProcState) {
-        let ts = i64::try_from(self.now).unwrap();
+        let now = self.now;
+        self.progress_at(node, pid, c, rank, (enq, kst, done), state, now);
+    }
+
+    /// A PROGRESS entry from a heartbeat snapshotted at `at` (node time = cluster time here).
+    #[allow(clippy::too_many_arguments, reason = "test builder")]
+    fn progress_at(
+        &mut self,
+        node: u64,
+        pid: u32,
+        c: Comm,
+        rank: u32,
+        (enq, kst, done): (u64, u64, u64),
+        state: ProcState,
+        at: u64,
+    ) {
+        let ts = i64::try_from(at).unwrap();
         self.rec(Record::Progress(Progress {
             node: NodeId(node),
             epoch: 1,
@@ -124,8 +140,8 @@ impl Case {
             last_enqueued_op: enq,
             last_kernel_started_op: kst,
             last_completed_op: done,
-            last_update_node_ns: self.now,
-            snapshot_node_ns: self.now,
+            last_update_node_ns: at,
+            snapshot_node_ns: at,
             snapshot_cluster_ns: ts,
             received_at_ns: self.now,
         }));
@@ -820,4 +836,30 @@ fn a_rank_that_starts_after_the_deadline_is_not_final_before_its_completion_regr
         assert_eq!(c.outcome(k, 1, rank), (Outcome::Completed, true), "rank {rank}");
     }
     assert_eq!(c.m.stats().revisions_after_final, 0);
+}
+
+/// Regression (issue 16/17: `demo` beside a CPU hog): heartbeats travel on their own
+/// streams and can be applied out of order. A heartbeat from before the stuck deadline
+/// that arrived after a fresh one replaced the fresh PROGRESS; the hung rank then lacked
+/// C3(e)'s fresh evidence, and its op went final `blocked_by` another op instead of
+/// `stuck` — a missed `degraded`. An older entry never replaces a newer one.
+#[test]
+fn an_old_heartbeat_arriving_late_does_not_make_progress_stale_regression_issue_16() {
+    let mut c = Case::new();
+    let k = comm(9);
+    c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
+    c.frame(1, 10, k, 1, 0, 2, Phase::KernelStart, None, 1);
+    c.frame(2, 20, k, 1, 1, 2, Phase::EnqueueStart, None, 1);
+    let early = c.now;
+    for _ in 0..22 {
+        c.progress(1, 10, k, 0, 1, 1, 0, ProcState::Running);
+        c.progress(2, 20, k, 1, 1, 0, 0, ProcState::Running);
+        // The first heartbeat's entries again, late (a resent or reordered batch).
+        c.progress_at(1, 10, k, 0, (1, 1, 0), ProcState::Running, early);
+        c.progress_at(2, 20, k, 1, (1, 0, 0), ProcState::Running, early);
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    assert_eq!(c.outcome(k, 1, 1), (Outcome::Stuck, true), "C3(e) on the fresh entry");
+    assert!(c.m.stats().progress_stale >= 40, "{:?}", c.m.stats());
 }

@@ -95,7 +95,8 @@ pub struct NodeDto {
     /// `fresh`, `silent`, `unreachable`.
     pub liveness: String,
     /// Worst health over its GPUs: `healthy`, `healthy_lossy`, `suspect`, `degraded`,
-    /// `silent`, `unreachable`.
+    /// `silent`, `unreachable`; an otherwise healthy node whose P0 streams lost frames is
+    /// `healthy_lossy` (loss rate: `p0_frames_lost` / `p0_frames_attempted`).
     pub health: String,
     pub connections: u64,
     /// Node time (ns) through which every P0 / bulk seq is received or resolved: no
@@ -115,6 +116,12 @@ pub struct NodeDto {
     /// Seqs of this node's streams that another aggregator instance received or resolved
     /// (before a restart this instance did not restore from): not loss.
     pub prior_instance: u64,
+    /// Frames of its P0 (lifecycle) streams lost by any cause, net of revivals, over every
+    /// epoch this instance knows.
+    pub p0_frames_lost: u64,
+    /// Frames its P0 streams attempted as far as this instance knows (received, lost,
+    /// pending or in transit).
+    pub p0_frames_attempted: u64,
     pub streams: Vec<StreamDto>,
 }
 

@@ -104,8 +104,8 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
     let registry: Vec<(NodeId, String, bool, u64)> =
         s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.connected, e.connections)).collect();
     let core = s.core();
-    let health = core.matcher.node_health(now, s.degraded_clear_ns);
-    let gpu_health = core.matcher.health(now, s.degraded_clear_ns);
+    let health = core.node_health(now, s.degraded_clear_ns);
+    let gpu_health = core.gpu_health(now, s.degraded_clear_ns);
     let mut out: Vec<NodeDto> = registry
         .into_iter()
         .map(|(id, name, connected, connections)| {
@@ -137,6 +137,8 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                     .collect(),
                 awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
                 prior_instance: core.ingest.trackers(id).map(|t| t.counts().prior_instance).sum(),
+                p0_frames_lost: core.p0_loss(id).0,
+                p0_frames_attempted: core.p0_loss(id).1,
                 streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
             }
         })

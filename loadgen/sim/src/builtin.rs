@@ -20,6 +20,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("demo", include_str!("../../scenarios/demo.toml")),
     ("host-pause", include_str!("../../scenarios/host-pause.toml")),
     ("uninstrumented-rank", include_str!("../../scenarios/uninstrumented-rank.toml")),
+    ("epoch-tail", include_str!("../../scenarios/epoch-tail.toml")),
 ];
 
 /// The built-in scenario `name`.

@@ -396,11 +396,14 @@ impl Simulation {
                 self.emit_until(node, boundary, sink);
             }
             self.now = boundary;
-            if boundary.is_multiple_of(hb) || boundary == horizon {
-                for node in 0..self.nodes.len() {
-                    if self.nodes[node].dead_at > boundary {
-                        self.snapshot(node, boundary, sink);
-                    }
+            // A heartbeat boundary snapshots every live node; a reset snapshots its node
+            // first: the old epoch's last counters, read as the counters are recreated,
+            // close its streams exactly (tail drops included).
+            let every = boundary.is_multiple_of(hb) || boundary == horizon;
+            for node in 0..self.nodes.len() {
+                let resets = self.nodes[node].resets.contains(&boundary) && boundary < horizon;
+                if (every || resets) && self.nodes[node].dead_at > boundary {
+                    self.snapshot(node, boundary, sink);
                 }
             }
             for node in 0..self.nodes.len() {

@@ -228,7 +228,10 @@ impl Sink for ShipperModel {
         n.epoch = info.epoch;
         n.attempted.clear();
         n.p1_seq = 0;
-        let f = loadgen_sim::capture::epoch_frame(info);
+        // The shipper's own stream restarts at seq 0 with the epoch frame (a capture
+        // file numbers its epoch records by epoch instead).
+        let mut f = loadgen_sim::capture::epoch_frame(info);
+        f.hdr = proto_flat::frames::EpochStartFrame::make_header(0, SHIPPER_STREAM, 0, info.mono_ns);
         n.p1_seq += 1;
         n.batch_seq += 1;
         let b = batch(node, n.epoch, n.session, n.batch_seq, Class::P1.code(), &[f.as_bytes().to_vec()]);

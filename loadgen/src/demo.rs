@@ -27,7 +27,7 @@ impl Row {
     }
 }
 
-fn evidence(health: &str, mine: &[&VerdictDto], node_liveness: &str) -> String {
+fn evidence(health: &str, mine: &[&VerdictDto], node_liveness: &str, p0_lost: (u64, u64)) -> String {
     let count = |f: &dyn Fn(&VerdictDto) -> bool| mine.iter().filter(|v| f(v)).count();
     let first = |outcome: &str| mine.iter().find(|v| v.outcome.starts_with(outcome) && v.is_final).copied();
     match health {
@@ -44,7 +44,14 @@ fn evidence(health: &str, mine: &[&VerdictDto], node_liveness: &str) -> String {
                 .into_iter()
                 .take(3)
                 .collect();
-            format!("telemetry loss: {n} completions inferred (PROGRESS / later ops), loss intervals {ids:?}")
+            let (lost, attempted) = p0_lost;
+            if n > 0 {
+                format!(
+                    "telemetry loss: {lost} of {attempted} P0 frames lost; {n} completions inferred (PROGRESS / later ops), loss intervals {ids:?}"
+                )
+            } else {
+                format!("telemetry loss: {lost} of {attempted} P0 frames lost; no verdict of this GPU needed them")
+            }
         }
         "silent" | "unreachable" => {
             let n = count(&|v| v.outcome == "unknown_silent");
@@ -94,7 +101,12 @@ pub fn rows(truth: &GroundTruth, nodes: &NodesDto, verdicts: &VerdictsDto) -> Ve
             Row {
                 node: name,
                 gpu: g.gpu,
-                evidence: evidence(&health, &mine, liveness),
+                evidence: evidence(
+                    &health,
+                    &mine,
+                    liveness,
+                    node.map_or((0, 0), |n| (n.p0_frames_lost, n.p0_frames_attempted)),
+                ),
                 health,
                 truth: g.health.clone(),
                 truth_why: g.why.first().cloned().unwrap_or_default(),

@@ -392,7 +392,13 @@ mod sim {
                                 out(SourceEvent::Frame(f));
                             }
                         }
-                        Kind::Epoch(e) => out(SourceEvent::Epoch(e)),
+                        Kind::Epoch(e) => {
+                            // The old epoch's counters say nothing of the new one (what a
+                            // shutdown before the new epoch's first snapshot would send).
+                            self.counters =
+                                SourceCounters { epoch: e.epoch, mono_ns: e.mono_ns, ..SourceCounters::default() };
+                            out(SourceEvent::Epoch(e));
+                        }
                         Kind::Counters => {
                             if let Some(c) = counters.next() {
                                 self.counters = c;

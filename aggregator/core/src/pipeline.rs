@@ -133,12 +133,14 @@ impl Core {
     }
 
     /// Frames of `node`'s P0 (lifecycle) streams lost by any cause, net of revivals, and
-    /// how many its P0 streams attempted (received + lost + still open), over every epoch.
+    /// how many its P0 streams attempted as far as this instance knows (received, lost,
+    /// another instance's, pending or in transit), over every epoch.
     #[must_use]
     pub fn p0_loss(&self, node: NodeId) -> (u64, u64) {
         self.ingest.trackers(node).filter(|t| t.key.stream_id >> 24 == 0).fold((0, 0), |(lost, seen), t| {
             let c = t.counts();
-            (lost + c.lost_total(), seen + c.received + c.lost_total() + t.pending() + t.in_transit())
+            let open = t.pending() + t.in_transit();
+            (lost + c.lost_total(), seen + c.received + c.lost_total() + c.prior_instance + open)
         })
     }
 
@@ -161,8 +163,12 @@ impl Core {
     #[must_use]
     pub fn gpu_health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
         let mut out = self.matcher.health(now, degraded_clear_ns);
+        let mut lossy: BTreeMap<NodeId, bool> = BTreeMap::new();
         for ((node, _), h) in &mut out {
-            *h = self.with_p0_loss(*node, *h);
+            let l = *lossy.entry(*node).or_insert_with(|| self.p0_loss(*node).0 > 0);
+            if *h == Health::Healthy && l {
+                *h = Health::HealthyLossy;
+            }
         }
         out
     }

@@ -120,7 +120,7 @@ pub struct NodeDto {
     /// epoch this instance knows.
     pub p0_frames_lost: u64,
     /// Frames its P0 streams attempted as far as this instance knows (received, lost,
-    /// pending or in transit).
+    /// another instance's, pending or in transit).
     pub p0_frames_attempted: u64,
     pub streams: Vec<StreamDto>,
 }

@@ -110,6 +110,7 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
         .into_iter()
         .map(|(id, name, connected, connections)| {
             let state = core.ingest.node(id);
+            let p0 = core.p0_loss(id);
             NodeDto {
                 name,
                 node_id: format!("{:016x}", id.0),
@@ -137,8 +138,8 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                     .collect(),
                 awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
                 prior_instance: core.ingest.trackers(id).map(|t| t.counts().prior_instance).sum(),
-                p0_frames_lost: core.p0_loss(id).0,
-                p0_frames_attempted: core.p0_loss(id).1,
+                p0_frames_lost: p0.0,
+                p0_frames_attempted: p0.1,
                 streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
             }
         })

@@ -116,6 +116,8 @@ pub struct Score {
     /// stragglers: their node degraded) found.
     pub culprits: u64,
     pub culprits_found: u64,
+    /// Aggregator time a verdict became final, after the op's last frame (simulated time;
+    /// the aggregator's clock runs at the same scale).
     pub time_to_final: Distribution,
     pub conservation: Vec<NodeConservation>,
 }
@@ -273,7 +275,7 @@ pub fn score(
                     }
                     if let Some(f) = v.final_at_ms {
                         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
-                        ttf.push(f.saturating_sub(c.sched_ms.max(0.0) as u64));
+                        ttf.push(f.saturating_sub(c.last_event_ms.max(0.0) as u64));
                     }
                 }
                 None => {
@@ -484,7 +486,7 @@ impl Score {
         let t = &self.time_to_final;
         let _ = writeln!(
             o,
-            "time to final (ms after the op was scheduled): p50 {}  p99 {}  max {}  ({} verdicts)",
+            "time to final (ms after the op's last frame): p50 {}  p99 {}  max {}  ({} verdicts)",
             t.p50_ms, t.p99_ms, t.max_ms, t.count
         );
         let _ = writeln!(

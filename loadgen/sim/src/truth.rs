@@ -126,6 +126,10 @@ pub struct CollectiveTruth {
     pub p2p_seq: Option<u64>,
     pub graph_replay: Option<u32>,
     pub sched_ms: f64,
+    /// Simulated time (ms) of the op's last event any participant's kernel side emitted
+    /// (enqueue, kernel start, channel or rank end; before the run's end and its node's
+    /// death); `sched_ms` when it emitted none.
+    pub last_event_ms: f64,
     /// `ok`, `ok_with_loss`, `in_flight`, `hung`, `mismatch`, `indeterminate`.
     pub state: String,
     pub ranks: Vec<RankTruth>,
@@ -314,6 +318,20 @@ pub(crate) fn build(
         };
         #[allow(clippy::cast_precision_loss, reason = "ms for people")]
         let sched_ms = op.sched_ns as f64 / 1e6;
+        let last_event_ns = op
+            .participants
+            .iter()
+            .flat_map(|p| {
+                let dead = m.dead_at.get(m.ranks[p.rank as usize].node as usize).copied().unwrap_or(u64::MAX);
+                [p.enq_start, p.enq_end, p.k_start, p.end, p.chan_end]
+                    .into_iter()
+                    .flatten()
+                    .filter(move |&t| t < horizon && t < dead)
+            })
+            .max()
+            .unwrap_or(op.sched_ns);
+        #[allow(clippy::cast_precision_loss, reason = "ms for people")]
+        let last_event_ms = last_event_ns as f64 / 1e6;
         collectives.push(CollectiveTruth {
             comm: comm.name.clone(),
             comm_hash: k.comm_hash,
@@ -322,6 +340,7 @@ pub(crate) fn build(
             p2p_seq,
             graph_replay: op.graph.map(|g| g.replay_idx),
             sched_ms,
+            last_event_ms,
             state: state.to_owned(),
             ranks,
         });

@@ -139,8 +139,10 @@ impl Core {
     pub fn p0_loss(&self, node: NodeId) -> (u64, u64) {
         self.ingest.trackers(node).filter(|t| t.key.stream_id >> 24 == 0).fold((0, 0), |(lost, seen), t| {
             let c = t.counts();
-            let open = t.pending() + t.in_transit();
-            (lost + c.lost_total(), seen + c.received + c.lost_total() + c.prior_instance + open)
+            // Counts rest on heartbeat numbers from the wire (`attempted` may be anything
+            // up to u64::MAX): saturate, never overflow.
+            let known = [c.received, c.lost_total(), c.prior_instance, t.pending(), t.in_transit()];
+            (lost.saturating_add(c.lost_total()), known.iter().fold(seen, |a, &x| a.saturating_add(x)))
         })
     }
 

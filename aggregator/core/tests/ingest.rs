@@ -539,3 +539,34 @@ fn p0_telemetry_loss_makes_an_otherwise_healthy_node_healthy_lossy() {
     assert_eq!(core.matcher.node_health(end, u64::MAX).get(&node_id(0)), Some(&Health::Healthy));
     assert_eq!(core.node_health(end, u64::MAX).get(&node_id(0)), Some(&Health::HealthyLossy));
 }
+
+/// Heartbeat counts come from the wire: two P0 streams announcing `attempted` near
+/// u64::MAX make the node's P0 totals saturate, not overflow (the `/v1/nodes` handler
+/// sums them under the core's lock).
+#[test]
+fn p0_totals_saturate_on_hostile_heartbeat_counts() {
+    use proto_flat::batch::BatchView;
+    use proto_flat::codes::Class;
+    use proto_flat::encode::SectionedFrameWriter;
+    use proto_flat::header::StreamId;
+    use proto_flat::sections::StreamEntry;
+    use ringwatch_core::{Core, IngestConfig, MatcherConfig};
+    use zerocopy::FromZeros;
+    use zerocopy::little_endian::{U32, U64};
+
+    let entries: Vec<StreamEntry> = (0..2)
+        .map(|cpu| {
+            let mut e = StreamEntry::new_zeroed();
+            e.stream_id = U32::new(StreamId::new(Class::P0, 0, cpu).0);
+            e.attempted_seq = U64::new(u64::MAX - 1);
+            e.held_from_seq = U64::new(0);
+            e
+        })
+        .collect();
+    let mut w = SectionedFrameWriter::heartbeat(common::SHIPPER_STREAM, 0, 1_000, 1_000);
+    w.section(&entries);
+    let bytes = common::batch(0, 1, 1, 1, Class::P1.code(), &[w.finish()]);
+    let mut core = Core::new(IngestConfig::default(), MatcherConfig::default(), 0);
+    core.handle_batch(1_000_000, node_id(0), 100_000, &BatchView::parse(&bytes).unwrap());
+    assert_eq!(core.p0_loss(node_id(0)), (0, u64::MAX));
+}

@@ -207,12 +207,18 @@ fn complete_on_cpu_1_before_start_on_cpu_0_is_completed() {
 
 /// Rank 1's GPU never starts op 1 while rank 0's is inside it.
 fn hang(c: &mut Case, k: Comm) {
+    hang_with(c, k, |_| {});
+}
+
+/// [`hang`], with `each` run after the fresh PROGRESS of every heartbeat.
+fn hang_with(c: &mut Case, k: Comm, mut each: impl FnMut(&mut Case)) {
     c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
     c.frame(1, 10, k, 1, 0, 2, Phase::KernelStart, None, 1);
     c.frame(2, 20, k, 1, 1, 2, Phase::EnqueueStart, None, 1);
     for _ in 0..22 {
         c.progress(1, 10, k, 0, 1, 1, 0, ProcState::Running);
         c.progress(2, 20, k, 1, 1, 0, 0, ProcState::Running);
+        each(c);
         c.watermarks(&[1, 2]);
         c.tick(S);
     }
@@ -847,19 +853,13 @@ fn a_rank_that_starts_after_the_deadline_is_not_final_before_its_completion_regr
 fn an_old_heartbeat_arriving_late_does_not_make_progress_stale_regression_issue_16() {
     let mut c = Case::new();
     let k = comm(9);
-    c.frame(1, 10, k, 1, 0, 2, Phase::EnqueueStart, None, 1);
-    c.frame(1, 10, k, 1, 0, 2, Phase::KernelStart, None, 1);
-    c.frame(2, 20, k, 1, 1, 2, Phase::EnqueueStart, None, 1);
     let early = c.now;
-    for _ in 0..22 {
-        c.progress(1, 10, k, 0, 1, 1, 0, ProcState::Running);
-        c.progress(2, 20, k, 1, 1, 0, 0, ProcState::Running);
-        // The first heartbeat's entries again, late (a resent or reordered batch).
+    // After every fresh heartbeat, the first heartbeat's entries again, late (a resent or
+    // reordered batch).
+    hang_with(&mut c, k, |c| {
         c.progress_at(1, 10, k, 0, (1, 1, 0), ProcState::Running, early);
         c.progress_at(2, 20, k, 1, (1, 0, 0), ProcState::Running, early);
-        c.watermarks(&[1, 2]);
-        c.tick(S);
-    }
+    });
     assert_eq!(c.outcome(k, 1, 1), (Outcome::Stuck, true), "C3(e) on the fresh entry");
     assert!(c.m.stats().progress_stale >= 40, "{:?}", c.m.stats());
 }

@@ -137,7 +137,7 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                     })
                     .collect(),
                 awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
-                prior_instance: core.ingest.trackers(id).map(|t| t.counts().prior_instance).sum(),
+                prior_instance: core.ingest.trackers(id).fold(0u64, |a, t| a.saturating_add(t.counts().prior_instance)),
                 p0_frames_lost: p0.0,
                 p0_frames_attempted: p0.1,
                 streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),

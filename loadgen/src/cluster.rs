@@ -228,6 +228,14 @@ pub fn reorder_real_ms(time_scale: f64) -> u64 {
     if time_scale > 1.0 { 3 * REORDER_REAL_MS } else { REORDER_REAL_MS }
 }
 
+/// The aggregator's reorder timeout in simulated ms at this time scale (what the
+/// scorer's table allows for).
+#[must_use]
+#[allow(clippy::cast_precision_loss, reason = "ms")]
+pub fn reorder_sim_ms(time_scale: f64) -> f64 {
+    reorder_real_ms(time_scale) as f64 * time_scale.max(1.0)
+}
+
 /// How long a run waits, after the simulated end, for every stream to be exact and every
 /// live node's watermark to pass its last data by the reorder timeout and three
 /// heartbeats, before it is scored as it is (printed when reached). On an idle 2-core

@@ -181,7 +181,7 @@ async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
     let name = m.get_one::<String>("scenario").cloned().unwrap_or_default();
     let s = scenario(&name)?;
     let r = cluster::run(spec(m, s, 1e-4)).await.map_err(|e| e.to_string())?;
-    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, &r.spec.scenario.timers);
+    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(r.spec.time_scale));
     if m.get_flag("json") {
         let out = serde_json::json!({
             "score": sc,
@@ -224,7 +224,7 @@ async fn demo_cmd(m: &ArgMatches) -> Result<bool, String> {
     let s = scenario("demo")?;
     let mut r = cluster::run(spec(m, s, 1e-4)).await.map_err(|e| e.to_string())?;
     let rows = demo::rows(&r.truth, &r.nodes, &r.verdicts);
-    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, &r.spec.scenario.timers);
+    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(r.spec.time_scale));
     println!(
         "ringwatch demo — {} nodes × {} GPUs, seed {}, bulk scale {:e}: real shippers → QUIC + mTLS → aggregator, verdicts read from its HTTP API",
         r.spec.scenario.cluster.nodes, r.spec.scenario.cluster.gpus_per_node, r.truth.seed, r.spec.scale

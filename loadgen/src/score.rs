@@ -1,7 +1,12 @@
 //! Scoring verdicts against the simulator's ground truth. Pure: truth and the API's DTOs
 //! in, a [`Score`] out (a table for people, JSON for scripts).
 //!
-//! What counts as right (documented once, here):
+//! What each rank is owed comes from the table in `loadgen_sim::expect` (the ground
+//! truth states physical facts only; that table maps them to DESIGN's vocabulary — it
+//! sits in `loadgen-sim` so the core's tests judge with the same table). Where timing
+//! alone decides between two verdicts the table names both, and either is right.
+//!
+//! What counts as right for an owed verdict (documented once, here):
 //! - the same outcome; `waiting_on` must name the truth's culprit when both name one
 //!   (`waiting_on(3)` for `waiting_on(5)` is wrong; `waiting_on(unknown)` names none
 //!   and is right for either);
@@ -32,6 +37,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use aggregator::api::dto::{NodesDto, VerdictDto, VerdictsDto};
 use loadgen_sim::GroundTruth;
+use loadgen_sim::expect::{Expected, Table};
 use serde::Serialize;
 
 /// Precision and recall of one outcome.
@@ -158,6 +164,14 @@ pub enum NodeFate {
     DiedUnheard,
 }
 
+/// Whether a verdict is right for what the table owes the rank (either answer where it
+/// names two).
+#[must_use]
+pub fn agrees_expected(e: &Expected, verdict: &str, lost_frames: u32, node: NodeFate, completed: bool) -> bool {
+    agrees(&e.outcome, verdict, lost_frames, node, completed)
+        || e.alternative.as_deref().is_some_and(|a| agrees(a, verdict, lost_frames, node, completed))
+}
+
 /// Whether a verdict outcome is right for a truth outcome (see the module docs).
 #[must_use]
 pub fn agrees(truth: &str, verdict: &str, lost_frames: u32, node: NodeFate, completed: bool) -> bool {
@@ -187,15 +201,18 @@ fn truth_key(c: &loadgen_sim::truth::CollectiveTruth) -> Option<(String, String,
     }
 }
 
-/// Scores a run. `ended_at_ms` is the aggregator time the verdicts were read at.
+/// Scores a run. `ended_at_ms` is the aggregator time the verdicts were read at;
+/// `reorder_ms` the aggregator's reorder timeout in simulated ms (the table's slack).
 #[must_use]
 pub fn score(
     truth: &GroundTruth,
     nodes: &NodesDto,
     verdicts: &VerdictsDto,
     ended_at_ms: u64,
-    timers: &loadgen_sim::scenario::Timers,
+    reorder_ms: f64,
 ) -> Score {
+    let timers = &truth.timers;
+    let table = Table::new(truth, reorder_ms);
     let mut s =
         Score { scenario: truth.scenario.clone(), seed: truth.seed, scale: truth.bulk_scale, ..Score::default() };
     let by_key: BTreeMap<(String, String, u64, u32), &VerdictDto> =
@@ -216,7 +233,9 @@ pub fn score(
             if heard { NodeFate::Died } else { NodeFate::DiedUnheard }
         })
         .collect();
-    let old_before = ended_at_ms.saturating_sub(timers.stuck_deadline_ms + 500 + 2 * timers.heartbeat_ms);
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
+    let old_before =
+        ended_at_ms.saturating_sub(timers.stuck_deadline_ms + reorder_ms.max(0.0) as u64 + 2 * timers.heartbeat_ms);
     let mut ttf = Vec::new();
     // Colliding communicators share op keys: one verdict stands for the rank of every
     // truth op with its key. It is scored once, and right only if right for each.
@@ -227,14 +246,18 @@ pub fn score(
             s.ops_never_issued += 1;
             continue;
         }
-        for r in c.ranks.iter().filter(|r| r.decidable) {
+        for r in &c.ranks {
+            let e = table.expected(c, r);
+            if !e.decidable {
+                continue;
+            }
             let node_fate = fate.get(r.node as usize).copied().unwrap_or(NodeFate::Alive);
             let key = (kind.clone(), comm.clone(), seq, r.rank);
             if let Some((credited, right)) = scored.get_mut(&key) {
                 let v = by_key.get(&key).filter(|v| v.is_final);
                 if let Some(v) = v
                     && *right
-                    && !agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed)
+                    && !agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)
                 {
                     *right = false;
                     s.final_right -= 1;
@@ -242,24 +265,24 @@ pub fn score(
                         o.correct -= 1;
                     }
                     if s.wrong_examples.len() < 10 {
-                        s.wrong_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), describe(v)));
+                        s.wrong_examples.push((format!("{}#{seq}", c.comm), r.rank, e.outcome.clone(), describe(v)));
                     }
                 }
                 continue;
             }
             s.decidable_ranks += 1;
-            let t = base(&r.outcome).to_owned();
+            let t = base(&e.outcome).to_owned();
             s.outcomes.entry(t.clone()).or_default().truth += 1;
             match by_key.get(&key).filter(|v| v.is_final) {
                 Some(v) => {
                     s.final_verdicts += 1;
                     scored.insert(
                         key.clone(),
-                        (t.clone(), agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed)),
+                        (t.clone(), agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)),
                     );
                     let got = base(&v.outcome).to_owned();
                     s.outcomes.entry(got.clone()).or_default().predicted += 1;
-                    if agrees(&r.outcome, &v.outcome, r.lost_frames, node_fate, r.completed) {
+                    if agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed) {
                         s.final_right += 1;
                         // Credit the truth's outcome (the equivalences map onto it).
                         s.outcomes.entry(t.clone()).or_default().correct += 1;
@@ -271,7 +294,7 @@ pub fn score(
                             s.outcomes.entry(t.clone()).or_default().predicted += 1;
                         }
                     } else if s.wrong_examples.len() < 10 {
-                        s.wrong_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), describe(v)));
+                        s.wrong_examples.push((format!("{}#{seq}", c.comm), r.rank, e.outcome.clone(), describe(v)));
                     }
                     if let Some(f) = v.final_at_ms {
                         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms")]
@@ -292,7 +315,7 @@ pub fn score(
                             s.non_final_old_gated_by_silent += 1;
                         } else if s.non_final_examples.len() < 10 {
                             let so_far = by_key.get(&key).map_or_else(|| "none".to_owned(), |v| v.outcome.clone());
-                            s.non_final_examples.push((format!("{}#{seq}", c.comm), r.rank, r.outcome.clone(), so_far));
+                            s.non_final_examples.push((format!("{}#{seq}", c.comm), r.rank, e.outcome.clone(), so_far));
                         }
                     }
                 }

@@ -38,7 +38,8 @@ fn spec(name: &str, seed: u64) -> RunSpec {
 async fn sweep(name: &str, new: bool) {
     for seed in seeds(new) {
         let r = cluster::run(spec(name, seed)).await.expect("run");
-        let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, &r.spec.scenario.timers);
+        let sc =
+            score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(r.spec.time_scale));
         println!("{}", sc.table());
         if let Some(a) = &r.aggregator {
             a.shutdown();

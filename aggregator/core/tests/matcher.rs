@@ -86,12 +86,15 @@ fn confusion(j: &Judged) -> BTreeMap<(String, String), u64> {
             by_key.insert((c.comm_hash, c.comm_op_seq), c);
         }
     }
+    // What each rank is owed: the scorer's table (slack: the matcher's reorder timeout).
+    #[allow(clippy::cast_precision_loss, reason = "ms")]
+    let owed = loadgen_sim::expect::Table::new(&j.truth, MatcherConfig::default().reorder_timeout_ns as f64 / 1e6);
     let mut table = BTreeMap::new();
     for ((op, rank), v) in &j.verdicts {
         let OpRef::Coll { comm, seq } = op else { continue };
         let Some(c) = by_key.get(&(comm.hash, *seq)) else { continue };
         let Some(t) = c.ranks.iter().find(|x| x.rank == *rank) else { continue };
-        let truth = t.outcome.split('(').next().unwrap_or("").to_owned();
+        let truth = owed.expected(c, t).outcome.split('(').next().unwrap_or("").to_owned();
         let got = v.outcome.name().split('(').next().unwrap_or("").to_owned();
         *table.entry((truth, got)).or_default() += 1;
     }

@@ -124,11 +124,12 @@ fn main() -> ExitCode {
         let health = &truth.nodes[*node as usize].health;
         println!("{node:<6} {class:<8} {:>12} {:>12} {:>10} {:>12}  {health}", r[0], r[1], r[2], r[3]);
     }
-    let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
-    for r in truth.collectives.iter().flat_map(|c| c.ranks.iter()) {
-        *outcomes.entry(r.outcome.split('(').next().unwrap_or("")).or_default() += 1;
+    // What each rank is owed, by the scorer's table (slack: a 500 ms reorder timeout).
+    let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
+    for (_, _, e) in loadgen_sim::expect::Table::new(&truth, 500.0).ranks() {
+        *outcomes.entry(e.outcome.split('(').next().unwrap_or("").to_owned()).or_default() += 1;
     }
-    println!("\nrank outcomes: {outcomes:?}");
+    println!("\nrank outcomes owed: {outcomes:?}");
     for f in &truth.faults {
         println!("fault {:<20} applied by {:<9} identifiable={:<5} {}", f.kind, f.applied_by, f.identifiable, f.why);
     }

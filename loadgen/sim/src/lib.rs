@@ -13,8 +13,9 @@
 //! only scheduled here; their harnesses apply them.
 //!
 //! Layers: [`scenario`] (the file), [`model`] (topology and the causal timeline),
-//! [`sim`] (the simulated kernel side and emission), [`truth`], [`capture`], and
-//! [`builtin`] scenarios.
+//! [`sim`] (the simulated kernel side and emission), [`truth`] (physical facts),
+//! [`expect`] (the table mapping those facts to the verdicts DESIGN owes them),
+//! [`capture`], and [`builtin`] scenarios.
 
 #![allow(
     clippy::cast_possible_truncation,
@@ -23,6 +24,7 @@
 
 pub mod builtin;
 pub mod capture;
+pub mod expect;
 pub mod model;
 pub mod scenario;
 pub mod sim;

@@ -158,6 +158,8 @@ pub struct Participant {
     /// Host lag and GPU lag applied (stragglers), ns.
     pub host_lag_ns: u64,
     pub gpu_lag_ns: u64,
+    /// A GPU pause inside this op (it contributed, then stalled this long before its end).
+    pub gpu_pause_ns: u64,
 }
 
 /// One op instance on one communicator.
@@ -220,6 +222,8 @@ struct RankFaults {
     gpu_lag: Vec<(Window, u64)>,
     hang: Option<(u64, HangMode)>,
     hang_consumed: bool,
+    /// (at, pause) of a GPU pause not yet applied.
+    pause: Option<(u64, u64)>,
 }
 
 fn duration_dist(d: &crate::scenario::DurationSpec) -> LogNormal<f64> {
@@ -313,6 +317,9 @@ impl Model {
                     .push((Window { from: ms(*from_ms), until: ms(*until_ms) }, ms_f(*lag_ms))),
                 Fault::GpuHang { node, gpu, at_ms, mode } => {
                     rank_faults[rank_of(*node, *gpu)].hang = Some((ms(*at_ms), *mode));
+                }
+                Fault::GpuPause { node, gpu, at_ms, pause_ms } => {
+                    rank_faults[rank_of(*node, *gpu)].pause = Some((ms(*at_ms), ms(*pause_ms)));
                 }
                 Fault::NodeDead { node, at_ms } => dead_at[*node as usize] = ms(*at_ms),
                 Fault::Uninstrumented { node, gpu } => ranks[rank_of(*node, *gpu)].instrumented = false,
@@ -415,6 +422,7 @@ impl Model {
                         mismatch: None,
                         host_lag_ns: 0,
                         gpu_lag_ns: 0,
+                        gpu_pause_ns: 0,
                     })
                     .collect();
                 ops.push(OpInst {
@@ -449,6 +457,7 @@ impl Model {
             let spec = comms[comm].spec;
             let is_coll = matches!(ops[op_i].kind, OpKind::Coll { .. });
             let mut hung_after = Vec::new();
+            let mut paused: Vec<(usize, u64)> = Vec::new();
             for p_i in 0..ops[op_i].participants.len() {
                 let rank = ops[op_i].participants[p_i].rank;
                 let r = rank as usize;
@@ -524,6 +533,13 @@ impl Model {
                                     block = Some(Block::GpuHungBefore);
                                 }
                             }
+                            if is_coll
+                                && let Some((at, pause)) = rank_faults[r].pause
+                                && cand >= at
+                            {
+                                rank_faults[r].pause = None;
+                                paused.push((p_i, pause));
+                            }
                             if cand >= dead_at[node] {
                                 k_start = None;
                                 block = Some(Block::NodeDead);
@@ -574,6 +590,15 @@ impl Model {
                     } else if hung_after.contains(&p_i) {
                         p.chan_end = Some(end);
                         p.block = Some(Block::GpuHungAfter);
+                    } else if let Some(&(_, pause)) = paused.iter().find(|x| x.0 == p_i) {
+                        // Contributed (peers end on time), then stalled before its own end.
+                        p.gpu_pause_ns = pause;
+                        p.end = Some(end + pause);
+                        p.chan_end = Some(end + pause);
+                        if dead_at[ranks[p.rank as usize].node as usize] <= end + pause {
+                            p.end = None;
+                            p.block = Some(Block::NodeDead);
+                        }
                     } else if hung_channel.is_some() {
                         p.chan_end = Some(end);
                         p.block = Some(Block::Peers);

@@ -263,6 +263,11 @@ pub struct Timers {
     /// bound `max(threshold, 3·(ε_a + ε_b))`).
     #[serde(default = "default_epsilon")]
     pub clock_epsilon_ms: f64,
+    /// How long after its last evidence a `degraded` GPU clears (the aggregator's
+    /// `degraded_clear`). Unset: it does not clear within the run (the aggregator is
+    /// given more than the run and its settle phase).
+    #[serde(default)]
+    pub degraded_clear_ms: Option<u64>,
 }
 
 fn default_heartbeat() -> u64 {
@@ -293,6 +298,7 @@ impl Default for Timers {
             silent_ms: default_silent(),
             straggler_threshold_ms: default_straggler_threshold(),
             clock_epsilon_ms: default_epsilon(),
+            degraded_clear_ms: None,
         }
     }
 }
@@ -366,6 +372,10 @@ pub enum Fault {
     },
     /// A GPU hangs at `at_ms`.
     GpuHang { node: u32, gpu: u32, at_ms: u64, mode: HangMode },
+    /// The GPU contributes to the first collective it starts at or after `at_ms`, then
+    /// stalls inside it for `pause_ms` before that op ends on it (peers complete; its
+    /// later ops start behind the stall); then it runs normally again.
+    GpuPause { node: u32, gpu: u32, at_ms: u64, pause_ms: u64 },
     /// One channel of the next collective on `comm` after `at_ms` never finishes.
     ChannelHang { node: u32, gpu: u32, comm: String, at_ms: u64, channel: u16 },
     /// The GPU starts kernels `lag_ms` late (GPU-side straggler).
@@ -412,6 +422,7 @@ impl Fault {
             Self::SpoolOverflow { .. } => "spool_overflow",
             Self::NotJoined { .. } => "not_joined",
             Self::GpuHang { .. } => "gpu_hang",
+            Self::GpuPause { .. } => "gpu_pause",
             Self::ChannelHang { .. } => "channel_hang",
             Self::GpuStraggler { .. } => "gpu_straggler",
             Self::HostStraggler { .. } => "host_straggler",
@@ -449,6 +460,7 @@ impl Fault {
             | Self::SpoolOverflow { node, .. }
             | Self::NotJoined { node, .. }
             | Self::GpuHang { node, .. }
+            | Self::GpuPause { node, .. }
             | Self::ChannelHang { node, .. }
             | Self::GpuStraggler { node, .. }
             | Self::HostStraggler { node, .. }
@@ -468,6 +480,7 @@ impl Fault {
         match *self {
             Self::NotJoined { gpu, .. }
             | Self::GpuHang { gpu, .. }
+            | Self::GpuPause { gpu, .. }
             | Self::ChannelHang { gpu, .. }
             | Self::GpuStraggler { gpu, .. }
             | Self::HostStraggler { gpu, .. }
@@ -601,6 +614,11 @@ impl Scenario {
                      shipper and aggregator restarts, partitions and spool overflow directly",
                     f.kind()
                 ));
+            }
+            if let Fault::GpuPause { pause_ms, .. } = f
+                && *pause_ms == 0
+            {
+                p.push(format!("faults[{i}] (gpu_pause): pause_ms must be > 0"));
             }
             if let Fault::RingOverflow { fraction, from_ms, until_ms, .. } = f
                 && (!(0.0..=1.0).contains(fraction) || from_ms >= until_ms)

@@ -2,16 +2,14 @@
 //! stream, and per fault — written from the simulator's physics, never from the code it
 //! judges.
 //!
-//! Outcomes use DESIGN's vocabulary and say what a correct verdict is given the physics
-//! and the evidence that exists by construction (activation mask, instrumentation):
-//! `completed`, `in_flight`, `not_joined`, `not_joined(process_exited)`, `stuck`,
-//! `waiting_on(rank|unknown)`, `blocked_by(comm#seq)`, `unknown_silent`,
-//! `indeterminate(uninstrumented|no_completion_source|key_collision)`. Telemetry loss is
-//! a tag, never an outcome: a completed rank whose frames were dropped is still
-//! `completed` (a verdict of `completed_inferred` matches it). `decidable` says whether a
-//! deadline had passed by the end of the run, so a scorer does not demand a verdict the
-//! aggregator could not yet give.
+//! Ranks are described by physical facts only: whether the rank was instrumented, when
+//! (if ever, before the run's end) it enqueued, started and ended each op, why it did not
+//! end (a [`Cause`]), which of its P0 frames the kernel dropped, and tags for what was
+//! applied to it (lag, pause, mismatch). What a correct verdict is, given those facts and
+//! DESIGN's rules, is the scorer's table in [`crate::expect`] — the truth never
+//! re-implements the matcher's ladder. Telemetry loss is a tag, never a cause.
 //!
+//! GPU and node health are stated as of the run's end, from the faults applied.
 //! Identifiability (per fault): a fault is identifiable when the evidence that survives
 //! its loss windows distinguishes it — rules in [`identify`], one per fault kind.
 
@@ -22,7 +20,7 @@ use proto_flat::header::StreamId;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Block, Model, OpKind};
-use crate::scenario::{Fault, JoinReason, Scenario, mask};
+use crate::scenario::{Fault, JoinReason, Scenario, Timers, mask};
 use crate::sim::SimOptions;
 
 /// The whole truth of a run (JSON beside each run).
@@ -32,6 +30,8 @@ pub struct GroundTruth {
     pub seed: u64,
     pub bulk_scale: f64,
     pub duration_ms: u64,
+    /// The scenario's timers (the scorer's table uses its deadlines).
+    pub timers: Timers,
     pub nodes: Vec<NodeTruth>,
     pub gpus: Vec<GpuTruth>,
     pub collectives: Vec<CollectiveTruth>,
@@ -97,23 +97,52 @@ impl StreamTruth {
     }
 }
 
-/// One rank's part in one op.
+/// Why a rank did not end an op (by the run's end or ever): the physical cause.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Cause {
+    /// It never issued the op (a checkpoint or recompile pause, or its process exited).
+    NotJoined { reason: JoinReason },
+    /// Its node was dead.
+    NodeDead,
+    /// Its host waited on its own earlier op (`comm#seq`) that never ended (run-ahead).
+    RunAhead { behind: String },
+    /// Its GPU waited on its previous op on this communicator (`comm#seq`), which never
+    /// ended there.
+    GpuOrder { behind: String },
+    /// Its GPU hung before contributing.
+    GpuHungBefore,
+    /// Its GPU hung after contributing.
+    GpuHungAfter,
+    /// Every own step done; it waited on peers (or on a hung channel).
+    Peers,
+}
+
+/// One rank's part in one op: physical facts only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankTruth {
     /// Communicator rank.
     pub rank: u32,
     pub global_rank: u32,
     pub node: u32,
     pub gpu: u32,
-    pub outcome: String,
+    /// The rank runs the profiler shim (frames and PROGRESS exist for it).
+    pub instrumented: bool,
+    /// What was applied to it: `telemetry_loss`, `mismatch(field)`,
+    /// `straggler(gpu,Nms)`, `straggler(host)`, `gpu_pause(Nms)`, `graph_captured`.
     pub tags: Vec<String>,
+    /// Enqueued / kernel started / ended, before the run's end.
     pub entered: bool,
     pub started: bool,
     pub completed: bool,
+    /// When (simulated ms), if before the run's end.
+    pub enqueued_ms: Option<f64>,
+    pub started_ms: Option<f64>,
+    pub ended_ms: Option<f64>,
+    /// Why it never ended (`None` when it ended, even after the run's end).
+    pub cause: Option<Cause>,
     /// P0 frames of this rank for this op the kernel dropped.
     pub lost_frames: u32,
-    /// A deadline for this outcome had passed by the end of the run.
-    pub decidable: bool,
 }
 
 /// One op instance (collective, P2P, or graph replay).
@@ -126,11 +155,20 @@ pub struct CollectiveTruth {
     pub p2p_seq: Option<u64>,
     pub graph_replay: Option<u32>,
     pub sched_ms: f64,
+    /// Simulated time (ms) of the op's first enqueue or kernel start (`sched_ms` if none).
+    pub first_start_ms: f64,
+    /// Another communicator instance uses this op's key and `comm_op_seq`.
+    pub key_collision: bool,
+    /// The activation mask has a completion source (kernel channels or proxy).
+    pub completion_source: bool,
+    /// The channel that never ended on any rank, if one hung.
+    pub hung_channel: Option<u16>,
     /// Simulated time (ms) of the op's last event any participant's kernel side emitted
     /// (enqueue, kernel start, channel or rank end; before the run's end and its node's
     /// death); `sched_ms` when it emitted none.
     pub last_event_ms: f64,
-    /// `ok`, `ok_with_loss`, `in_flight`, `hung`, `mismatch`, `indeterminate`.
+    /// A summary: `ok`, `ok_with_loss`, `in_flight`, `hung` (some rank never ends),
+    /// `mismatch`, `indeterminate` (colliding key or no completion source).
     pub state: String,
     pub ranks: Vec<RankTruth>,
 }
@@ -192,7 +230,6 @@ pub(crate) fn build(
     let horizon = m.horizon_ns;
     let ms = 1_000_000u64;
     let stuck = s.timers.stuck_deadline_ms * ms;
-    let join = s.timers.join_deadline_ms * ms;
     let can_complete = s.cluster.activation_mask & (mask::KERNEL_CH | mask::PROXY) != 0;
 
     // Key collisions: (key, comm_op_seq) used by more than one communicator instance.
@@ -213,15 +250,10 @@ pub(crate) fn build(
         // Every missing end has a physical cause (a block); ends past the horizon are
         // still `Some`, so an op cut by the end of the run is in flight, not hung.
         let hung = !all_done;
-        let culprits: Vec<u32> =
-            op.participants.iter().filter(|p| p.block.is_some_and(|b| b != Block::Peers)).map(|p| p.pos).collect();
-        let culprit_nodes: std::collections::BTreeSet<u32> = op
-            .participants
-            .iter()
-            .filter(|p| p.block.is_some_and(|b| b != Block::Peers))
-            .map(|p| m.ranks[p.rank as usize].node)
-            .collect();
         let first_start = op.participants.iter().filter_map(|p| p.k_start.or(p.enq_start)).min().unwrap_or(op.sched_ns);
+        let before_end = |t: Option<u64>| t.filter(|&t| t < horizon);
+        #[allow(clippy::cast_precision_loss, reason = "ms for people")]
+        let to_ms = |t: u64| t as f64 / 1e6;
         let mut ranks = Vec::new();
         let mut any_loss = false;
         let mut any_mismatch = false;
@@ -249,54 +281,44 @@ pub(crate) fn build(
             if p.host_lag_ns > 0 {
                 tags.push("straggler(host)".to_owned());
             }
+            if p.gpu_pause_ns > 0 {
+                tags.push(format!("gpu_pause({}ms)", p.gpu_pause_ns / ms));
+            }
             if op.graph.is_some() {
                 tags.push("graph_captured".to_owned());
             }
-            let completed = p.end.is_some_and(|e| e < horizon);
-            let (outcome, decidable) = if !r.instrumented {
-                ("indeterminate(uninstrumented)".to_owned(), true)
-            } else if collided {
-                ("indeterminate(key_collision)".to_owned(), true)
-            } else if !can_complete && op.graph.is_none() {
-                ("indeterminate(no_completion_source)".to_owned(), true)
-            } else if completed {
-                ("completed".to_owned(), true)
-            } else if !hung {
-                ("in_flight".to_owned(), true)
+            let name_of = |id: usize| {
+                let b = &m.ops[id];
+                format!("{}#{}", m.comms[b.comm].name, b.comm_op_seq)
+            };
+            let cause = if p.end.is_some() {
+                None
             } else {
-                let deadline = |d: u64| horizon >= first_start.saturating_add(d);
-                match p.block {
-                    Some(Block::NodeDead) => ("unknown_silent".to_owned(), true),
-                    Some(Block::NotJoined(JoinReason::Exited)) => {
-                        ("not_joined(process_exited)".to_owned(), deadline(join))
-                    }
-                    Some(Block::NotJoined(_)) => ("not_joined".to_owned(), deadline(join)),
-                    Some(Block::GpuHungBefore | Block::GpuHungAfter) => ("stuck".to_owned(), deadline(stuck)),
-                    Some(Block::RunAhead(id) | Block::GpuOrder(id)) => {
-                        let b = &m.ops[id];
-                        (format!("blocked_by({}#{})", m.comms[b.comm].name, b.comm_op_seq), deadline(stuck))
-                    }
-                    Some(Block::Peers) | None => {
-                        if culprits.len() == 1 && culprit_nodes.len() == 1 && op.hung_channel.is_none() {
-                            (format!("waiting_on({})", culprits[0]), deadline(stuck))
-                        } else {
-                            ("waiting_on(unknown)".to_owned(), deadline(stuck))
-                        }
-                    }
-                }
+                Some(match p.block {
+                    Some(Block::NodeDead) => Cause::NodeDead,
+                    Some(Block::NotJoined(reason)) => Cause::NotJoined { reason },
+                    Some(Block::GpuHungBefore) => Cause::GpuHungBefore,
+                    Some(Block::GpuHungAfter) => Cause::GpuHungAfter,
+                    Some(Block::RunAhead(id)) => Cause::RunAhead { behind: name_of(id) },
+                    Some(Block::GpuOrder(id)) => Cause::GpuOrder { behind: name_of(id) },
+                    Some(Block::Peers) | None => Cause::Peers,
+                })
             };
             ranks.push(RankTruth {
                 rank: p.pos,
                 global_rank: p.rank,
                 node: r.node,
                 gpu: r.gpu,
-                outcome,
+                instrumented: r.instrumented,
                 tags,
                 entered: p.enq_start.is_some_and(|t| t < horizon),
                 started: p.k_start.is_some_and(|t| t < horizon),
-                completed,
+                completed: p.end.is_some_and(|e| e < horizon),
+                enqueued_ms: before_end(p.enq_start).map(to_ms),
+                started_ms: before_end(p.k_start).map(to_ms),
+                ended_ms: before_end(p.end).map(to_ms),
+                cause,
                 lost_frames: lost,
-                decidable,
             });
         }
         let state = if collided || (!can_complete && op.graph.is_none()) {
@@ -340,6 +362,10 @@ pub(crate) fn build(
             p2p_seq,
             graph_replay: op.graph.map(|g| g.replay_idx),
             sched_ms,
+            first_start_ms: to_ms(first_start),
+            key_collision: collided,
+            completion_source: can_complete,
+            hung_channel: op.hung_channel,
             last_event_ms,
             state: state.to_owned(),
             ranks,
@@ -374,6 +400,23 @@ pub(crate) fn build(
             match *f {
                 Fault::GpuHang { node, gpu, at_ms, .. } if node == r.node && gpu == r.gpu && at_ms * ms < horizon => {
                     raise("degraded", format!("gpu hung at {at_ms} ms"), &mut why);
+                }
+                // A pause past the stuck deadline is a stuck GPU until it ends; it is
+                // degraded until `degraded_clear_ms` after its end, then healthy again.
+                Fault::GpuPause { node, gpu, .. } if node == r.node && gpu == r.gpu => {
+                    if let Some((first, end)) = pause_of(m, r.global)
+                        && first.saturating_add(stuck) < end.min(horizon)
+                    {
+                        let cleared = end < horizon
+                            && s.timers.degraded_clear_ms.is_some_and(|c| end.saturating_add(c * ms) <= horizon);
+                        if !cleared {
+                            raise(
+                                "degraded",
+                                format!("gpu paused past the stuck deadline from {} ms", first / ms),
+                                &mut why,
+                            );
+                        }
+                    }
                 }
                 // A channel that never ends on every rank singles out nobody: every
                 // participant of the hung op is suspect, none degraded.
@@ -448,12 +491,23 @@ pub(crate) fn build(
         seed: s.seed,
         bulk_scale: options.bulk_scale,
         duration_ms: s.duration_ms,
+        timers: s.timers.clone(),
         nodes,
         gpus,
         collectives,
         streams,
         faults,
     }
+}
+
+/// Where rank `global` paused its GPU: (the op's first start, the pause's end; `u64::MAX`
+/// when it never ended), ns.
+fn pause_of(m: &Model, global: u32) -> Option<(u64, u64)> {
+    m.ops.iter().find_map(|o| {
+        let p = o.participants.iter().find(|p| p.rank == global && p.gpu_pause_ns > 0)?;
+        let first = o.participants.iter().filter_map(|p| p.k_start.or(p.enq_start)).min().unwrap_or(o.sched_ns);
+        Some((first, p.end.unwrap_or(u64::MAX)))
+    })
 }
 
 /// The evidence rules: is this fault distinguishable from what survives?
@@ -475,6 +529,24 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
                 format!(
                     "needs kernel-channel events and PROGRESS of an instrumented, live rank past the stuck deadline \
                  (instrumented={}, kernel_ch={}, alive={alive}, deadline_passed={late_enough})",
+                    r.instrumented,
+                    mask & mask::KERNEL_CH != 0
+                ),
+            )
+        }
+        Fault::GpuPause { node, gpu, pause_ms, .. } => {
+            let r = rank(node, gpu);
+            let stuck = s.timers.stuck_deadline_ms * ms;
+            let past = pause_of(m, r.global).is_some_and(|(first, end)| {
+                first.saturating_add(stuck).saturating_add(hb) < end.min(horizon)
+                    && m.dead_at[node as usize] > first.saturating_add(stuck)
+            });
+            let ok = r.instrumented && mask & mask::KERNEL_CH != 0 && past;
+            (
+                ok,
+                format!(
+                    "a {pause_ms} ms pause is a stuck GPU only past the stuck deadline and a heartbeat, with \
+                     kernel-channel events and PROGRESS (instrumented={}, kernel_ch={}, past_deadline={past})",
                     r.instrumented,
                     mask & mask::KERNEL_CH != 0
                 ),

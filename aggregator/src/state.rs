@@ -80,6 +80,8 @@ pub struct Verdicts {
     pub by_key: BTreeMap<(OpRef, u32), Verdict>,
     /// Aggregator time each verdict became final (for time-to-final).
     pub final_at: BTreeMap<(OpRef, u32), u64>,
+    /// Aggregator time a final unfinished rank completed after all (`Recovered`).
+    pub recovered_at: BTreeMap<(OpRef, u32), u64>,
     pub cap: usize,
 }
 
@@ -117,7 +119,12 @@ impl Shared {
             time_scale: 1.0,
             restored: false,
             core: Mutex::new(core),
-            verdicts: Mutex::new(Verdicts { by_key: BTreeMap::new(), final_at: BTreeMap::new(), cap: verdict_cap }),
+            verdicts: Mutex::new(Verdicts {
+                by_key: BTreeMap::new(),
+                final_at: BTreeMap::new(),
+                recovered_at: BTreeMap::new(),
+                cap: verdict_cap,
+            }),
             nodes: DashMap::new(),
             counters: Counters::default(),
             instance,
@@ -181,7 +188,17 @@ impl Shared {
     pub fn drain_events(&self, core: &mut Core) {
         let mut store = None;
         while let Some(e) = core.poll_event() {
-            let MatcherEvent::Verdict(v) = e else { continue };
+            let v = match e {
+                MatcherEvent::Verdict(v) => v,
+                MatcherEvent::Recovered { op, rank, .. } => {
+                    let s = store.get_or_insert_with(|| self.verdicts());
+                    // Only for a verdict still held (bounded by the store's cap).
+                    if s.by_key.contains_key(&(op, rank)) {
+                        s.recovered_at.entry((op, rank)).or_insert_with(|| self.now());
+                    }
+                    continue;
+                }
+            };
             let s = store.get_or_insert_with(|| self.verdicts());
             let key = (v.op, v.rank);
             if v.is_final {
@@ -191,6 +208,7 @@ impl Shared {
             while s.by_key.len() > s.cap {
                 if let Some((k, _)) = s.by_key.pop_first() {
                     s.final_at.remove(&k);
+                    s.recovered_at.remove(&k);
                 }
                 Counters::inc(&self.counters.verdicts_evicted);
             }

@@ -118,10 +118,16 @@ pub struct Score {
     /// The others: (node, truth, got).
     pub health_wrong: Vec<(String, String, String)>,
     pub nodes: u64,
-    /// Identifiable culprits (GPU hangs: a `stuck` verdict on their node; GPU-side
+    /// Identifiable culprits (GPU hangs and pauses past the stuck deadline: a `stuck`
+    /// verdict on their node; GPU-side
     /// stragglers: their node degraded) found.
     pub culprits: u64,
     pub culprits_found: u64,
+    /// Final verdicts that left a rank unfinished (`stuck`, `waiting_on`, `blocked_by`,
+    /// `not_joined`) for a rank that did complete before the run's end, none of whose
+    /// frames were lost: each owes a recovery on the API (`recovered_at_ms`).
+    pub recoveries_owed: u64,
+    pub recoveries_seen: u64,
     /// Aggregator time a verdict became final, after the op's last frame (simulated time;
     /// the aggregator's clock runs at the same scale).
     pub time_to_final: Distribution,
@@ -271,7 +277,19 @@ pub fn score(
                 continue;
             }
             s.decidable_ranks += 1;
-            let t = base(&e.outcome).to_owned();
+            // Where the table names two right answers, the one the verdict gave is the
+            // truth's for the confusion table (so it shows what the aggregator said).
+            let final_verdict = by_key.get(&key).filter(|v| v.is_final);
+            let owed = match (final_verdict, e.alternative.as_deref()) {
+                (Some(v), Some(alt))
+                    if !agrees(&e.outcome, &v.outcome, r.lost_frames, node_fate, r.completed)
+                        && agrees(alt, &v.outcome, r.lost_frames, node_fate, r.completed) =>
+                {
+                    alt
+                }
+                _ => e.outcome.as_str(),
+            };
+            let t = base(owed).to_owned();
             s.outcomes.entry(t.clone()).or_default().truth += 1;
             match by_key.get(&key).filter(|v| v.is_final) {
                 Some(v) => {
@@ -282,6 +300,14 @@ pub fn score(
                     );
                     let got = base(&v.outcome).to_owned();
                     s.outcomes.entry(got.clone()).or_default().predicted += 1;
+                    if r.completed
+                        && r.lost_frames == 0
+                        && node_fate == NodeFate::Alive
+                        && matches!(got.as_str(), "stuck" | "waiting_on" | "blocked_by" | "not_joined")
+                    {
+                        s.recoveries_owed += 1;
+                        s.recoveries_seen += u64::from(v.recovered_at_ms.is_some());
+                    }
                     if agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed) {
                         s.final_right += 1;
                         // Credit the truth's outcome (the equivalences map onto it).
@@ -367,7 +393,7 @@ pub fn score(
     }
     for f in truth.faults.iter().filter(|f| f.identifiable) {
         match &f.fault {
-            loadgen_sim::Fault::GpuHang { node, .. } => {
+            loadgen_sim::Fault::GpuHang { node, .. } | loadgen_sim::Fault::GpuPause { node, .. } => {
                 s.culprits += 1;
                 let name = aggregator::certs::node_name(*node);
                 if verdicts.verdicts.iter().any(|v| v.outcome == "stuck" && v.node.as_deref() == Some(name.as_str())) {
@@ -459,7 +485,7 @@ pub fn conservation(truth: &GroundTruth, nodes: &NodesDto) -> Vec<NodeConservati
 impl Score {
     /// Every final verdict right, nothing falsely degraded, every stream exact, every
     /// identifiable culprit found, nothing old left non-final except behind a silent node,
-    /// every node's health the truth's.
+    /// every node's health the truth's, every recovery owed reported.
     #[must_use]
     pub fn perfect(&self) -> bool {
         self.final_right == self.final_verdicts
@@ -468,6 +494,7 @@ impl Score {
             && self.culprits_found == self.culprits
             && self.non_final_old == self.non_final_old_gated_by_silent
             && self.nodes_right == self.nodes
+            && self.recoveries_seen == self.recoveries_owed
     }
 
     /// The table for people.
@@ -503,6 +530,13 @@ impl Score {
             "node health right {}/{}; false degraded {}; missed degraded {}; identifiable culprits found {}/{}",
             self.nodes_right, self.nodes, self.false_degraded, self.missed_degraded, self.culprits_found, self.culprits
         );
+        if self.recoveries_owed > 0 {
+            let _ = writeln!(
+                o,
+                "recoveries reported: {}/{} (final unfinished verdicts whose rank completed after all)",
+                self.recoveries_seen, self.recoveries_owed
+            );
+        }
         for (node, truth, got) in &self.health_wrong {
             let _ = writeln!(o, "  health of {node}: truth {truth}, aggregator {got}");
         }

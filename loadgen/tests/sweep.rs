@@ -125,6 +125,7 @@ sweeps! {
     net_sweep_host_pause => "host-pause", true;
     net_sweep_uninstrumented_rank => "uninstrumented-rank", true;
     net_sweep_epoch_tail => "epoch-tail", true;
+    net_sweep_gpu_pause => "gpu-pause", true;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

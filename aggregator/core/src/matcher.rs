@@ -113,7 +113,11 @@ pub struct MatcherStats {
     pub revisions_before_final: u64,
     /// Changes caused by data stamped at or before `decided_at` of a final verdict: a bug.
     pub revisions_after_final: u64,
+    /// Final unresolved ranks (stuck, waiting, blocked, not joined) whose completion
+    /// arrived after all: a `Recovered` event each.
     pub recovered: u64,
+    /// Final ops still waiting for recovery forgotten at the cap (oldest first).
+    pub recoverable_evicted: u64,
     pub late_frames_after_final: u64,
     /// Collectives none of whose frames arrived, known from the gap in a communicator's
     /// `comm_op_seq` (judged like any other op, from PROGRESS and later ops).
@@ -228,6 +232,17 @@ struct NodeView {
 type FxMap<K, V> = HashMap<K, V, FxBuildHasher>;
 type FxSet<K> = HashSet<K, FxBuildHasher>;
 
+/// A rank whose final verdict left it unfinished (stuck, waiting, blocked, not joined):
+/// its completion, if it comes, is a recovery.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+struct Unfinished {
+    /// Aggregator time the verdict became final.
+    final_at_ns: u64,
+    /// Its verdict was `stuck` (its GPU's degraded evidence).
+    stuck: bool,
+    gpu_uuid: [u8; 16],
+}
+
 /// A rank of a communicator.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[rkyv(derive(Debug, PartialEq, Eq, Hash))]
@@ -241,6 +256,9 @@ const FINAL_MEMORY: usize = 65_536;
 
 /// Ops remembered per rank process for `blocked_by` (the oldest are dropped).
 const RANK_OPS_CAP: usize = 4096;
+/// Final ops remembered for recovery (and stuck ops for `blocked_by` across
+/// communicators).
+const RECOVERABLE_CAP: usize = 4096;
 
 /// A rank process.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -295,8 +313,13 @@ pub struct CollectiveMatcher {
     /// Communicator → its earliest op that became final unresolved (hung, stuck, not
     /// joined): later ops on it are `blocked_by` that op.
     unresolved: BTreeMap<Comm, (OpRef, u64)>,
-    /// Final stuck ops, for recovery: op → (rank → decided_at).
+    /// Final ops with a stuck rank not yet recovered: op → (rank → decided_at). An op
+    /// here still blocks its ranks' later ops on other communicators.
     final_stuck: BTreeMap<OpRef, BTreeMap<u32, u64>>,
+    /// Final ops with ranks left unfinished, for recovery (capped at `RECOVERABLE_CAP`
+    /// ops, oldest forgotten and counted): when the last of them completes, the op no
+    /// longer blocks its communicator.
+    recoverable: BTreeMap<OpRef, BTreeMap<u32, Unfinished>>,
     /// (node, pid, group_id) of fused groups one of whose ops completed: the group ran as
     /// one kernel, so every op in it completed.
     groups_done: FxSet<(ProcKey, u64)>,
@@ -393,6 +416,7 @@ impl CollectiveMatcher {
             groups_done: FxSet::default(),
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),
+            recoverable: BTreeMap::new(),
             gpu_flags: BTreeMap::new(),
             stats: MatcherStats::default(),
             out: crate::outbox::Outbox::default(),
@@ -599,26 +623,23 @@ impl CollectiveMatcher {
         let frame = FrameRef { node, stream_id: l.stream.stream_id, seq: l.seq, phase: l.phase };
         let per_channel = l.flags & flags::PER_CHANNEL != 0;
         let phase = Phase::from_code(l.phase);
+        // A completion for a final op that left ranks unfinished: a recovery (checked only
+        // while such ops exist).
+        if !self.recoverable.is_empty()
+            && matches!(phase, Phase::KernelEnd | Phase::ProxyDone)
+            && !per_channel
+            && !self.ops.contains_key(&key)
+            && self.recover(now, key, l.rank, node)
+        {
+            return;
+        }
         // One map lookup on the hot path (the op exists); creation is the slow path.
         let mut created = false;
         let mut op = match self.ops.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                // Late data for a final op: a recovery, or a late frame to count.
-                if let Some(stuck) = self.final_stuck.get_mut(&key)
-                    && matches!(phase, Phase::KernelEnd | Phase::ProxyDone)
-                    && !per_channel
-                    && let Some(decided) = stuck.remove(&l.rank)
-                {
-                    self.stats.recovered += 1;
-                    self.out.push(MatcherEvent::Recovered {
-                        op: key,
-                        rank: l.rank,
-                        node: Some(node),
-                        after_ms: now.saturating_sub(decided) / 1_000_000,
-                    });
-                    return;
-                }
+                // Late data for a final op: a recovery (handled above), or a late frame
+                // to count.
                 if self.final_recent.contains(&key) {
                     self.stats.late_frames_after_final += 1;
                     return;
@@ -777,6 +798,47 @@ impl CollectiveMatcher {
         if created && self.ops.len() > self.config.max_ops {
             self.evict_oldest(key);
         }
+    }
+
+    /// A completion for a rank a final verdict left unfinished: `Recovered`, the GPU's
+    /// degraded evidence dated now (it clears `degraded_clear` after the recovery), and
+    /// once no rank of the op is left unfinished, the op stops blocking its
+    /// communicator's later ops (they are judged on their own again). False: the rank
+    /// was not waiting for recovery.
+    fn recover(&mut self, now: u64, key: OpRef, rank: u32, node: NodeId) -> bool {
+        let Some(waiting) = self.recoverable.get_mut(&key) else { return false };
+        let Some(u) = waiting.remove(&rank) else { return false };
+        let all_back = waiting.is_empty();
+        self.stats.recovered += 1;
+        self.out.push(MatcherEvent::Recovered {
+            op: key,
+            rank,
+            node: Some(node),
+            after_ms: now.saturating_sub(u.final_at_ns) / 1_000_000,
+        });
+        if u.stuck {
+            if let Some(f) = self.gpu_flags.get_mut(&(node, u.gpu_uuid)) {
+                f.0 = f.0.max(now);
+            }
+            if let Some(s) = self.final_stuck.get_mut(&key) {
+                s.remove(&rank);
+                if s.is_empty() {
+                    self.final_stuck.remove(&key);
+                }
+            }
+        }
+        if all_back {
+            self.recoverable.remove(&key);
+            if let OpRef::Coll { comm, .. } = key
+                && self.unresolved.get(&comm).is_some_and(|(root, _)| *root == key)
+            {
+                self.unresolved.remove(&comm);
+                if let Some(open) = self.open_by_comm.get(&comm) {
+                    self.dirty.extend(open.iter().map(|&seq| OpRef::Coll { comm, seq }));
+                }
+            }
+        }
+        true
     }
 
     /// The node a communicator rank spoke from (its first frame).
@@ -1068,7 +1130,15 @@ impl CollectiveMatcher {
                     r.entered
                         && !r.started
                         && r.live == LivenessState::Fresh
-                        && matches!(outcomes[*i], Outcome::WaitingOn(_) | Outcome::BlockedBy(_))
+                        // Behind its own earlier op on this communicator it cannot start
+                        // k (a GPU runs a communicator's ops in order): that is the earlier
+                        // op's doing, not a stall of its own. Behind an op on another
+                        // communicator (another stream) it could have.
+                        && match outcomes[*i] {
+                            Outcome::WaitingOn(_) => true,
+                            Outcome::BlockedBy(b) => b.comm() != comm,
+                            _ => false,
+                        }
                         && r.progress.is_some_and(|p| snapshot_at(&p) >= stuck_at && p.last_kernel_started < seq)
                 })
                 .map(|(i, _)| i)
@@ -1148,6 +1218,13 @@ impl CollectiveMatcher {
             .max()
             .and_then(|t| u64::try_from(t).ok());
         let any_inferred = rs.iter().any(|r| r.completed == Some(false));
+        // The latest frame this op's decision can rest on.
+        let latest_frame = op
+            .observed()
+            .map(|o| o.enqueued_cluster_ns.max(o.started_cluster_ns).max(o.first_cluster_ns))
+            .max()
+            .and_then(|t| u64::try_from(t).ok())
+            .unwrap_or(0);
         // Ranks that will never say more: completed, or undecidable for good. A rank
         // without PROGRESS only when the cluster's size is known and every node's data is
         // in past the decision: otherwise it looks the same as a rank of a node that has
@@ -1188,17 +1265,15 @@ impl CollectiveMatcher {
                 (r.entered && obs.is_none_or(|o| o.entered.is_none() && o.started.is_none()))
                     || (r.started && obs.is_none_or(|o| o.started.is_none()))
             });
-            let latest_frame = op
-                .observed()
-                .map(|o| o.enqueued_cluster_ns.max(o.started_cluster_ns).max(o.first_cluster_ns))
-                .max()
-                .and_then(|t| u64::try_from(t).ok())
-                .unwrap_or(0);
             if progress_only { decided_now } else { stuck_at.max(latest_frame).min(decided_now) }
         } else if decisive && past_join {
             join_at.min(decided_now)
         } else if let Some((_, root_decided)) = blocked_root {
-            root_decided.min(decided_now)
+            // Never before this op's own frames: the root's culprit participates here
+            // too, so once its node's watermark passes them, a recovery of the root
+            // stamped before them is in (and lifted the block) — an op entered after a
+            // paused GPU came back is not called blocked by the pause.
+            root_decided.max(latest_frame).min(decided_now)
         } else {
             decided_now
         };
@@ -1462,8 +1537,35 @@ impl CollectiveMatcher {
             }
             if !stuck.is_empty() {
                 self.final_stuck.insert(key, stuck);
-                while self.final_stuck.len() > 4096 {
+                while self.final_stuck.len() > RECOVERABLE_CAP {
                     self.final_stuck.pop_first();
+                }
+            }
+            let unfinished: BTreeMap<u32, Unfinished> = rs
+                .iter()
+                .zip(outcomes.iter())
+                .filter(|(_, o)| {
+                    matches!(o, Outcome::Stuck | Outcome::WaitingOn(_) | Outcome::BlockedBy(_) | Outcome::NotJoined)
+                })
+                .map(|(r, o)| {
+                    let gpu_uuid = r.progress.map_or([0; 16], |p| p.gpu_uuid);
+                    (r.rank, Unfinished { final_at_ns: now, stuck: matches!(o, Outcome::Stuck), gpu_uuid })
+                })
+                .collect();
+            if !unfinished.is_empty() {
+                self.recoverable.insert(key, unfinished);
+                while self.recoverable.len() > RECOVERABLE_CAP {
+                    // Forget the op that became final longest ago — a communicator's
+                    // blocking root last (its recovery is what unblocks the communicator).
+                    let roots: BTreeSet<OpRef> = self.unresolved.values().map(|r| r.0).collect();
+                    let oldest = self
+                        .recoverable
+                        .iter()
+                        .min_by_key(|(k, w)| (roots.contains(k), w.values().map(|u| u.final_at_ns).min().unwrap_or(0)))
+                        .map(|(k, _)| *k);
+                    let Some(k) = oldest else { break };
+                    self.recoverable.remove(&k);
+                    self.stats.recoverable_evicted += 1;
                 }
             }
             if let OpRef::Coll { comm, seq } = key

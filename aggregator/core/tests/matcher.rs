@@ -731,3 +731,38 @@ fn an_epoch_reset_with_tail_drops_is_telemetry_loss_not_degradation_regression_i
     assert!(degraded(&j).is_empty());
     assert_eq!(health_of(&j, 1), Health::HealthyLossy);
 }
+
+#[test]
+fn a_gpu_pause_is_stuck_then_blocks_only_the_ops_entered_during_it_regression_issue_17() {
+    // A GPU stalls 16 s inside an all-reduce (stuck deadline 5 s), then ends it: the paused
+    // rank `stuck` (final), the ops entered during the stall `blocked_by` the paused one,
+    // those entered after it `completed` — each verdict what the scorer's table owes.
+    let s = scenario("gpu-pause");
+    let j = judge(&s, 1e-5, Net::default());
+    print_confusion("gpu-pause", &confusion(&j));
+    #[allow(clippy::cast_precision_loss, reason = "ms")]
+    let table = loadgen_sim::expect::Table::new(&j.truth, MatcherConfig::default().reorder_timeout_ns as f64 / 1e6);
+    let mut by_key = BTreeMap::new();
+    for c in j.truth.collectives.iter().filter(|c| c.comm_op_seq > 0) {
+        by_key.insert((c.comm_hash, c.comm_op_seq), c);
+    }
+    let (mut checked, mut wrong) = (0, Vec::new());
+    for ((op, rank), v) in j.verdicts.iter().filter(|(_, v)| v.is_final) {
+        let OpRef::Coll { comm, seq } = op else { continue };
+        let c = by_key[&(comm.hash, *seq)];
+        let r = c.ranks.iter().find(|x| x.rank == *rank).expect("a rank of the op");
+        let e = table.expected(c, r);
+        let got = v.outcome.name();
+        let blocked = |o: &str| o.starts_with("blocked_by") && got.starts_with("blocked_by");
+        if !(got == e.outcome || blocked(&e.outcome) || e.alternative.as_deref().is_some_and(|a| a == got)) {
+            wrong.push((*seq, *rank, e.outcome.clone(), got));
+        }
+        checked += 1;
+    }
+    assert!(checked > 1500, "{checked} final verdicts");
+    assert!(wrong.is_empty(), "{} wrong: {:?}", wrong.len(), &wrong[..wrong.len().min(8)]);
+    let stuck: Vec<_> = outcomes(&j).filter(|v| v.outcome == Outcome::Stuck).map(|v| (v.op, v.rank)).collect();
+    assert_eq!(stuck.len(), 1, "only the paused rank in the paused op: {stuck:?}");
+    assert_eq!(j.matcher.stats().recovered, 1 + 16 * 4, "{:?}", j.matcher.stats());
+    assert_eq!(j.matcher.stats().revisions_after_final, 0);
+}

@@ -38,6 +38,10 @@ impl Case {
         }
     }
 
+    fn with_config(config: MatcherConfig) -> Self {
+        Self { m: CollectiveMatcher::new(config), ..Self::new() }
+    }
+
     fn rec(&mut self, r: Record) {
         self.m.handle_record(self.now, &r);
     }
@@ -862,4 +866,110 @@ fn an_old_heartbeat_arriving_late_does_not_make_progress_stale_regression_issue_
     });
     assert_eq!(c.outcome(k, 1, 1), (Outcome::Stuck, true), "C3(e) on the fresh entry");
     assert!(c.m.stats().progress_stale >= 40, "{:?}", c.m.stats());
+}
+
+/// Regression (issue 17, `gpu-pause`): a GPU stalls inside op 1 after contributing (its
+/// peers complete), past the stuck deadline, with op 2 queued behind it, then ends.
+/// `stuck` is the rule and goes final, op 2 (entered during the stall) is `blocked_by`
+/// op 1 — not a second `stuck` (its GPU could not start op 2 before op 1 ended); the
+/// completion is a recovery, for op 1 and op 2; the GPU clears `degraded` the clear time
+/// after the recovery; and an op entered after the recovery is judged on its own:
+/// `completed`, not `blocked_by` a pause that is over. A reorder timeout longer than the
+/// stuck deadline (`loadgen run` at x4) lets op 2's own deadline pass while op 1 is
+/// decided but not yet final: the case where op 2 was called `stuck` too.
+#[test]
+fn a_gpu_pause_past_the_deadline_is_stuck_then_recovered_and_unblocks_its_communicator_regression_issue_17() {
+    use ringwatch_core::Health;
+    let mut c =
+        Case::with_config(MatcherConfig { stuck_min_ns: 5 * S, reorder_timeout_ns: 6 * S, ..MatcherConfig::default() });
+    let k = comm(17);
+    let nodes = [1, 2, 3];
+    // Op 1: everyone enqueues and starts; ranks 0 and 1 end; rank 2 (node 3) stalls.
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        c.frame(node, pid, k, 1, rank, 3, Phase::EnqueueStart, None, 1);
+        c.frame(node, pid, k, 1, rank, 3, Phase::KernelStart, None, 1);
+    }
+    c.frame(1, 10, k, 1, 0, 3, Phase::KernelEnd, None, 1);
+    c.frame(2, 20, k, 1, 1, 3, Phase::KernelEnd, None, 1);
+    // Op 2: everyone enqueues; ranks 0 and 1 start; rank 2's GPU is still in op 1.
+    c.tick(S / 10);
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        c.frame(node, pid, k, 2, rank, 3, Phase::EnqueueStart, None, 2);
+        if rank < 2 {
+            c.frame(node, pid, k, 2, rank, 3, Phase::KernelStart, None, 2);
+        }
+    }
+    // 30 s of heartbeats: the stall outlives the 5 s deadline and the reorder timeout,
+    // and op 2's own deadline (5 s after op 1 was decided) passes too.
+    for _ in 0..30 {
+        c.progress(1, 10, k, 0, 2, 2, 1, ProcState::Running);
+        c.progress(2, 20, k, 1, 2, 2, 1, ProcState::Running);
+        c.progress(3, 30, k, 2, 2, 1, 0, ProcState::Running);
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    assert_eq!(c.outcome(k, 1, 2), (Outcome::Stuck, true));
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
+    let op1 = OpRef::Coll { comm: k, seq: 1 };
+    for rank in 0..3 {
+        assert_eq!(c.outcome(k, 2, rank), (Outcome::BlockedBy(op1), true), "op 2 rank {rank}");
+    }
+    let clear = 40 * S;
+    let gpu = |c: &Case| c.m.health(c.now, clear).get(&(NodeId(3), [3; 16])).copied();
+    assert_eq!(gpu(&c), Some(Health::Degraded));
+
+    // The stall ends, and op 3 is entered after it; node 3's data lags: op 3's frames from
+    // nodes 1 and 2 arrive first, and their watermarks move on past the reorder timeout
+    // while node 3's stays where it was. Op 3 is not final `blocked_by` op 1 on that:
+    // node 3's watermark has not passed op 3's frames, so the recovery may yet be in it.
+    for (rank, node) in [(0, 1), (1, 2)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        c.frame(node, pid, k, 2, rank, 3, Phase::KernelEnd, None, 2);
+        c.frame(node, pid, k, 3, rank, 3, Phase::EnqueueStart, None, 3);
+        c.frame(node, pid, k, 3, rank, 3, Phase::KernelStart, None, 3);
+    }
+    for _ in 0..8 {
+        c.watermarks(&[1, 2]);
+        c.tick(S);
+    }
+    let op3 = |c: &Case| c.verdicts.get(&(OpRef::Coll { comm: k, seq: 3 }, 0)).map(|v| (v.outcome, v.is_final));
+    assert!(!matches!(op3(&c), Some((Outcome::BlockedBy(_), true))), "{:?}", op3(&c));
+    // Node 3's lagging data: the end of op 1 and op 2.
+    c.frame(3, 30, k, 1, 2, 3, Phase::KernelEnd, None, 1);
+    c.frame(3, 30, k, 2, 2, 3, Phase::KernelStart, None, 2);
+    c.frame(3, 30, k, 2, 2, 3, Phase::KernelEnd, None, 2);
+    c.tick(S / 10);
+    let recovered: Vec<(u64, u32)> = c
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            MatcherEvent::Recovered { op: OpRef::Coll { seq, .. }, rank, .. } => Some((*seq, *rank)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(recovered, vec![(2, 0), (2, 1), (1, 2), (2, 2)]);
+    assert_eq!(c.outcome(k, 1, 2).0, Outcome::Stuck, "a final verdict stands; the recovery is an event");
+    assert_eq!(gpu(&c), Some(Health::Degraded), "degraded until the clear time after the recovery");
+    c.frame(3, 30, k, 3, 2, 3, Phase::EnqueueStart, None, 3);
+    c.frame(3, 30, k, 3, 2, 3, Phase::KernelStart, None, 3);
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        c.frame(node, u32::try_from(node * 10).unwrap(), k, 3, rank, 3, Phase::KernelEnd, None, 3);
+    }
+    for _ in 0..8 {
+        c.progress(3, 30, k, 2, 3, 3, 3, ProcState::Running);
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    for rank in 0..3 {
+        assert_eq!(c.outcome(k, 3, rank), (Outcome::Completed, true), "op 3 rank {rank}");
+    }
+    assert_eq!(gpu(&c), Some(Health::Degraded), "some seconds after the recovery");
+    for _ in 0..40 {
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    assert_eq!(gpu(&c), Some(Health::Healthy), "healthy again the clear time after the recovery");
+    assert_eq!(c.m.stats().revisions_after_final, 0);
 }

@@ -194,6 +194,11 @@ pub struct VerdictDto {
     pub revision: u32,
     /// Aggregator time (ms) the verdict became final.
     pub final_at_ms: Option<u64>,
+    /// Aggregator time (ms) a final unfinished verdict (`stuck`, `waiting_on`,
+    /// `blocked_by`, `not_joined`) saw the rank complete the op after all: the verdict
+    /// stands (it was true when final), the rank recovered.
+    #[serde(default)]
+    pub recovered_at_ms: Option<u64>,
 }
 
 /// Which op.
@@ -317,6 +322,7 @@ impl VerdictDto {
             loss_intervals: v.evidence.loss_intervals.clone(),
             revision: v.revision,
             final_at_ms: None,
+            recovered_at_ms: None,
         }
     }
 }

@@ -182,6 +182,7 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String,
     for (key, v) in &store.by_key {
         let mut dto = VerdictDto::from_verdict(v, |id| names.get(&id).cloned());
         dto.final_at_ms = store.final_at.get(key).map(|t| t / 1_000_000);
+        dto.recovered_at_ms = store.recovered_at.get(key).map(|t| t / 1_000_000);
         if node.as_ref().is_some_and(|n| dto.node.as_ref() != Some(n))
             || outcome.as_ref().is_some_and(|o| !dto.outcome.starts_with(o.as_str()))
             || fin.is_some_and(|f| dto.is_final != f)

@@ -21,6 +21,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("host-pause", include_str!("../../scenarios/host-pause.toml")),
     ("uninstrumented-rank", include_str!("../../scenarios/uninstrumented-rank.toml")),
     ("epoch-tail", include_str!("../../scenarios/epoch-tail.toml")),
+    ("gpu-pause", include_str!("../../scenarios/gpu-pause.toml")),
 ];
 
 /// The built-in scenario `name`.

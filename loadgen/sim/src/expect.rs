@@ -11,6 +11,7 @@
 //! | no completion source in the activation mask (not a graph replay) | `indeterminate(no_completion_source)` | always |
 //! | ended; its GPU paused inside this op and ended more than the stuck deadline + slack after the op's first start | `stuck` (a `Recovered` follows) | first start + stuck deadline + slack passed |
 //! | ended; an earlier op on the communicator had such a pause and a rank entered this op before that pause ended | `blocked_by(comm#k)` | as for the paused op |
+//! | ended; entered after that pause ended | `completed` (the pause is over: the op is judged on its own) | always |
 //! | ended | `completed` (`completed_inferred` when its frames were lost) | always |
 //! | did not end, no rank failed to end (cut by the run's end) | `in_flight` | always |
 //! | cause: its node died | `unknown_silent` | always |
@@ -23,14 +24,18 @@
 //!
 //! Deadlines count from the op's first enqueue or kernel start. Where timing alone
 //! decides between two verdicts — a pause that ended within `slack` of the moment the
-//! stuck verdict could be final, an op entered within `slack` of the pause's end — both
-//! are right ([`Expected::alternative`]). `slack` is the judge's reorder timeout and two
+//! stuck verdict could be final, an op entered within `slack` before the pause's end (it
+//! may be judged before or after the recovery is in) — both are right ([`Expected::alternative`]). `slack` is the judge's reorder timeout and two
 //! heartbeats in simulated time (the aggregator cannot make a verdict final sooner).
 
 use std::collections::HashMap;
 
 use crate::scenario::JoinReason;
 use crate::truth::{Cause, CollectiveTruth, GroundTruth, RankTruth};
+
+/// How far apart two nodes' stamps of one moment may be (the scenarios' clocks are
+/// estimated to well within this).
+const CLOCK_NOISE_MS: f64 = 100.0;
 
 /// The verdict a rank is owed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,7 +183,8 @@ impl<'a> Table<'a> {
         // had not ended when this op was first entered.
         self.pauses.get(c.comm.as_str())?.iter().take_while(|p| p.seq < c.comm_op_seq).find_map(|p| {
             let outlived = self.outlived_deadline(p.first_start_ms, p.end_ms);
-            if outlived == Some(false) || entered >= p.end_ms + slack {
+            // Entered after the pause ended (beyond clock noise): judged on its own.
+            if outlived == Some(false) || entered >= p.end_ms + CLOCK_NOISE_MS {
                 return None;
             }
             let clear = outlived == Some(true) && entered < p.end_ms - slack;

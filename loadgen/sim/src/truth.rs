@@ -250,7 +250,7 @@ pub(crate) fn build(
         // Every missing end has a physical cause (a block); ends past the horizon are
         // still `Some`, so an op cut by the end of the run is in flight, not hung.
         let hung = !all_done;
-        let first_start = op.participants.iter().filter_map(|p| p.k_start.or(p.enq_start)).min().unwrap_or(op.sched_ns);
+        let first_start = op.participants.iter().filter_map(|p| p.enq_start.or(p.k_start)).min().unwrap_or(op.sched_ns);
         let before_end = |t: Option<u64>| t.filter(|&t| t < horizon);
         #[allow(clippy::cast_precision_loss, reason = "ms for people")]
         let to_ms = |t: u64| t as f64 / 1e6;
@@ -505,7 +505,7 @@ pub(crate) fn build(
 fn pause_of(m: &Model, global: u32) -> Option<(u64, u64)> {
     m.ops.iter().find_map(|o| {
         let p = o.participants.iter().find(|p| p.rank == global && p.gpu_pause_ns > 0)?;
-        let first = o.participants.iter().filter_map(|p| p.k_start.or(p.enq_start)).min().unwrap_or(o.sched_ns);
+        let first = o.participants.iter().filter_map(|p| p.enq_start.or(p.k_start)).min().unwrap_or(o.sched_ns);
         Some((first, p.end.unwrap_or(u64::MAX)))
     })
 }

@@ -9,7 +9,7 @@
 //! What counts as right for an owed verdict (documented once, here):
 //! - the same outcome; `waiting_on` must name the truth's culprit when both name one
 //!   (`waiting_on(3)` for `waiting_on(5)` is wrong; `waiting_on(unknown)` names none
-//!   and is right for either);
+//!   and is right for either); `blocked_by` must name the root op the table names;
 //! - `completed_inferred` for a rank the truth says `completed` *and* whose frames the
 //!   kernel dropped, or whose node died (its last frames died with its shipper: the
 //!   completion was inferred because the telemetry was lost);
@@ -143,12 +143,16 @@ fn base(s: &str) -> &str {
 fn same_outcome(truth: &str, verdict: &str) -> bool {
     let arg = |s: &str| s.split_once('(').map(|(_, a)| a.trim_end_matches(')').to_owned());
     base(truth) == base(verdict)
-        && (base(truth) != "waiting_on" || {
-            match (arg(truth).as_deref(), arg(verdict).as_deref()) {
+        && match base(truth) {
+            "waiting_on" => match (arg(truth).as_deref(), arg(verdict).as_deref()) {
                 (Some(t), Some(v)) if t != "unknown" && v != "unknown" => t == v,
                 _ => true,
-            }
-        })
+            },
+            // The same root op: the truth says `comm#seq`, the API `#seq` (the verdict's
+            // own communicator).
+            "blocked_by" => truth.rsplit('#').next() == verdict.rsplit('#').next(),
+            _ => true,
+        }
 }
 
 /// Whether two health names are the same answer. `silent` and `unreachable` are one:
@@ -591,6 +595,8 @@ mod tests {
         assert!(!agrees("completed", "completed_inferred", 0, Alive, true), "inferred without loss is not right");
         assert!(agrees("completed", "completed_inferred", 0, Died, true), "frames that died with the node's shipper");
         assert!(agrees("blocked_by(world#3)", "unknown_silent", 0, Died, false));
+        assert!(agrees("blocked_by(world/0#21)", "blocked_by(#21)", 0, Alive, false));
+        assert!(!agrees("blocked_by(world/0#22)", "blocked_by(#21)", 0, Alive, false), "another root named");
         assert!(!agrees("stuck", "unknown_silent", 0, Alive, false), "silence only excuses a dead node's ranks");
         assert!(!agrees("completed", "stuck", 0, Alive, true));
         assert!(agrees("indeterminate(key_collision)", "completed", 0, Alive, true));

@@ -18,7 +18,7 @@
 //! | cause: not joined, process exited | `not_joined(process_exited)` | join deadline passed |
 //! | cause: not joined (pause) | `not_joined` | join deadline passed |
 //! | cause: GPU hung (before or after contributing) | `stuck` | stuck deadline passed |
-//! | cause: run-ahead or GPU order behind `comm#k` | `blocked_by(comm#k)` | stuck deadline passed |
+//! | cause: run-ahead or GPU order behind `comm#k` | `blocked_by(comm#r)`, `r` the root of the chain (`k`, or what `k` itself is blocked behind, …: the earliest unresolved op) | stuck deadline passed |
 //! | cause: waited on peers; one culprit rank (not a channel hang), on one node | `waiting_on(culprit)` | stuck deadline passed |
 //! | cause: waited on peers, otherwise | `waiting_on(unknown)` | stuck deadline passed |
 //!
@@ -76,6 +76,8 @@ pub struct Table<'a> {
     slack_ms: f64,
     /// Communicator name → its ended pauses, by seq.
     pauses: HashMap<&'a str, Vec<Pause>>,
+    /// `comm#seq` → index in `collectives`.
+    by_name: HashMap<String, usize>,
 }
 
 impl<'a> Table<'a> {
@@ -97,7 +99,27 @@ impl<'a> Table<'a> {
         for v in pauses.values_mut() {
             v.sort_by_key(|p| p.seq);
         }
-        Self { t, slack_ms, pauses }
+        let by_name = (0..t.collectives.len())
+            .filter(|&i| t.collectives[i].comm_op_seq > 0)
+            .map(|i| (format!("{}#{}", t.collectives[i].comm, t.collectives[i].comm_op_seq), i))
+            .collect();
+        Self { t, slack_ms, pauses, by_name }
+    }
+
+    /// The op at the root of a chain of blocked ops: `behind` is blocked for rank
+    /// `global` too, and so on, until an op where the rank did not end for a cause of its
+    /// own. DESIGN's `blocked_by` names that root (the earliest unresolved op).
+    fn root_of(&self, behind: &str, global: u32) -> String {
+        let mut cur = behind.to_owned();
+        for _ in 0..self.t.collectives.len() {
+            let Some(c) = self.by_name.get(&cur).map(|&i| &self.t.collectives[i]) else { break };
+            let Some(r) = c.ranks.iter().find(|x| x.global_rank == global) else { break };
+            match &r.cause {
+                Some(Cause::RunAhead { behind } | Cause::GpuOrder { behind }) => cur.clone_from(behind),
+                _ => break,
+            }
+        }
+        cur
     }
 
     /// How a pause ending at `end_ms` in an op first started at `first_start_ms` compares
@@ -144,7 +166,7 @@ impl<'a> Table<'a> {
             Cause::NotJoined { .. } => Expected::new("not_joined", deadline(join)),
             Cause::GpuHungBefore | Cause::GpuHungAfter => Expected::new("stuck", deadline(stuck)),
             Cause::RunAhead { behind } | Cause::GpuOrder { behind } => {
-                Expected::new(format!("blocked_by({behind})"), deadline(stuck))
+                Expected::new(format!("blocked_by({})", self.root_of(behind, r.global_rank)), deadline(stuck))
             }
             Cause::Peers => {
                 // Culprits: ranks that did not end for a cause of their own.
@@ -187,9 +209,15 @@ impl<'a> Table<'a> {
             if outlived == Some(false) || entered >= p.end_ms + CLOCK_NOISE_MS {
                 return None;
             }
+            let blocked = format!("blocked_by({}#{})", c.comm, p.seq);
+            if entered >= p.end_ms {
+                // Within clock noise after the end: judged on its own, or blocked by
+                // timing alone.
+                return Some(Expected { alternative: Some(blocked), ..Expected::new("completed", true) });
+            }
             let clear = outlived == Some(true) && entered < p.end_ms - slack;
             let decidable = horizon >= p.first_start_ms + stuck + slack;
-            let e = Expected::new(format!("blocked_by({}#{})", c.comm, p.seq), decidable);
+            let e = Expected::new(blocked, decidable);
             Some(if clear { e } else { Expected { alternative: Some("completed".into()), ..e } })
         })
     }

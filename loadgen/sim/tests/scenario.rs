@@ -85,6 +85,7 @@ fn documentation_lists_every_fault_kind_and_scenario() {
         "spool_overflow",
         "not_joined",
         "gpu_hang",
+        "gpu_pause",
         "channel_hang",
         "gpu_straggler",
         "host_straggler",

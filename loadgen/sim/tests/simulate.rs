@@ -201,3 +201,32 @@ fn mixed_faults_show_up_in_truth_and_output() {
     assert!(t.collectives.iter().any(|c| c.graph_replay.is_some() && c.comm_op_seq == 0));
     assert!(check.seen.values().any(|s| s.out_of_order > 0), "reordering must be visible in seq order");
 }
+
+#[test]
+fn gpu_pause_is_stuck_then_ends_and_blocks_only_what_was_entered_during_it() {
+    let (_, check, t) = run(&scenario("gpu-pause"), None, 1e-5);
+    // The fault happened: one rank ended one op 16 s after its peers, tagged.
+    let paused: Vec<_> = outcomes(&t).filter(|r| r.tags.iter().any(|g| g == "gpu_pause(16000ms)")).collect();
+    assert_eq!(paused.len(), 1);
+    let p = &paused[0];
+    assert!(p.node == 1 && p.gpu == 2 && p.completed && p.outcome == "stuck" && p.decidable);
+    let end = p.ended_ms.unwrap();
+    let peers_end = p.op.ranks.iter().filter(|r| r.rank != p.rank).filter_map(|r| r.ended_ms).reduce(f64::max).unwrap();
+    assert!((end - peers_end - 16_000.0).abs() < 100.0, "{end} vs {peers_end}");
+    // PROGRESS shows the rank frozen inside the op during the pause.
+    let seq = p.op.comm_op_seq;
+    assert!(
+        check
+            .progress
+            .iter()
+            .any(|(n, x)| *n == 1 && x.last_kernel_started_op.get() == seq && x.last_completed_op.get() == seq - 1)
+    );
+    // Ops entered during the stall are owed `blocked_by` it; those entered after, `completed`.
+    let blocked: Vec<_> = outcomes(&t).filter(|r| r.outcome == format!("blocked_by(dp/0#{seq})")).collect();
+    assert!(!blocked.is_empty());
+    assert!(blocked.iter().all(|r| r.op.ranks.iter().filter_map(|x| x.enqueued_ms).reduce(f64::min).unwrap() < end));
+    assert!(outcomes(&t).filter(|r| r.op.first_start_ms > end + 100.0).all(|r| r.outcome == "completed"));
+    // Degraded while stalled, healthy again 4 s after: healthy at the end.
+    assert!(t.gpus.iter().all(|g| g.health == "healthy"), "{:?}", t.gpus);
+    assert!(t.faults.iter().find(|f| f.kind == "gpu_pause").unwrap().identifiable);
+}

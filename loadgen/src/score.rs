@@ -117,6 +117,8 @@ pub struct Score {
     pub nodes_right: u64,
     /// The others: (node, truth, got).
     pub health_wrong: Vec<(String, String, String)>,
+    /// Node health, `truth → aggregator`: count (the confusion table of node health).
+    pub health_confusion: BTreeMap<String, u64>,
     pub nodes: u64,
     /// Identifiable culprits (GPU hangs and pauses past the stuck deadline: a `stuck`
     /// verdict on their node; GPU-side
@@ -383,6 +385,7 @@ pub fn score(
         // there at all: it never existed on the wire (seen beside a CPU hog: node-07's
         // shipper had not connected before the node died).
         let unheard = fate.get(n.node as usize) == Some(&NodeFate::DiedUnheard) && got == "unknown";
+        *s.health_confusion.entry(format!("{} → {got}", n.health)).or_default() += 1;
         if same_health(got, &n.health) || unheard {
             s.nodes_right += 1;
         } else {
@@ -533,6 +536,11 @@ impl Score {
             o,
             "node health right {}/{}; false degraded {}; missed degraded {}; identifiable culprits found {}/{}",
             self.nodes_right, self.nodes, self.false_degraded, self.missed_degraded, self.culprits_found, self.culprits
+        );
+        let _ = writeln!(
+            o,
+            "node health (truth → aggregator): {}",
+            self.health_confusion.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
         );
         if self.recoveries_owed > 0 {
             let _ = writeln!(

@@ -116,7 +116,8 @@ pub struct MatcherStats {
     /// Final unresolved ranks (stuck, waiting, blocked, not joined) whose completion
     /// arrived after all: a `Recovered` event each.
     pub recovered: u64,
-    /// Final ops still waiting for recovery forgotten at the cap (oldest first).
+    /// Final ops still waiting for recovery forgotten at the caps (4,096 ops, 262,144
+    /// ranks; oldest first, a communicator's blocking root last).
     pub recoverable_evicted: u64,
     pub late_frames_after_final: u64,
     /// Collectives none of whose frames arrived, known from the gap in a communicator's
@@ -259,6 +260,8 @@ const RANK_OPS_CAP: usize = 4096;
 /// Final ops remembered for recovery (and stuck ops for `blocked_by` across
 /// communicators).
 const RECOVERABLE_CAP: usize = 4096;
+/// Unfinished ranks remembered for recovery, over all those ops.
+const RECOVERABLE_RANKS_CAP: usize = 262_144;
 
 /// A rank process.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -320,6 +323,9 @@ pub struct CollectiveMatcher {
     /// ops, oldest forgotten and counted): when the last of them completes, the op no
     /// longer blocks its communicator.
     recoverable: BTreeMap<OpRef, BTreeMap<u32, Unfinished>>,
+    /// Ranks held in `recoverable` (capped at `RECOVERABLE_RANKS_CAP`: a hung
+    /// communicator of thousands of ranks must not hold thousands of ops' worth).
+    recoverable_ranks: usize,
     /// (node, pid, group_id) of fused groups one of whose ops completed: the group ran as
     /// one kernel, so every op in it completed.
     groups_done: FxSet<(ProcKey, u64)>,
@@ -417,6 +423,7 @@ impl CollectiveMatcher {
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),
             recoverable: BTreeMap::new(),
+            recoverable_ranks: 0,
             gpu_flags: BTreeMap::new(),
             stats: MatcherStats::default(),
             out: crate::outbox::Outbox::default(),
@@ -808,6 +815,7 @@ impl CollectiveMatcher {
     fn recover(&mut self, now: u64, key: OpRef, rank: u32, node: NodeId) -> bool {
         let Some(waiting) = self.recoverable.get_mut(&key) else { return false };
         let Some(u) = waiting.remove(&rank) else { return false };
+        self.recoverable_ranks = self.recoverable_ranks.saturating_sub(1);
         let all_back = waiting.is_empty();
         self.stats.recovered += 1;
         self.out.push(MatcherEvent::Recovered {
@@ -1553,8 +1561,11 @@ impl CollectiveMatcher {
                 })
                 .collect();
             if !unfinished.is_empty() {
-                self.recoverable.insert(key, unfinished);
-                while self.recoverable.len() > RECOVERABLE_CAP {
+                self.recoverable_ranks = self.recoverable_ranks.saturating_add(unfinished.len());
+                if let Some(old) = self.recoverable.insert(key, unfinished) {
+                    self.recoverable_ranks = self.recoverable_ranks.saturating_sub(old.len());
+                }
+                while self.recoverable.len() > RECOVERABLE_CAP || self.recoverable_ranks > RECOVERABLE_RANKS_CAP {
                     // Forget the op that became final longest ago — a communicator's
                     // blocking root last (its recovery is what unblocks the communicator).
                     let roots: BTreeSet<OpRef> = self.unresolved.values().map(|r| r.0).collect();
@@ -1564,7 +1575,9 @@ impl CollectiveMatcher {
                         .min_by_key(|(k, w)| (roots.contains(k), w.values().map(|u| u.final_at_ns).min().unwrap_or(0)))
                         .map(|(k, _)| *k);
                     let Some(k) = oldest else { break };
-                    self.recoverable.remove(&k);
+                    if let Some(w) = self.recoverable.remove(&k) {
+                        self.recoverable_ranks = self.recoverable_ranks.saturating_sub(w.len());
+                    }
                     self.stats.recoverable_evicted += 1;
                 }
             }

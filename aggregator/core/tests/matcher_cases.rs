@@ -973,3 +973,60 @@ fn a_gpu_pause_past_the_deadline_is_stuck_then_recovered_and_unblocks_its_commun
     assert_eq!(gpu(&c), Some(Health::Healthy), "healthy again the clear time after the recovery");
     assert_eq!(c.m.stats().revisions_after_final, 0);
 }
+
+/// Recovery memory is bounded: a GPU stuck in op 1 with thousands of ops blocked behind
+/// it fills the 4,096-op cap; the oldest blocked ops are forgotten (counted), the
+/// communicator's blocking root never, so its recovery still unblocks the communicator.
+#[test]
+fn recovery_memory_is_capped_and_keeps_the_blocking_root() {
+    let mut c = Case::new();
+    let k = comm(18);
+    let nodes = [1, 2, 3];
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        c.frame(node, pid, k, 1, rank, 3, Phase::EnqueueStart, None, 1);
+        c.frame(node, pid, k, 1, rank, 3, Phase::KernelStart, None, 1);
+    }
+    c.frame(1, 10, k, 1, 0, 3, Phase::KernelEnd, None, 1);
+    c.frame(2, 20, k, 1, 1, 3, Phase::KernelEnd, None, 1);
+    for _ in 0..25 {
+        c.progress(1, 10, k, 0, 1, 1, 1, ProcState::Running);
+        c.progress(2, 20, k, 1, 1, 1, 1, ProcState::Running);
+        c.progress(3, 30, k, 2, 1, 1, 0, ProcState::Running);
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    assert_eq!(c.outcome(k, 1, 2), (Outcome::Stuck, true));
+    // 4,200 more ops entered by every rank, each final `blocked_by` op 1.
+    for seq in 2..=4_201u64 {
+        for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+            c.frame(node, u32::try_from(node * 10).unwrap(), k, seq, rank, 3, Phase::EnqueueStart, None, seq);
+        }
+        if seq % 100 == 0 {
+            c.watermarks(&nodes);
+            c.tick(S / 10);
+        }
+    }
+    for _ in 0..3 {
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    let op1 = OpRef::Coll { comm: k, seq: 1 };
+    assert_eq!(c.outcome(k, 4_201, 0), (Outcome::BlockedBy(op1), true));
+    assert!(c.m.stats().recoverable_evicted >= 100, "{:?}", c.m.stats());
+    // The root recovers: the communicator is unblocked.
+    c.frame(3, 30, k, 1, 2, 3, Phase::KernelEnd, None, 1);
+    c.tick(S / 10);
+    assert!(c.events.iter().any(|e| matches!(e, MatcherEvent::Recovered { op, rank: 2, .. } if *op == op1)));
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        for phase in [Phase::EnqueueStart, Phase::KernelStart, Phase::KernelEnd] {
+            c.frame(node, pid, k, 4_202, rank, 3, phase, None, 4_202);
+        }
+    }
+    for _ in 0..3 {
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    assert_eq!(c.outcome(k, 4_202, 0), (Outcome::Completed, true), "judged on its own after the recovery");
+}

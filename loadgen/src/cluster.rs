@@ -141,15 +141,15 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ns")]
     let reorder_ns = (reorder_real_ms(time_scale) as f64 * 1e6 * time_scale.max(1.0)) as u64;
     cfg.matcher = MatcherConfig {
-        stuck_min_ns: s.timers.stuck_deadline_ms * 1_000_000,
-        join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
+        stuck_min_ns: s.timers.stuck_deadline_ms.saturating_mul(1_000_000),
+        join_deadline_ns: s.timers.join_deadline_ms.saturating_mul(1_000_000),
         reorder_timeout_ns: reorder_ns,
         straggler_threshold_ns: straggler_threshold_ns(s),
         expected_nodes: s.cluster.nodes,
         ..MatcherConfig::default()
     };
     cfg.ingest = IngestConfig {
-        silent_ns: s.timers.silent_ms * 1_000_000,
+        silent_ns: s.timers.silent_ms.saturating_mul(1_000_000),
         reorder_timeout_ns: reorder_ns,
         ..IngestConfig::default()
     };
@@ -341,7 +341,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     // to a generous limit, after which the run is scored as it is (and says so).
     let settle_started = Instant::now();
     let reorder_ns = aggregator_config(&set, &scenario, spec.time_scale).ingest.reorder_timeout_ns;
-    let beyond_ns = reorder_ns + 3 * scenario.timers.heartbeat_ms * 1_000_000;
+    let beyond_ns = reorder_ns.saturating_add(scenario.timers.heartbeat_ms.saturating_mul(3_000_000));
     let mut targets: Option<Vec<(String, u64)>> = None;
     loop {
         let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;

@@ -868,6 +868,18 @@ fn an_old_heartbeat_arriving_late_does_not_make_progress_stale_regression_issue_
     assert!(c.m.stats().progress_stale >= 40, "{:?}", c.m.stats());
 }
 
+/// Op 1 of a 3-rank communicator on nodes 1–3 (pids 10, 20, 30): everyone enqueues and
+/// starts it; ranks 0 and 1 end it; rank 2's GPU (node 3) stalls inside it.
+fn stall_in_op_1(c: &mut Case, k: Comm) {
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        c.frame(node, pid, k, 1, rank, 3, Phase::EnqueueStart, None, 1);
+        c.frame(node, pid, k, 1, rank, 3, Phase::KernelStart, None, 1);
+    }
+    c.frame(1, 10, k, 1, 0, 3, Phase::KernelEnd, None, 1);
+    c.frame(2, 20, k, 1, 1, 3, Phase::KernelEnd, None, 1);
+}
+
 /// Regression (issue 17, `gpu-pause`): a GPU stalls inside op 1 after contributing (its
 /// peers complete), past the stuck deadline, with op 2 queued behind it, then ends.
 /// `stuck` is the rule and goes final, op 2 (entered during the stall) is `blocked_by`
@@ -884,14 +896,7 @@ fn a_gpu_pause_past_the_deadline_is_stuck_then_recovered_and_unblocks_its_commun
         Case::with_config(MatcherConfig { stuck_min_ns: 5 * S, reorder_timeout_ns: 6 * S, ..MatcherConfig::default() });
     let k = comm(17);
     let nodes = [1, 2, 3];
-    // Op 1: everyone enqueues and starts; ranks 0 and 1 end; rank 2 (node 3) stalls.
-    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
-        let pid = u32::try_from(node * 10).unwrap();
-        c.frame(node, pid, k, 1, rank, 3, Phase::EnqueueStart, None, 1);
-        c.frame(node, pid, k, 1, rank, 3, Phase::KernelStart, None, 1);
-    }
-    c.frame(1, 10, k, 1, 0, 3, Phase::KernelEnd, None, 1);
-    c.frame(2, 20, k, 1, 1, 3, Phase::KernelEnd, None, 1);
+    stall_in_op_1(&mut c, k);
     // Op 2: everyone enqueues; ranks 0 and 1 start; rank 2's GPU is still in op 1.
     c.tick(S / 10);
     for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
@@ -982,13 +987,7 @@ fn recovery_memory_is_capped_and_keeps_the_blocking_root() {
     let mut c = Case::new();
     let k = comm(18);
     let nodes = [1, 2, 3];
-    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
-        let pid = u32::try_from(node * 10).unwrap();
-        c.frame(node, pid, k, 1, rank, 3, Phase::EnqueueStart, None, 1);
-        c.frame(node, pid, k, 1, rank, 3, Phase::KernelStart, None, 1);
-    }
-    c.frame(1, 10, k, 1, 0, 3, Phase::KernelEnd, None, 1);
-    c.frame(2, 20, k, 1, 1, 3, Phase::KernelEnd, None, 1);
+    stall_in_op_1(&mut c, k);
     for _ in 0..25 {
         c.progress(1, 10, k, 0, 1, 1, 1, ProcState::Running);
         c.progress(2, 20, k, 1, 1, 1, 1, ProcState::Running);

@@ -593,9 +593,10 @@ impl Model {
                     } else if let Some(&(_, pause)) = paused.iter().find(|x| x.0 == p_i) {
                         // Contributed (peers end on time), then stalled before its own end.
                         p.gpu_pause_ns = pause;
-                        p.end = Some(end + pause);
-                        p.chan_end = Some(end + pause);
-                        if dead_at[ranks[p.rank as usize].node as usize] <= end + pause {
+                        let late = end.saturating_add(pause);
+                        p.end = Some(late);
+                        p.chan_end = Some(late);
+                        if dead_at[ranks[p.rank as usize].node as usize] <= late {
                             p.end = None;
                             p.block = Some(Block::NodeDead);
                         }

@@ -218,14 +218,14 @@ impl Simulation {
         for f in &scenario.faults {
             match *f {
                 Fault::RingOverflow { node, ring, from_ms, until_ms, fraction } => {
-                    nodes[node as usize].overflow.push((ring, from_ms * 1_000_000, until_ms * 1_000_000, fraction));
+                    nodes[node as usize].overflow.push((ring, ns(from_ms), ns(until_ms), fraction));
                 }
                 Fault::Reorder { node, from_ms, until_ms } => {
-                    nodes[node as usize].reorder.push((from_ms * 1_000_000, until_ms * 1_000_000));
+                    nodes[node as usize].reorder.push((ns(from_ms), ns(until_ms)));
                 }
-                Fault::CounterReset { node, at_ms } => nodes[node as usize].resets.push(at_ms * 1_000_000),
+                Fault::CounterReset { node, at_ms } => nodes[node as usize].resets.push(ns(at_ms)),
                 Fault::NotJoined { node, gpu, from_ms, reason: JoinReason::Exited, exit_code, .. } => {
-                    nodes[node as usize].exits.push((gpu, from_ms * 1_000_000, exit_code));
+                    nodes[node as usize].exits.push((gpu, ns(from_ms), exit_code));
                 }
                 _ => {}
             }
@@ -387,9 +387,9 @@ impl Simulation {
         }
         let horizon = self.model.horizon_ns;
         let until = until_ns.min(horizon);
-        let hb = self.scenario.timers.heartbeat_ms * 1_000_000;
+        let hb = ns(self.scenario.timers.heartbeat_ms).max(1);
         while self.now < until {
-            let next_hb = (self.now / hb + 1) * hb;
+            let next_hb = (self.now / hb).saturating_add(1).saturating_mul(hb);
             let next_reset = self.nodes.iter().flat_map(|n| n.resets.iter().copied()).filter(|&r| r > self.now).min();
             let boundary = next_hb.min(next_reset.unwrap_or(u64::MAX)).min(until);
             for node in 0..self.nodes.len() {
@@ -770,4 +770,9 @@ fn clock(drift: f64, offset_ns: f64, t: u64, base: u64) -> u64 {
     #[allow(clippy::cast_possible_truncation, clippy::cast_precision_loss, reason = "clock model in f64; saturating")]
     let err = (t as f64 * drift + offset_ns) as i64;
     base.saturating_add(t).saturating_add_signed(err)
+}
+
+/// Scenario milliseconds to nanoseconds, saturating (values come from a file).
+fn ns(ms: u64) -> u64 {
+    ms.saturating_mul(1_000_000)
 }

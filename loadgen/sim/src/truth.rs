@@ -215,6 +215,11 @@ fn health_rank(h: &str) -> u8 {
     }
 }
 
+/// Scenario milliseconds to nanoseconds, saturating (values come from a file).
+fn ns(ms: u64) -> u64 {
+    ms.saturating_mul(1_000_000)
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -229,7 +234,7 @@ pub(crate) fn build(
 ) -> GroundTruth {
     let horizon = m.horizon_ns;
     let ms = 1_000_000u64;
-    let stuck = s.timers.stuck_deadline_ms * ms;
+    let stuck = ns(s.timers.stuck_deadline_ms);
     let can_complete = s.cluster.activation_mask & (mask::KERNEL_CH | mask::PROXY) != 0;
 
     // Key collisions: (key, comm_op_seq) used by more than one communicator instance.
@@ -383,7 +388,9 @@ pub(crate) fn build(
         .ops
         .iter()
         .filter(|o| o.hung_channel.is_some())
-        .filter(|o| o.participants.iter().filter_map(|p| p.k_start).min().is_some_and(|t| t + stuck < horizon))
+        .filter(|o| {
+            o.participants.iter().filter_map(|p| p.k_start).min().is_some_and(|t| t.saturating_add(stuck) < horizon)
+        })
         .flat_map(|o| o.participants.iter().map(|p| p.rank as usize))
         .collect();
     let mut gpus = Vec::new();
@@ -398,7 +405,7 @@ pub(crate) fn build(
         };
         for f in &s.faults {
             match *f {
-                Fault::GpuHang { node, gpu, at_ms, .. } if node == r.node && gpu == r.gpu && at_ms * ms < horizon => {
+                Fault::GpuHang { node, gpu, at_ms, .. } if node == r.node && gpu == r.gpu && ns(at_ms) < horizon => {
                     raise("degraded", format!("gpu hung at {at_ms} ms"), &mut why);
                 }
                 // A pause past the stuck deadline is a stuck GPU until it ends; it is
@@ -408,7 +415,9 @@ pub(crate) fn build(
                         && first.saturating_add(stuck) < end.min(horizon)
                     {
                         let cleared = end < horizon
-                            && s.timers.degraded_clear_ms.is_some_and(|c| end.saturating_add(c * ms) <= horizon);
+                            && s.timers
+                                .degraded_clear_ms
+                                .is_some_and(|c| end.saturating_add(c.saturating_mul(ms)) <= horizon);
                         if !cleared {
                             raise(
                                 "degraded",
@@ -437,14 +446,14 @@ pub(crate) fn build(
                 Fault::NotJoined { node, gpu, from_ms, until_ms, reason, .. }
                     if node == r.node
                         && gpu == r.gpu
-                        && from_ms * ms < horizon
+                        && ns(from_ms) < horizon
                         && (reason == JoinReason::Exited
                             || until_ms.is_none_or(|u| u.saturating_sub(from_ms) >= s.timers.join_deadline_ms)) =>
                 {
                     raise("suspect", format!("not joined from {from_ms} ms (host side)"), &mut why);
                 }
-                Fault::NodeDead { node, at_ms } if node == r.node && at_ms * ms < horizon => {
-                    let h = if horizon >= at_ms * ms + 60_000 * ms { "unreachable" } else { "silent" };
+                Fault::NodeDead { node, at_ms } if node == r.node && ns(at_ms) < horizon => {
+                    let h = if horizon >= ns(at_ms).saturating_add(ns(60_000)) { "unreachable" } else { "silent" };
                     raise(h, format!("node dead at {at_ms} ms"), &mut why);
                 }
                 _ => {}
@@ -516,13 +525,13 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
     let horizon = m.horizon_ns;
     let mask = s.cluster.activation_mask;
     let rank = |node: u32, gpu: u32| &m.ranks[(node * s.cluster.gpus_per_node + gpu) as usize];
-    let hb = s.timers.heartbeat_ms * ms;
+    let hb = ns(s.timers.heartbeat_ms);
     match *f {
         Fault::RingOverflow { .. } => (true, "kernel drop counters and seq holes cover every dropped frame".into()),
         Fault::GpuHang { node, gpu, at_ms, .. } => {
             let r = rank(node, gpu);
-            let alive = m.dead_at[node as usize] > at_ms * ms + s.timers.stuck_deadline_ms * ms;
-            let late_enough = horizon >= at_ms * ms + s.timers.stuck_deadline_ms * ms + hb;
+            let alive = m.dead_at[node as usize] > ns(at_ms).saturating_add(ns(s.timers.stuck_deadline_ms));
+            let late_enough = horizon >= ns(at_ms).saturating_add(ns(s.timers.stuck_deadline_ms)).saturating_add(hb);
             let ok = r.instrumented && mask & mask::KERNEL_CH != 0 && alive && late_enough;
             (
                 ok,
@@ -536,7 +545,7 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
         }
         Fault::GpuPause { node, gpu, pause_ms, .. } => {
             let r = rank(node, gpu);
-            let stuck = s.timers.stuck_deadline_ms * ms;
+            let stuck = s.timers.stuck_deadline_ms.saturating_mul(ms);
             let past = pause_of(m, r.global).is_some_and(|(first, end)| {
                 first.saturating_add(stuck).saturating_add(hb) < end.min(horizon)
                     && m.dead_at[node as usize] > first.saturating_add(stuck)
@@ -557,7 +566,7 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
         }
         Fault::NotJoined { node, gpu, from_ms, .. } => {
             let r = rank(node, gpu);
-            let late_enough = horizon >= from_ms * ms + s.timers.join_deadline_ms * ms;
+            let late_enough = horizon >= ns(from_ms).saturating_add(ns(s.timers.join_deadline_ms));
             (
                 r.instrumented && late_enough,
                 format!(
@@ -599,7 +608,7 @@ fn identify(s: &Scenario, m: &Model, lost_p0: &HashMap<(u32, u16), u32>, f: &Fau
             )
         }
         Fault::NodeDead { node: _, at_ms } => {
-            let ok = horizon >= at_ms * ms + s.timers.silent_ms * ms;
+            let ok = horizon >= ns(at_ms).saturating_add(ns(s.timers.silent_ms));
             (ok, format!("silence past the silent timer by the end of the run: {ok}"))
         }
         Fault::Graph { .. } => {

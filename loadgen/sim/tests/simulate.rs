@@ -309,3 +309,51 @@ stuck_deadline_ms = 1000
         assert!(applied, "{kind} was accepted but left no trace");
     }
 }
+
+/// Times from a scenario file are checked before arithmetic: the largest values a file
+/// can hold simulate (and judge) without overflow.
+#[test]
+fn the_largest_times_a_scenario_can_hold_do_not_overflow() {
+    let text = r#"
+name = "huge"
+duration_ms = 2000
+[cluster]
+nodes = 2
+gpus_per_node = 1
+[[comms]]
+name = "w"
+group = "world"
+[[comms.ops]]
+op = "all_reduce"
+bytes = 1024
+period_ms = 100
+duration = { median_ms = 5, p99_ms = 10 }
+[timers]
+stuck_deadline_ms = 18446744073709551615
+join_deadline_ms = 18446744073709551615
+silent_ms = 18446744073709551615
+heartbeat_ms = 18446744073709551615
+degraded_clear_ms = 18446744073709551615
+[[faults]]
+kind = "gpu_pause"
+node = 0
+gpu = 0
+at_ms = 500
+pause_ms = 18446744073709551615
+[[faults]]
+kind = "node_dead"
+node = 1
+at_ms = 18446744073709551615
+[[faults]]
+kind = "gpu_hang"
+node = 1
+gpu = 0
+at_ms = 18446744073709551615
+mode = "after_contributing"
+"#;
+    let s = loadgen_sim::Scenario::parse(text).expect("valid");
+    let (_, _, t) = run(&s, None, 1e-5);
+    let table = loadgen_sim::expect::Table::new(&t, 500.0);
+    assert!(table.ranks().count() > 0);
+    assert!(t.gpus.iter().all(|g| g.health == "healthy"), "{:?}", t.gpus);
+}

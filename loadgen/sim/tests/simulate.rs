@@ -231,15 +231,8 @@ fn gpu_pause_is_stuck_then_ends_and_blocks_only_what_was_entered_during_it() {
     assert!(t.faults.iter().find(|f| f.kind == "gpu_pause").unwrap().identifiable);
 }
 
-/// Issue 17: every fault kind the scenario language accepts is applied — one small
-/// scenario per kind, and what the fault does shows in the output or the truth (kinds no
-/// harness applies are refused at parse time: `tests/scenario.rs`).
-#[test]
-fn every_accepted_fault_kind_is_applied_regression_issue_17() {
-    let base = r#"
-name = "one-fault"
-seed = 5
-duration_ms = 4000
+/// Two nodes of two GPUs with one all-reduce every 100 ms on a world communicator `w`.
+const TWO_NODES: &str = r#"
 [cluster]
 nodes = 2
 gpus_per_node = 2
@@ -250,7 +243,17 @@ group = "world"
 op = "all_reduce"
 bytes = 1048576
 period_ms = 100
-duration = { median_ms = 5, p99_ms = 10 }
+duration = { median_ms = 5, p99_ms = 10 }"#;
+
+/// Issue 17: every fault kind the scenario language accepts is applied — one small
+/// scenario per kind, and what the fault does shows in the output or the truth (kinds no
+/// harness applies are refused at parse time: `tests/scenario.rs`).
+#[test]
+fn every_accepted_fault_kind_is_applied_regression_issue_17() {
+    let base = [
+        "name = \"one-fault\"\nseed = 5\nduration_ms = 4000\n",
+        TWO_NODES,
+        r#"
 [[comms]]
 name = "v"
 group = "world"
@@ -261,7 +264,9 @@ period_ms = 300
 duration = { median_ms = 5, p99_ms = 10 }
 [timers]
 stuck_deadline_ms = 1000
-"#;
+"#,
+    ]
+    .concat();
     let cases: &[(&str, &str)] = &[
         ("ring_overflow", "node = 1\nring = \"p0\"\nfrom_ms = 500\nuntil_ms = 1500"),
         ("not_joined", "node = 1\ngpu = 1\nfrom_ms = 500\nreason = \"exited\""),
@@ -314,20 +319,10 @@ stuck_deadline_ms = 1000
 /// can hold simulate (and judge) without overflow.
 #[test]
 fn the_largest_times_a_scenario_can_hold_do_not_overflow() {
-    let text = r#"
-name = "huge"
-duration_ms = 2000
-[cluster]
-nodes = 2
-gpus_per_node = 1
-[[comms]]
-name = "w"
-group = "world"
-[[comms.ops]]
-op = "all_reduce"
-bytes = 1024
-period_ms = 100
-duration = { median_ms = 5, p99_ms = 10 }
+    let text = [
+        "name = \"huge\"\nduration_ms = 2000\n",
+        TWO_NODES,
+        r#"
 [timers]
 stuck_deadline_ms = 18446744073709551615
 join_deadline_ms = 18446744073709551615
@@ -350,8 +345,10 @@ node = 1
 gpu = 0
 at_ms = 18446744073709551615
 mode = "after_contributing"
-"#;
-    let s = loadgen_sim::Scenario::parse(text).expect("valid");
+"#,
+    ]
+    .concat();
+    let s = loadgen_sim::Scenario::parse(&text).expect("valid");
     let (_, _, t) = run(&s, None, 1e-5);
     let table = loadgen_sim::expect::Table::new(&t, 500.0);
     assert!(table.ranks().count() > 0);

@@ -6,14 +6,18 @@
 //! (`aggregator/core`, package `ringwatch-core`), which this crate drives: connection
 //! tasks hand it validated batches, a timer task hands it time.
 //!
-//! What it is not (yet): snapshots on a schedule and restart handling (issue 8),
-//! `/metrics` and OTLP export (later issues).
+//! Snapshots are written on a schedule and restored at start ([`snapshots`]); every task
+//! is supervised ([`supervise`]: a panic in the core ends the process non-zero, to restart
+//! from the snapshot; an I/O task restarts in place, counted).
+//!
+//! What it is not (yet): `/metrics` and OTLP export (later issues).
 
 pub mod api;
 pub mod certs;
 pub mod ingest;
 pub mod snapshots;
 pub mod state;
+pub mod supervise;
 
 use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
@@ -58,6 +62,9 @@ pub struct AggregatorConfig {
     /// How long a degraded verdict keeps its GPU degraded without new evidence
     /// (aggregator time; 300 s).
     pub degraded_clear_ns: u64,
+    /// Test hook (acted on only with the `test-hooks` feature): the timer task panics,
+    /// holding the core's lock, this long after start (aggregator ms).
+    pub test_panic_timer_after_ms: Option<u64>,
 }
 
 /// How long a degraded verdict keeps its GPU degraded without new evidence, by default.
@@ -83,6 +90,7 @@ impl AggregatorConfig {
             snapshot_interval_ms: 10_000,
             time_scale: 1.0,
             degraded_clear_ns: DEGRADED_CLEAR_NS,
+            test_panic_timer_after_ms: None,
         }
     }
 }
@@ -143,25 +151,46 @@ impl Aggregator {
         };
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
         shared.degraded_clear_ns = cfg.degraded_clear_ns;
+        shared.test_panic_timer_at_ns =
+            cfg.test_panic_timer_after_ms.map(|ms| shared.base_ns.saturating_add(ms.saturating_mul(1_000_000)));
         let shared = Arc::new(shared);
-        let listener = tokio::net::TcpListener::bind(cfg.http)
-            .await
+        // A std listener, so the HTTP task can restart in place on a clone of it.
+        let listener = std::net::TcpListener::bind(cfg.http)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let http_addr = listener.local_addr().map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let router = api::router(Arc::clone(&shared));
+        let ep = endpoint.clone();
+        let sh = Arc::clone(&shared);
         let mut tasks = vec![
-            tokio::spawn(ingest::serve(endpoint.clone(), Arc::clone(&shared))),
-            tokio::spawn(timers(Arc::clone(&shared))),
-            tokio::spawn(async move {
-                if let Err(e) = axum::serve(listener, router).await {
-                    tracing::error!(error = %e, "HTTP server stopped");
-                }
-            }),
+            supervise::spawn_io_task(
+                Arc::clone(&shared),
+                |s| &s.tasks.ingest,
+                move || ingest::serve(ep.clone(), Arc::clone(&sh)),
+            ),
+            supervise::spawn_core_task(Arc::clone(&shared), |s| &s.tasks.timers, timers(Arc::clone(&shared))),
+            supervise::spawn_io_task(
+                Arc::clone(&shared),
+                |s| &s.tasks.http,
+                move || serve_http(listener.try_clone(), router.clone()),
+            ),
         ];
         if let Some(path) = cfg.snapshot_path.clone() {
-            tasks.push(tokio::spawn(snapshot_loop(Arc::clone(&shared), path, cfg.snapshot_interval_ms)));
+            let (sh, interval) = (Arc::clone(&shared), cfg.snapshot_interval_ms);
+            tasks.push(supervise::spawn_io_task(
+                Arc::clone(&shared),
+                |s| &s.tasks.snapshots,
+                move || snapshot_loop(Arc::clone(&sh), path.clone(), interval),
+            ));
         }
         Ok(Self { quic_addr, http_addr, shared, endpoint, tasks, snapshot_path: cfg.snapshot_path })
+    }
+
+    /// Resolves when the core fails (a panic while it was being updated, or its timer
+    /// task died), with why. The binary then exits non-zero without a snapshot, so it
+    /// restarts from the last good one.
+    pub async fn failed(&self) -> String {
+        self.shared.failed().await
     }
 
     /// Stops accepting and closes every connection.
@@ -174,7 +203,8 @@ impl Aggregator {
 
     /// An orderly stop (SIGTERM): closes every connection first, so no ack leaves after
     /// it, then writes a final snapshot if snapshots are configured — a restart from it
-    /// forgets nothing that was acked. Returns whether a snapshot was written.
+    /// forgets nothing that was acked. Returns whether a snapshot was written (never
+    /// after the core failed).
     pub async fn shutdown_with_snapshot(&self) -> bool {
         self.shutdown();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
@@ -186,6 +216,20 @@ impl Aggregator {
     }
 }
 
+/// Serves the API on (a clone of) the listener until it fails.
+async fn serve_http(listener: std::io::Result<std::net::TcpListener>, router: axum::Router) {
+    let listener = match listener.and_then(tokio::net::TcpListener::from_std) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "HTTP listener unusable");
+            return;
+        }
+    };
+    if let Err(e) = axum::serve(listener, router).await {
+        tracing::error!(error = %e, "HTTP server stopped");
+    }
+}
+
 /// Writes a snapshot every `interval_ms`.
 async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
     let mut tick = tokio::time::interval(Duration::from_millis(interval_ms.max(10)));
@@ -193,8 +237,17 @@ async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
     loop {
         tick.tick().await;
         let (shared2, path2) = (Arc::clone(&shared), path.clone());
-        if tokio::task::spawn_blocking(move || snapshot_now(&shared2, &path2)).await.is_err() {
-            state::Counters::inc(&shared.counters.snapshot_failures);
+        match tokio::task::spawn_blocking(move || snapshot_now(&shared2, &path2)).await {
+            Ok(true) => shared.progress(&shared.tasks.snapshots),
+            Ok(false) => {}
+            Err(e) => {
+                state::Counters::inc(&shared.counters.snapshot_failures);
+                if e.is_panic() {
+                    // As a panic of this task: counted and restarted by its supervisor,
+                    // or the core fails if the panic held its lock.
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
         }
     }
 }
@@ -207,7 +260,8 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
     let started = std::time::Instant::now();
     let (core, verdicts, now) = {
-        let mut core = shared.core();
+        // A failed core is never written: the last good snapshot is what a restart uses.
+        let Ok(mut core) = shared.core() else { return false };
         shared.drain_events(&mut core);
         let verdicts: Vec<_> = shared.verdicts().by_key.values().cloned().collect();
         (core.clone(), verdicts, shared.now())
@@ -229,16 +283,24 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
     }
 }
 
-/// Drives the core's timers: at each due time, and at least every 100 ms.
+/// Drives the core's timers: at each due time, and at least every 100 ms. Each turn is
+/// the task's progress (`/healthz`). Returns only when the core failed.
 async fn timers(shared: Arc<Shared>) {
     loop {
         let now = shared.now();
         let due = {
-            let mut core = shared.core();
+            let Ok(mut core) = shared.core() else { return };
+            #[cfg(feature = "test-hooks")]
+            if shared.test_panic_timer_at_ns.is_some_and(|at| now >= at) {
+                // Mid-update, as a real bug would be: the lock is held and poisoned.
+                core.handle_timeout(now);
+                panic!("test hook: the timer task panics with the core's lock held");
+            }
             core.handle_timeout(now);
             shared.drain_events(&mut core);
             core.poll_timeout()
         };
+        shared.progress(&shared.tasks.timers);
         let wait = due.map_or(100_000_000, |d| d.saturating_sub(now)).clamp(1_000_000, 100_000_000);
         // Real time to wait: aggregator time runs `time_scale` times faster.
         #[allow(

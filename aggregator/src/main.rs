@@ -1,5 +1,7 @@
 //! `aggregator` binary: `aggregator run ...` serves; `aggregator certs init` writes a dev
-//! certificate set. Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage.
+//! certificate set. Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage, 70
+//! the core failed (a panic while it was being updated): no snapshot is written, so a
+//! supervisor's restart resumes from the last good one.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -88,7 +90,8 @@ fn command() -> Command {
                         .long("test-hold-acks-after-ms")
                         .value_parser(value_parser!(u64))
                         .hide(true),
-                ),
+                )
+                .args(test_hooks()),
         )
         .subcommand(
             Command::new("certs").about("certificate set-up").subcommand_required(true).subcommand(
@@ -101,6 +104,23 @@ fn command() -> Command {
             ),
         )
 }
+
+/// Flags that exist only in test builds (feature `test-hooks`).
+fn test_hooks() -> Vec<Arg> {
+    if cfg!(feature = "test-hooks") {
+        vec![
+            Arg::new("test-panic-timer-after-ms")
+                .long("test-panic-timer-after-ms")
+                .value_parser(value_parser!(u64))
+                .hide(true),
+        ]
+    } else {
+        Vec::new()
+    }
+}
+
+/// Exit code when the core failed (EX_SOFTWARE).
+const EXIT_CORE_FAILED: u8 = 70;
 
 fn main() -> ExitCode {
     let m = command().get_matches();
@@ -150,6 +170,9 @@ fn main() -> ExitCode {
             cfg.http = r.get_one::<SocketAddr>("http").copied().unwrap_or(cfg.http);
             cfg.hold_acks = r.get_flag("test-hold-acks");
             cfg.hold_acks_after_ms = r.get_one::<u64>("test-hold-acks-after-ms").copied();
+            if cfg!(feature = "test-hooks") {
+                cfg.test_panic_timer_after_ms = r.get_one::<u64>("test-panic-timer-after-ms").copied();
+            }
             cfg.snapshot_path = r.get_one::<PathBuf>("snapshot").cloned();
             cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
             if let Some(&w) = r.get_one::<u32>("dedup-window") {
@@ -176,9 +199,19 @@ fn main() -> ExitCode {
                 // Scripts read these two lines to find the ports.
                 println!("quic {}", agg.quic_addr);
                 println!("http http://{}", agg.http_addr);
-                ringwatch_transport::shell::terminated().await;
-                agg.shutdown_with_snapshot().await;
-                ExitCode::SUCCESS
+                tokio::select! {
+                    () = ringwatch_transport::shell::terminated() => {
+                        agg.shutdown_with_snapshot().await;
+                        ExitCode::SUCCESS
+                    }
+                    why = agg.failed() => {
+                        // Logged by the core's failure; the state behind the lock may be
+                        // half-updated, so nothing is snapshotted: exit at once.
+                        eprintln!("aggregator: core failed ({why}); exiting {EXIT_CORE_FAILED} to restart from the last snapshot");
+                        agg.shutdown();
+                        std::process::exit(i32::from(EXIT_CORE_FAILED));
+                    }
+                }
             })
         }
         _ => ExitCode::from(2),

@@ -8,7 +8,7 @@
 //! `DashMap` (read-mostly, never on the per-frame path).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -65,6 +65,79 @@ impl Counters {
     }
 }
 
+/// One long-lived task's health, for `/healthz` (issue 18).
+#[derive(Debug)]
+pub struct TaskHealth {
+    pub name: &'static str,
+    /// Whether the task is running (false once it ended or died).
+    pub alive: AtomicBool,
+    /// Panics caught (an I/O task restarts in place after one; the core's tasks do not).
+    pub panics: AtomicU64,
+    pub restarts: AtomicU64,
+    /// Real ms since the aggregator started at the task's last progress (the timer's
+    /// tick, a connection accepted, a request served, a snapshot written); 0 = none yet.
+    pub last_progress_real_ms: AtomicU64,
+}
+
+impl TaskHealth {
+    const fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            alive: AtomicBool::new(false),
+            panics: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
+            last_progress_real_ms: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The aggregator's long-lived tasks, and panics caught in short-lived ones.
+#[derive(Debug)]
+pub struct Tasks {
+    /// The core's timers (a panic there ends the process).
+    pub timers: TaskHealth,
+    /// The QUIC accept loop.
+    pub ingest: TaskHealth,
+    /// The HTTP server.
+    pub http: TaskHealth,
+    /// The snapshot schedule (alive only when snapshots are configured).
+    pub snapshots: TaskHealth,
+    /// Panics caught in a connection's or a batch stream's task (that connection is
+    /// closed; its shipper reconnects and resends what was not acked).
+    pub connection_panics: AtomicU64,
+    /// Panics caught in an HTTP handler (answered 500).
+    pub handler_panics: AtomicU64,
+}
+
+impl Default for Tasks {
+    fn default() -> Self {
+        Self {
+            timers: TaskHealth::new("timers"),
+            ingest: TaskHealth::new("ingest"),
+            http: TaskHealth::new("http"),
+            snapshots: TaskHealth::new("snapshots"),
+            connection_panics: AtomicU64::new(0),
+            handler_panics: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Tasks {
+    /// Every long-lived task.
+    #[must_use]
+    pub fn all(&self) -> [&TaskHealth; 4] {
+        [&self.timers, &self.ingest, &self.http, &self.snapshots]
+    }
+}
+
+/// The core cannot be used: a panic happened while it was being updated (its state may
+/// be half-mutated), or a task that drives it died. The process is ending (non-zero, so
+/// a supervisor restarts it from its last snapshot); nothing may be acked or
+/// snapshotted from here on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the core failed; the aggregator is exiting to restart from its snapshot")]
+pub struct CoreFailed;
+
 /// One node as the registry knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeEntry {
@@ -107,6 +180,12 @@ pub struct Shared {
     /// Test hook: withhold acks from this aggregator time on (the shippers' spools then
     /// hold every batch applied since).
     pub hold_acks_from_ns: Option<u64>,
+    /// Test hook (feature `test-hooks`): the timer task panics, holding the core's lock,
+    /// at this aggregator time.
+    pub test_panic_timer_at_ns: Option<u64>,
+    pub tasks: Tasks,
+    /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
+    failure: tokio::sync::watch::Sender<Option<String>>,
 }
 
 impl Shared {
@@ -131,7 +210,60 @@ impl Shared {
             epoch,
             degraded_clear_ns: crate::DEGRADED_CLEAR_NS,
             hold_acks_from_ns,
+            test_panic_timer_at_ns: None,
+            tasks: Tasks::default(),
+            failure: tokio::sync::watch::Sender::new(None),
         }
+    }
+
+    /// Real ms since start (task progress is measured in real time).
+    #[must_use]
+    pub fn real_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Notes progress of a long-lived task.
+    pub fn progress(&self, task: &TaskHealth) {
+        task.last_progress_real_ms.store(self.real_ms().max(1), Ordering::Relaxed);
+    }
+
+    /// The core failed: logged once; everything waiting on [`Self::failed`] wakes (the
+    /// binary exits non-zero).
+    pub fn fail(&self, why: impl Into<String>) {
+        let why = why.into();
+        let first = self.failure.send_if_modified(|f| {
+            if f.is_some() {
+                return false;
+            }
+            *f = Some(why.clone());
+            true
+        });
+        if first {
+            tracing::error!(reason = %why, "core failed: exiting so the aggregator restarts from its snapshot");
+        }
+    }
+
+    /// Why the core failed, if it did.
+    #[must_use]
+    pub fn failure(&self) -> Option<String> {
+        self.failure.borrow().clone()
+    }
+
+    /// Resolves when the core fails, with why.
+    pub async fn failed(&self) -> String {
+        let mut rx = self.failure.subscribe();
+        match rx.wait_for(Option::is_some).await {
+            Ok(why) => why.clone().unwrap_or_default(),
+            // The sender lives in `self`: never dropped while this borrow lives.
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Whether a panic happened while the core's lock was held (checked after a task
+    /// panicked: was it mid-update?).
+    #[must_use]
+    pub fn core_poisoned(&self) -> bool {
+        self.core.is_poisoned() || self.verdicts.is_poisoned()
     }
 
     /// Aggregator time (the core's `now`): ns since the first start, continued across
@@ -159,15 +291,31 @@ impl Shared {
         scaled
     }
 
-    /// The core, locked (a poisoned lock means a panic mid-update: the state is still the
-    /// best there is, so it is used rather than taking the service down).
-    pub fn core(&self) -> MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// The core, locked.
+    ///
+    /// # Errors
+    /// [`CoreFailed`] once the core failed — a panic while its lock was held (the lock is
+    /// poisoned: the state may be half-updated, so it is never used again, acked from or
+    /// snapshotted; the process exits and restarts from its last snapshot), or a task
+    /// that drives it died.
+    pub fn core(&self) -> Result<MutexGuard<'_, Core>, CoreFailed> {
+        match self.core.lock() {
+            Ok(guard) if self.failure.borrow().is_none() => Ok(guard),
+            Ok(_) => Err(CoreFailed),
+            Err(_) => {
+                self.fail("a panic while the core's lock was held: its state may be half-updated");
+                Err(CoreFailed)
+            }
+        }
     }
 
-    /// The verdict store, locked.
+    /// The verdict store, locked. It is written under the core's lock; a panic while it
+    /// was held fails the core the same way (reads still get the store).
     pub fn verdicts(&self) -> MutexGuard<'_, Verdicts> {
-        self.verdicts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.verdicts.lock().unwrap_or_else(|poisoned| {
+            self.fail("a panic while the verdict store's lock was held");
+            poisoned.into_inner()
+        })
     }
 
     /// Whether the ack-holding test hook is in force now.

@@ -392,3 +392,108 @@ async fn net_aggregator_restarts_of_every_kind_lock_no_shipper_out_regression_is
         );
     }
 }
+
+/// Issue 18: a panic inside the core — injected in the timer task with the core's lock
+/// held (test builds only) — ends the process with exit code 70 and no snapshot of the
+/// half-updated state; an aggregator started again on the same port restores the last
+/// snapshot and continues: every shipper reconnects, every stream of every node ends
+/// exact (received, lost with a known cause, or `prior_instance`), and the new instance
+/// is healthy and ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_a_core_panic_exits_nonzero_and_a_restart_from_the_snapshot_continues() {
+    use aggregator::api::dto::ReadyzDto;
+    let dir = TempDir::new("core-panic");
+    let s = builtin::builtin("mixed").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let snap = dir.path().join("aggregator.snap");
+
+    let (mut first, quic, http1) =
+        spawn_aggregator(dir.path(), "127.0.0.1:0", &snap, &["--test-panic-timer-after-ms", "2500"]);
+    let start = Instant::now();
+    let shippers = sim_shippers(&s, options, &set, quic, 0..s.cluster.nodes, start);
+    let h1: HealthzDto = get_json(http1, "/healthz").await;
+    assert_eq!(h1.status, "ok");
+    // The process ends by itself; a test that never sees it fails on nextest's timeout.
+    let status = loop {
+        if let Some(st) = first.try_wait().expect("wait") {
+            break st;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("instance 1 exited at {:?}: {status:?}", start.elapsed());
+    assert_eq!(status.code(), Some(70), "a core panic exits non-zero (70)");
+    assert!(snap.exists(), "snapshots were written before the panic");
+
+    let (mut second, quic2, http2) = spawn_aggregator(dir.path(), &quic.to_string(), &snap, &[]);
+    assert_eq!(quic2, quic);
+    let h2: HealthzDto = get_json(http2, "/healthz").await;
+    assert!(h2.restored, "instance 2 restored the last snapshot");
+    let truth = truth(&s, options);
+    wait_nodes(http2, "every stream settled at instance 2", |n| streams_settled(n, &truth, |_| true)).await;
+    let nodes: NodesDto = get_json(http2, "/v1/nodes").await;
+    let health: HealthzDto = get_json(http2, "/healthz").await;
+    let ready: ReadyzDto = get_json(http2, "/readyz").await;
+    let reports = stop(shippers).await;
+    signal(&second, "-TERM");
+    assert_eq!(second.wait().expect("exits").code(), Some(0));
+    println!("instance 2: {health:?}");
+    assert_eq!(health.status, "ok");
+    assert!(ready.ready, "{ready:?}");
+    assert!(health.tasks.iter().filter(|t| t.name != "snapshots").all(|t| t.alive && t.panics == 0));
+    for r in &reports {
+        assert!(r.connections >= 2, "{} reconnected to instance 2", r.node_name);
+    }
+    for t in &truth.streams {
+        let name = aggregator::certs::node_name(t.node);
+        let node = nodes.nodes.iter().find(|n| n.name == name).expect("node");
+        let got = node.streams.iter().find(|x| x.epoch == t.epoch && x.stream_id == t.stream_id).expect("stream");
+        assert_eq!(got.lost.get("unknown"), None, "{name} {:#x}: {:?}", t.stream_id, got.lost);
+        assert_eq!(
+            got.received + got.lost_total + got.prior_instance + got.sampled_out,
+            t.generated,
+            "{name} {:#x}",
+            t.stream_id
+        );
+    }
+}
+
+/// Issue 18: supervision in process (test hooks). An HTTP handler's panic is answered
+/// 500, counted and logged, and the server goes on; a panic with the core's lock held
+/// fails the core: `failed()` resolves, `/healthz` says `failed` (503), `/readyz` is 503,
+/// and handlers that read the core answer 503 instead of reading half-updated state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_handler_panics_are_contained_and_a_core_panic_fails_the_service() {
+    use aggregator::api::client::get;
+    use aggregator::api::dto::ReadyzDto;
+    let dir = TempDir::new("supervise");
+    let set = cert_set(dir.path(), 1);
+    let mut cfg = aggregator::AggregatorConfig::local(&set);
+    cfg.test_panic_timer_after_ms = Some(1_500);
+    let agg = aggregator::Aggregator::start(cfg).await.expect("starts");
+    let http = agg.http_addr;
+
+    let (status, _) = get(http, "/test/panic").await.expect("answered");
+    assert_eq!(status, 500);
+    let h: HealthzDto = get_json(http, "/healthz").await;
+    assert_eq!((h.status.as_str(), h.handler_panics), ("ok", 1), "{h:?}");
+    let r: ReadyzDto = get_json(http, "/readyz").await;
+    assert!(r.ready, "{r:?}");
+    let timers = h.tasks.iter().find(|t| t.name == "timers").expect("timers task");
+    assert!(timers.alive && timers.last_progress_ago_ms.is_some(), "{timers:?}");
+
+    let why = tokio::time::timeout(Duration::from_secs(60), agg.failed()).await.expect("the core fails");
+    assert!(why.contains("timers"), "{why}");
+    let (status, body) = get(http, "/healthz").await.expect("answered");
+    assert_eq!(status, 503, "{body}");
+    let h: HealthzDto = serde_json::from_str(&body).expect("json");
+    assert_eq!(h.status, "failed");
+    assert!(h.tasks.iter().any(|t| t.name == "timers" && !t.alive && t.panics == 1), "{h:?}");
+    let (status, body) = get(http, "/readyz").await.expect("answered");
+    assert_eq!(status, 503, "{body}");
+    for path in ["/v1/nodes", "/v1/ingest"] {
+        let (status, body) = get(http, path).await.expect("answered");
+        assert_eq!(status, 503, "{path}: {body}");
+    }
+    agg.shutdown();
+}

@@ -32,21 +32,52 @@ use zerocopy::IntoBytes;
 
 /// A valid bulk batch as `node` would send it.
 fn batch(node: &str, session: u64, batch_seq: u64) -> Vec<u8> {
+    let frames: Vec<Vec<u8>> = (0..20)
+        .map(|seq| sample::bulk_packet(StreamId::new(Class::P2, 1, 0), batch_seq * 100 + seq, seq).as_bytes().to_vec())
+        .collect();
+    batch_of(node, session, batch_seq, Class::P2, &frames)
+}
+
+/// A batch of `node` on `lane` holding `frames` (which must be of that lane's class).
+fn batch_of(node: &str, session: u64, batch_seq: u64, lane: Class, frames: &[Vec<u8>]) -> Vec<u8> {
     let mut w = BatchWriter::with_capacity(4096);
     w.begin(&BatchMeta {
         node_id: proto_flat::node_id_of(node),
         epoch: 1,
         shipper_session: session,
         batch_seq,
-        lane: Class::P2.code(),
+        lane: lane.code(),
         clock_mono_ns: 0,
         clock_realtime_ns: 0,
     });
-    for seq in 0..20 {
-        w.push_frame(sample::bulk_packet(StreamId::new(Class::P2, 1, 0), batch_seq * 100 + seq, seq).as_bytes())
-            .expect("frame fits");
+    for f in frames {
+        w.push_frame(f).expect("frame fits");
     }
     w.finish(&RunningTotals::default()).to_vec()
+}
+
+/// Honest shippers for every node of `s`, fed by the simulator in real time; returns once
+/// each is shipping, with the ground truth.
+async fn honest_shippers(
+    s: &loadgen_sim::Scenario,
+    options: SimOptions,
+    set: &CertSet,
+    agg: &Aggregator,
+) -> (Vec<ringwatch_tests::Running>, loadgen_sim::GroundTruth) {
+    let start = Instant::now();
+    let mut honest = Vec::new();
+    for node in 0..s.cluster.nodes {
+        let source = SimSource::new(s, options, node, start).expect("sim source");
+        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
+        let cfg = shipper_config(set, agg.quic_addr, node, placeholder);
+        honest.push(spawn_shipper(cfg, Box::new(source), RunOptions::default()));
+    }
+    let nodes = s.cluster.nodes;
+    wait_nodes(agg.http_addr, "every honest node is shipping", |n| {
+        (0..nodes).all(|i| n.nodes.iter().any(|x| x.name == certs::node_name(i) && !x.streams.is_empty()))
+    })
+    .await;
+    (honest, truth(s, options))
 }
 
 /// A raw client with `files`: opens the control stream (preface and an empty `resume`),
@@ -129,20 +160,7 @@ async fn net_hostile_peers_are_refused_and_counted_while_honest_accounting_stays
     let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
 
     // Honest shippers, nodes 0..4.
-    let start = Instant::now();
-    let mut honest = Vec::new();
-    for node in 0..s.cluster.nodes {
-        let source = SimSource::new(&s, options, node, start).expect("sim source");
-        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
-        let cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
-        honest.push(spawn_shipper(cfg, Box::new(source), RunOptions::default()));
-    }
-    let truth = truth(&s, options);
-    let honest_nodes = s.cluster.nodes;
-    wait_nodes(agg.http_addr, "every honest node is shipping", |n| {
-        (0..honest_nodes).all(|i| n.nodes.iter().any(|x| x.name == certs::node_name(i) && !x.streams.is_empty()))
-    })
-    .await;
+    let (honest, truth) = honest_shippers(&s, options, &set, &agg).await;
     let ca = set.ca.clone();
 
     // 1. No client certificate: the handshake fails.
@@ -267,4 +285,102 @@ async fn net_hostile_peers_are_refused_and_counted_while_honest_accounting_stays
     // The claimed node 0 got nothing from node 5's batches (its streams matched the truth
     // above), and node 5 is known only under its own name.
     assert!(nodes.nodes.iter().any(|n| n.name == "node-05"));
+}
+
+/// Issue 18: the inputs that once panicked the core, sent by a certified peer while
+/// honest shippers run — the heartbeat with every counter at u64::MAX (it froze every
+/// verdict: the timer task died in `SeqTracker::settle`), a frame with seq u64::MAX and a
+/// loss record ending there (they panicked the batch path: no ack, no nack), a PROGRESS
+/// entry whose op seqs are u64::MAX — each batch nacked `malformed_frame` and counted; a
+/// resume with a floor at u64::MAX closes its connection. Verdicts keep flowing, no task
+/// dies, the honest accounting stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_overflow_inputs_from_a_certified_peer_are_nacked_while_verdicts_flow() {
+    use aggregator::api::dto::VerdictsDto;
+    use proto_flat::codes::{LossCause, Phase};
+    use proto_flat::encode::SectionedFrameWriter;
+    use proto_flat::sections::{ProgressEntry, StreamEntry};
+    use zerocopy::FromZeros;
+    use zerocopy::little_endian::{U32, U64};
+
+    let dir = TempDir::new("hostile-overflow");
+    let s = builtin::builtin("pipeline-p2p").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let set = cert_set(dir.path(), 8);
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let (honest, truth) = honest_shippers(&s, options, &set, &agg).await;
+    let before: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?final=true&limit=100000").await;
+
+    let me = "node-06";
+    let p0 = StreamId::new(Class::P0, 0, 0);
+    let mut all_max = StreamEntry::new_zeroed();
+    all_max.stream_id = U32::new(p0.0);
+    all_max.attempted_seq = U64::new(u64::MAX);
+    all_max.held_from_seq = U64::new(u64::MAX);
+    all_max.drops[LossCause::KernelRingFull.drop_slot().expect("slot")] = U64::new(u64::MAX);
+    all_max.drops[LossCause::Oversized.drop_slot().expect("slot")] = U64::new(u64::MAX);
+    let mut w = SectionedFrameWriter::heartbeat(sample::SHIPPER_STREAM, 0, 1_000, 1_000);
+    w.section(&[all_max]);
+    let heartbeat = w.finish();
+    let seq_max = sample::collective(p0, u64::MAX, 2_000, 1, Phase::EnqueueStart).as_bytes().to_vec();
+    let mut record = sample::loss_record(1, 3_000, p0, 5, u64::MAX, LossCause::ShipperSpoolFull);
+    record.batch_seq = U64::new(0);
+    let mut progress = ProgressEntry::new_zeroed();
+    progress.last_enqueued_op = U64::new(u64::MAX);
+    progress.last_completed_op = U64::new(u64::MAX);
+    let mut w = SectionedFrameWriter::heartbeat(sample::SHIPPER_STREAM, 2, 4_000, 4_000);
+    w.section(&[] as &[StreamEntry]).section(&[progress]);
+    let progress_hb = w.finish();
+    let payloads = vec![
+        batch_of(me, 61, 1, Class::P1, &[heartbeat]),
+        batch_of(me, 61, 2, Class::P0, &[seq_max]),
+        batch_of(me, 61, 3, Class::P1, &[record.as_bytes().to_vec()]),
+        batch_of(me, 61, 4, Class::P1, &[progress_hb]),
+    ];
+    let (c6, k6) = files(&set, me);
+    let ca = set.ca.clone();
+    let (nacks, _) =
+        attack(agg.quic_addr, TlsFiles { ca: &ca, cert: &c6, key: &k6 }, &payloads).await.expect("connects");
+    assert_eq!(nacks, vec![NackReason::MalformedFrame; 4], "each overflow input nacked malformed_frame");
+    // A resume with a stream floor at u64::MAX.
+    let mut resume = Vec::new();
+    encode_resume(&mut resume, 62, 1, 1, 0, &[], &[(p0.0, u64::MAX)]).expect("encodes");
+    let (c6b, k6b) = files(&set, me);
+    let over =
+        attack_with(agg.quic_addr, TlsFiles { ca: &ca, cert: &c6b, key: &k6b }, &resume, &[]).await.expect("connects");
+    assert!(over.1, "an implausible resume closes its connection: {over:?}");
+
+    // The run ends on state: every honest stream settled; verdicts went on being final.
+    wait_nodes(agg.http_addr, "every honest stream settled", |n| streams_settled(n, &truth, |_| true)).await;
+    let after: VerdictsDto = get_json(agg.http_addr, "/v1/verdicts?final=true&limit=100000").await;
+    let ingest: IngestDto = get_json(agg.http_addr, "/v1/ingest").await;
+    let nodes: NodesDto = get_json(agg.http_addr, "/v1/nodes").await;
+    let health: HealthzDto = get_json(agg.http_addr, "/healthz").await;
+    let (ready_status, _) = aggregator::api::client::get(agg.http_addr, "/readyz").await.expect("readyz");
+    let reports = stop(honest).await;
+    agg.shutdown();
+    println!("final verdicts {} → {}; {ingest:?}; {health:?}", before.total, after.total);
+    assert!(after.total > before.total, "verdicts kept flowing after the attack");
+    assert_eq!(ingest.implausible_batches, 4);
+    assert_eq!(ingest.implausible_resumes, 1);
+    assert_eq!(ingest.rejected.get("malformed_frame"), Some(&4), "{:?}", ingest.rejected);
+    assert_eq!(health.status, "ok");
+    assert_eq!(ready_status, 200);
+    for t in &health.tasks {
+        let must_run = t.name != "snapshots";
+        assert!(t.alive == must_run && t.panics == 0 && !t.stalled, "{t:?}");
+    }
+    assert_eq!((health.connection_panics, health.handler_panics), (0, 0));
+    for r in &reports {
+        assert_eq!(r.batches_nacked, 0, "{}", r.node_name);
+    }
+    for t in &truth.streams {
+        let name = certs::node_name(t.node);
+        let node = nodes.nodes.iter().find(|n| n.name == name).expect("honest node");
+        let got = node.streams.iter().find(|x| x.epoch == t.epoch && x.stream_id == t.stream_id).expect("stream");
+        assert_eq!(got.received + got.lost_total + got.sampled_out, t.generated, "{name} {:#x}", t.stream_id);
+    }
+    // Nothing of the refused batches reached the attacker's node state.
+    let attacker = nodes.nodes.iter().find(|n| n.name == me);
+    assert!(attacker.is_none_or(|n| n.streams.is_empty()), "{attacker:?}");
 }

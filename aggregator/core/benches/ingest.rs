@@ -2,6 +2,11 @@
 //! seq scan into the SeqTrackers (what happens to every bulk frame at the aggregator).
 //!
 //! `cargo bench -p ringwatch-core --profile perf --bench ingest`
+//!
+//! The core is built with overflow checks in every profile (`Cargo.toml`,
+//! `[profile.release.package.ringwatch-core]`); to see what they cost, run once without
+//! that override with `-- --save-baseline nochecks`, then with it and `-- --baseline
+//! nochecks`: criterion prints the change.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use proto_flat::batch::{BatchMeta, BatchView, BatchWriter, RunningTotals, SummaryCheck};
@@ -62,21 +67,28 @@ fn bench(c: &mut Criterion) {
             BatchSize::SmallInput,
         );
     });
-    g.bench_function("parse_validate_scan", |b| {
-        let mut scratch = SummaryCheck::default();
-        b.iter_batched(
-            || Ingest::new(Default::default(), 0),
-            |mut ingest| {
-                for x in &batches {
-                    let v = BatchView::parse(x).expect("valid");
-                    v.validate(&mut scratch).expect("valid");
-                    ingest.handle_batch(1, NodeId(1), 0, &v);
-                }
-                black_box(ingest.stats().frames)
-            },
-            BatchSize::SmallInput,
-        );
-    });
+    // The aggregator's whole path: parse, validate, (with `check`) the plausibility check
+    // of issue 18, the scan.
+    for (name, check) in [("parse_validate_scan", false), ("parse_validate_check_scan", true)] {
+        g.bench_function(name, |b| {
+            let mut scratch = SummaryCheck::default();
+            b.iter_batched(
+                || Ingest::new(Default::default(), 0),
+                |mut ingest| {
+                    for x in &batches {
+                        let v = BatchView::parse(x).expect("valid");
+                        v.validate(&mut scratch).expect("valid");
+                        if check {
+                            ingest.check_batch(&v).expect("plausible");
+                        }
+                        ingest.handle_batch(1, NodeId(1), 0, &v);
+                    }
+                    black_box(ingest.stats().frames)
+                },
+                BatchSize::SmallInput,
+            );
+        });
+    }
     g.finish();
 }
 

@@ -65,14 +65,19 @@ impl ClockEstimate {
     }
 
     fn best(&self) -> Option<&Sample> {
-        self.samples.iter().min_by_key(|s| (i128::from(s.received_ns) - i128::from(s.sent_node_ns), s.rtt_ns))
+        // i128 holds any difference of two u64s.
+        self.samples
+            .iter()
+            .min_by_key(|s| (i128::from(s.received_ns).saturating_sub(i128::from(s.sent_node_ns)), s.rtt_ns))
     }
 
     /// `cluster = node + offset`; `None` before the first heartbeat.
     #[must_use]
     pub fn offset_ns(&self) -> Option<i64> {
         self.best().map(|s| {
-            let off = i128::from(s.received_ns) - i128::from(s.rtt_ns / 2) - i128::from(s.sent_node_ns);
+            let off = i128::from(s.received_ns)
+                .saturating_sub(i128::from(s.rtt_ns / 2))
+                .saturating_sub(i128::from(s.sent_node_ns));
             i64::try_from(off).unwrap_or(if off < 0 { i64::MIN } else { i64::MAX })
         })
     }
@@ -80,7 +85,9 @@ impl ClockEstimate {
     /// The uncertainty ε at aggregator time `now`: half the sample's RTT plus drift.
     #[must_use]
     pub fn epsilon_ns(&self, now: u64) -> Option<u64> {
-        self.best().map(|s| s.rtt_ns / 2 + now.saturating_sub(s.received_ns) / 1_000_000 * DRIFT_PPM)
+        self.best().map(|s| {
+            (s.rtt_ns / 2).saturating_add((now.saturating_sub(s.received_ns) / 1_000_000).saturating_mul(DRIFT_PPM))
+        })
     }
 
     /// Whether a heartbeat sample exists (cluster times mean something).

@@ -32,6 +32,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::records::NodeId;
+use crate::tally::Tally;
 
 /// Dedup limits.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,16 +129,17 @@ impl Session {
     fn settle(&mut self, seq: u64) {
         if seq > self.high {
             if seq > self.high.saturating_add(1) {
-                self.holes.insert(self.high + 1, seq - 1);
+                // `high + 1 < seq`: neither end overflows.
+                self.holes.insert(self.high.saturating_add(1), seq.saturating_sub(1));
             }
             self.high = seq;
         } else if let Some((s, e)) = self.hole_of(seq) {
             self.holes.remove(&s);
             if s < seq {
-                self.holes.insert(s, seq - 1);
+                self.holes.insert(s, seq.saturating_sub(1));
             }
             if seq < e {
-                self.holes.insert(seq + 1, e);
+                self.holes.insert(seq.saturating_add(1), e);
             }
         }
     }
@@ -189,8 +191,8 @@ impl BatchDedup {
         };
         match verdict {
             Admit::New => {}
-            Admit::Duplicate => self.stats.duplicates += 1,
-            Admit::WindowFull => self.stats.window_full += 1,
+            Admit::Duplicate => self.stats.duplicates.inc(),
+            Admit::WindowFull => self.stats.window_full.inc(),
         }
         verdict
     }
@@ -200,7 +202,7 @@ impl BatchDedup {
         let s = self.session(node, session);
         if !s.settled(batch_seq) {
             s.settle(batch_seq);
-            self.stats.new += 1;
+            self.stats.new.inc();
         }
     }
 
@@ -228,7 +230,7 @@ impl BatchDedup {
             return true;
         }
         if s.settled(batch_seq) && !s.was_resumed(batch_seq) {
-            self.stats.lost_but_applied += 1;
+            self.stats.lost_but_applied.inc();
             return false;
         }
         if s.fits(batch_seq, window) {
@@ -237,7 +239,7 @@ impl BatchDedup {
         s.lost.insert(batch_seq);
         if s.lost.len() > window {
             s.lost.pop_first();
-            self.stats.lost_marks_forgotten += 1;
+            self.stats.lost_marks_forgotten.inc();
         }
         true
     }
@@ -247,7 +249,7 @@ impl BatchDedup {
     /// is settled here; held ones stay expected. Returns how many batches this settled
     /// that this instance had not seen (0 when it saw everything: a plain reconnect).
     pub fn resume(&mut self, node: NodeId, session: u64, next_batch_seq: u64, held: &[(u64, u64)]) -> u64 {
-        self.stats.resumes += 1;
+        self.stats.resumes.inc();
         let window = self.config.window as usize;
         let through = next_batch_seq.saturating_sub(1);
         let s = self.session(node, session);
@@ -264,7 +266,7 @@ impl BatchDedup {
         // Candidate holes: the old ones, and everything between `high` and `through`.
         let mut candidates: Vec<(u64, u64)> = s.holes.iter().map(|(a, b)| (*a, *b)).collect();
         if through > s.high {
-            candidates.push((s.high + 1, through));
+            candidates.push((s.high.saturating_add(1), through));
             s.high = through;
         }
         // Bounded: at most one hole per held range plus one per candidate.
@@ -279,36 +281,36 @@ impl BatchDedup {
                 if let Some(from) = at
                     && from < lo
                 {
-                    newly_resumed.push((from, lo - 1));
-                    settled_now = settled_now.saturating_add(lo - from);
+                    newly_resumed.push((from, lo.saturating_sub(1)));
+                    settled_now = settled_now.saturating_add(lo.saturating_sub(from));
                 }
                 holes.insert(lo, hi);
                 at = hi.checked_add(1).filter(|&n| n <= b);
             }
             if let Some(from) = at {
                 newly_resumed.push((from, b));
-                settled_now = settled_now.saturating_add((b - from).saturating_add(1));
+                settled_now = settled_now.saturating_add(b.saturating_sub(from).saturating_add(1));
             }
         }
         s.holes = holes;
-        let mut forgotten = 0;
+        let mut forgotten = 0u64;
         for (a, b) in newly_resumed {
             s.resumed.insert(a, b);
             if s.resumed.len() > window.max(1) {
                 s.resumed.pop_first();
-                forgotten += 1;
+                forgotten.inc();
             }
         }
-        self.stats.resumed_ranges_forgotten += forgotten;
+        self.stats.resumed_ranges_forgotten.grow(forgotten);
         self.stats.resume_settled = self.stats.resume_settled.saturating_add(settled_now);
         if settled_now > 0 {
-            self.stats.resumes_with_gap += 1;
+            self.stats.resumes_with_gap.inc();
         }
         settled_now
     }
 
     fn session(&mut self, node: NodeId, session: u64) -> &mut Session {
-        self.uses += 1;
+        self.uses.inc();
         let key = (node, session);
         if !self.sessions.contains_key(&key) {
             let of_node: Vec<(u64, u64)> =
@@ -317,7 +319,7 @@ impl BatchDedup {
                 && let Some(&(_, oldest)) = of_node.iter().min()
             {
                 self.sessions.remove(&(node, oldest));
-                self.stats.sessions_forgotten += 1;
+                self.stats.sessions_forgotten.inc();
             }
         }
         let uses = self.uses;

@@ -6,8 +6,10 @@
 //!
 //! Method groups and call order (quinn-proto's `Connection` is the model):
 //! - getters: [`Ingest::tracker`], [`Ingest::node`], [`Ingest::stats`];
-//! - inputs: [`Ingest::handle_batch`] (a batch that passed `BatchView::parse` and
-//!   `validate`), [`Ingest::handle_connection_closed`], [`Ingest::handle_timeout`];
+//! - checks: [`Ingest::check_batch`] and [`Ingest::check_resume`] ([`crate::plausible`],
+//!   counted) before a batch or a resume is applied — `Core` calls them;
+//! - inputs: [`Ingest::handle_batch`] (a batch that passed `BatchView::parse`,
+//!   `validate` and [`Ingest::check_batch`]), [`Ingest::handle_connection_closed`], [`Ingest::handle_timeout`];
 //! - outputs: [`Ingest::poll_record`] until `None`, then [`Ingest::poll_timeout`] for
 //!   the next time to call `handle_timeout`.
 //!
@@ -31,10 +33,12 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::clock::ClockEstimate;
 use crate::dedup::{BatchDedup, DedupConfig};
 use crate::loss::{HeartbeatCounters, SeqTracker, TrackerLimits};
+use crate::plausible::{self, Implausible};
 use crate::records::{
     Comm, EpochChange, KnowledgeGap, Lifecycle, LifecycleKind, Liveness, LivenessState, LossInterval, NodeId, Progress,
     Record, ShipperGap, StreamKey, Watermark,
 };
+use crate::tally::Tally;
 
 /// Configuration (DESIGN's timer defaults).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +71,7 @@ impl Default for IngestConfig {
     }
 }
 
-/// What ingest counted (exported as metrics by the aggregator).
+/// What ingest counted (the aggregator shows it at `/v1/ingest`).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IngestStats {
     pub batches: u64,
@@ -92,9 +96,10 @@ pub struct IngestStats {
     /// Heartbeats written before their connection's `resume` (they waited in the
     /// shipper's spool), not taken as clock samples.
     pub clock_samples_stale: u64,
-    /// Frames with seq `u64::MAX` and loss records ending there (no seq can follow):
-    /// refused before any arithmetic on them.
-    pub seq_out_of_range: u64,
+    /// Batches refused whole for a field no real shipper sends ([`crate::plausible`]).
+    pub implausible_batches: u64,
+    /// Resumes refused for the same reason (the shell closes the connection).
+    pub implausible_resumes: u64,
 }
 
 /// One node's ingest state.
@@ -238,8 +243,8 @@ impl Ingest {
             .nodes
             .values()
             .filter_map(|n| match n.liveness {
-                LivenessState::Fresh => Some(n.last_heard_ns + self.config.silent_ns),
-                LivenessState::Silent => Some(n.last_heard_ns + self.config.unreachable_ns),
+                LivenessState::Fresh => Some(n.last_heard_ns.saturating_add(self.config.silent_ns)),
+                LivenessState::Silent => Some(n.last_heard_ns.saturating_add(self.config.unreachable_ns)),
                 LivenessState::Unreachable => None,
             })
             .min();
@@ -247,6 +252,31 @@ impl Ingest {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    // ---------------------------------------------------------------- checks
+
+    /// [`plausible::check_batch`], counted when it refuses.
+    ///
+    /// # Errors
+    /// The field no real shipper sends.
+    pub fn check_batch(&mut self, batch: &BatchView<'_>) -> Result<(), Implausible> {
+        plausible::check_batch(batch).inspect_err(|_| self.stats.implausible_batches.inc())
+    }
+
+    /// [`plausible::check_resume`], counted when it refuses.
+    ///
+    /// # Errors
+    /// The field no real shipper sends.
+    pub fn check_resume(
+        &mut self,
+        next_batch_seq: u64,
+        sent_ns: u64,
+        held: &[(u64, u64)],
+        floors: &[(u32, u64)],
+    ) -> Result<(), Implausible> {
+        plausible::check_resume(next_batch_seq, sent_ns, held, floors)
+            .inspect_err(|_| self.stats.implausible_resumes.inc())
     }
 
     // ---------------------------------------------------------------- inputs
@@ -304,10 +334,10 @@ impl Ingest {
     /// `max_nodes` (counted).
     pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
         if !self.ensure_node(now, node, batch.header.epoch.get()) {
-            self.stats.nodes_refused_batches += 1;
+            self.stats.nodes_refused_batches.inc();
             return false;
         }
-        self.stats.batches += 1;
+        self.stats.batches.inc();
         let mut scratch = Vec::new();
         {
             let Some(n) = self.nodes.get_mut(&node) else { return false };
@@ -364,11 +394,11 @@ impl Ingest {
         let mut windows = 0u64;
         for &(sid, floor) in floors {
             match Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid) {
-                Some(t) => windows += u64::from(t.on_resume(floor, now)),
-                None => self.stats.resume_streams_refused += 1,
+                Some(t) => windows.grow(u64::from(t.on_resume(floor, now))),
+                None => self.stats.resume_streams_refused.inc(),
             }
         }
-        self.stats.resume_windows += windows;
+        self.stats.resume_windows.grow(windows);
         if windows > 0 && !self.restored {
             self.out.push(Record::KnowledgeGap(KnowledgeGap { node, from_ns: self.known_since_ns, to_ns: now }));
         }
@@ -404,7 +434,7 @@ impl Ingest {
     }
 
     fn flush_losses(&mut self, scratch: &mut Vec<LossInterval>) {
-        self.stats.loss_intervals += scratch.len() as u64;
+        self.stats.loss_intervals.grow(scratch.len() as u64);
         self.out.extend(scratch.drain(..).map(Record::Loss));
     }
 
@@ -417,12 +447,12 @@ impl Ingest {
         n.epoch = epoch;
         n.watermark_ns = [0; 4];
         // Close the old epoch once its batches in flight have had time to land.
-        let due = now + self.config.reorder_timeout_ns;
+        let due = now.saturating_add(self.config.reorder_timeout_ns);
         self.settles.insert(
             (due, self.next_order),
             Settle { node, epoch: old, stream_id: 0, hb: HeartbeatCounters::default(), announced_ns: now, close: true },
         );
-        self.next_order += 1;
+        self.next_order.inc();
         self.out.push(Record::Epoch(EpochChange { node, old_epoch: old, new_epoch: epoch, boot_id, at_ns: now }));
     }
 
@@ -441,7 +471,7 @@ impl Ingest {
             // A closed epoch: late frames revive what its tail declared lost; nothing new.
             let t = n.trackers.get_mut(&(epoch, stream_id));
             if t.is_none() {
-                stats.stale_epoch_frames += 1;
+                stats.stale_epoch_frames.inc();
             }
             return t;
         }
@@ -450,7 +480,7 @@ impl Ingest {
             std::collections::btree_map::Entry::Occupied(e) => Some(e.into_mut()),
             std::collections::btree_map::Entry::Vacant(v) => {
                 if len >= config.max_streams_per_node {
-                    stats.streams_refused_frames += 1;
+                    stats.streams_refused_frames.inc();
                     return None;
                 }
                 Some(v.insert(SeqTracker::new(StreamKey { node, epoch, stream_id }, config.tracker)))
@@ -469,17 +499,12 @@ impl Ingest {
         h: &proto_flat::FrameHeader,
         scratch: &mut Vec<LossInterval>,
     ) -> bool {
-        self.stats.frames += 1;
-        if h.seq.get() == u64::MAX {
-            // No seq can follow it: a hostile or corrupt frame, refused before arithmetic.
-            self.stats.seq_out_of_range += 1;
-            return false;
-        }
+        self.stats.frames.inc();
         match Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, h.stream_id.get()) {
             Some(t) => {
                 let fresh = t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
                 if !fresh {
-                    self.stats.duplicate_frames += 1;
+                    self.stats.duplicate_frames.inc();
                 }
                 fresh
             }
@@ -505,11 +530,7 @@ impl Ingest {
             let mut tracker: Option<&mut SeqTracker> = None;
             for item in batch.headers() {
                 let Ok((h, _)) = item else { break };
-                frames += 1;
-                if h.seq.get() == u64::MAX {
-                    self.stats.seq_out_of_range += 1;
-                    continue;
-                }
+                frames.inc();
                 let sid = h.stream_id.get();
                 if sid != last_stream || tracker.is_none() {
                     last_stream = sid;
@@ -519,7 +540,7 @@ impl Ingest {
                     t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
                 }
             }
-            self.stats.frames += frames;
+            self.stats.frames.grow(frames);
             return;
         }
         let offset = self.nodes.get(&node).map_or(ClockEstimate::default(), |n| n.clock.clone());
@@ -578,17 +599,17 @@ impl Ingest {
                     lifecycle!(f, LifecycleKind::P2p { src: f.src.get(), dst: f.dst.get(), p2p_seq: f.p2p_seq.get() })
                 }
                 Frame::Unknown { .. } => {
-                    self.stats.unknown_frames += 1;
+                    self.stats.unknown_frames.inc();
                     None
                 }
                 Frame::Malformed { .. } => {
-                    self.stats.malformed_frames += 1;
+                    self.stats.malformed_frames.inc();
                     None
                 }
                 _ => None,
             };
             if let Some(r) = record {
-                self.stats.lifecycle_records += 1;
+                self.stats.lifecycle_records.inc();
                 self.out.push(Record::Lifecycle(r));
             }
         }
@@ -616,7 +637,7 @@ impl Ingest {
                     if let Some(n) = self.nodes.get_mut(&node)
                         && !n.clock.on_heartbeat(h.ts_ns.get(), now, rtt_ns)
                     {
-                        self.stats.clock_samples_stale += 1;
+                        self.stats.clock_samples_stale.inc();
                     }
                     let clock = self.nodes.get(&node).map(|n| n.clock.clone()).unwrap_or_default();
                     for section in hb.sections() {
@@ -641,7 +662,7 @@ impl Ingest {
                                         sid,
                                     ) {
                                         t.on_heartbeat(counters);
-                                        let due = now + self.config.reorder_timeout_ns;
+                                        let due = now.saturating_add(self.config.reorder_timeout_ns);
                                         self.settles.insert(
                                             (due, self.next_order),
                                             Settle {
@@ -653,7 +674,7 @@ impl Ingest {
                                                 close: false,
                                             },
                                         );
-                                        self.next_order += 1;
+                                        self.next_order.inc();
                                     }
                                 }
                             }
@@ -697,10 +718,6 @@ impl Ingest {
                     if batch_seq != 0 && !self.dedup.settle_lost(node, r.shipper_session.get(), batch_seq) {
                         continue;
                     }
-                    if r.last_seq.get() == u64::MAX {
-                        self.stats.seq_out_of_range += 1;
-                        continue;
-                    }
                     if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
                     {
                         t.on_loss_record(
@@ -739,8 +756,8 @@ impl Ingest {
                 Frame::EpochStart(e) => {
                     self.maybe_new_epoch(now, node, e.epoch.get(), e.boot_id);
                 }
-                Frame::Unknown { .. } => self.stats.unknown_frames += 1,
-                Frame::Malformed { .. } => self.stats.malformed_frames += 1,
+                Frame::Unknown { .. } => self.stats.unknown_frames.inc(),
+                Frame::Malformed { .. } => self.stats.malformed_frames.inc(),
                 _ => {}
             }
         }

@@ -12,8 +12,11 @@
 //! Modules: [`records`] (what ingest produces and the matcher consumes), [`loss`]
 //! (`SeqTracker`), [`ingest`] (batches → records; watermarks, liveness, knowledge
 //! gaps), [`clock`] (cluster time), [`matcher`] and [`verdict`] (collectives → verdicts,
-//! health), [`pipeline`] (`Core`: ingest and matcher together), [`snapshot`] (the
+//! health), [`plausible`] (what a batch may say before any arithmetic on it), [`pipeline`]
+//! (`Core`: ingest and matcher together), [`snapshot`] (the
 //! versioned state format).
+
+#![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
 pub mod clock;
 pub mod dedup;
@@ -22,8 +25,10 @@ pub mod loss;
 pub mod matcher;
 pub mod outbox;
 pub mod pipeline;
+pub mod plausible;
 pub mod records;
 pub mod snapshot;
+mod tally;
 pub mod verdict;
 
 pub use dedup::{Admit, BatchDedup, DedupConfig};

@@ -47,6 +47,7 @@ use proto_flat::codes::{DROP_SLOTS, LossCause, WireEnum};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::records::{LossInterval, StreamKey};
+use crate::tally::Tally;
 
 /// A pending hole `[start, end)` (start is the map key).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +97,7 @@ impl StreamCounts {
     /// Total lost, all causes.
     #[must_use]
     pub fn lost_total(&self) -> u64 {
-        self.lost.iter().sum()
+        self.lost.iter().fold(0u64, |a, &b| a.saturating_add(b))
     }
 }
 
@@ -213,7 +214,7 @@ impl SeqTracker {
     /// `attempted + sampled_out` as the last heartbeat said (0 before one).
     #[must_use]
     pub fn generated(&self) -> u64 {
-        self.hb.map_or(0, |h| h.attempted + h.sampled_out)
+        self.hb.map_or(0, |h| h.attempted.saturating_add(h.sampled_out))
     }
 
     // ---------------------------------------------------------------- inputs
@@ -224,8 +225,8 @@ impl SeqTracker {
     #[inline]
     pub fn on_frame(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) -> bool {
         if seq == self.high {
-            self.high += 1;
-            self.counts.received += 1;
+            self.high = self.high.saturating_add(1);
+            self.counts.received.inc();
             self.ts_high = ts;
             if self.gaps.is_empty() {
                 self.wm_ns = self.wm_ns.max(ts);
@@ -238,10 +239,10 @@ impl SeqTracker {
     fn on_frame_slow(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) -> bool {
         if seq > self.high {
             let gap = Gap { end: seq, lo_ts: self.ts_high, hi_ts: ts, created_at_ns: now };
-            self.pending += seq - self.high;
+            self.pending.grow(seq.saturating_sub(self.high));
             self.gaps.insert(self.high, gap);
-            self.high = seq + 1;
-            self.counts.received += 1;
+            self.high = seq.saturating_add(1);
+            self.counts.received.inc();
             self.ts_high = ts;
             self.enforce_gap_cap(now, out, ids);
             return true;
@@ -254,11 +255,11 @@ impl SeqTracker {
             if start < seq {
                 self.gaps.insert(start, Gap { end: seq, hi_ts: ts, ..gap });
             }
-            if seq + 1 < gap.end {
-                self.gaps.insert(seq + 1, Gap { lo_ts: ts, ..gap });
+            if seq.saturating_add(1) < gap.end {
+                self.gaps.insert(seq.saturating_add(1), Gap { lo_ts: ts, ..gap });
             }
-            self.pending -= 1;
-            self.counts.received += 1;
+            self.pending.shrink(1);
+            self.counts.received.inc();
             self.update_watermark();
             return true;
         }
@@ -267,8 +268,8 @@ impl SeqTracker {
             if r.start < seq {
                 self.recent_lost.push(LostRange { end: seq, ..r });
             }
-            if seq + 1 < r.end {
-                self.recent_lost.push(LostRange { start: seq + 1, ..r });
+            if seq.saturating_add(1) < r.end {
+                self.recent_lost.push(LostRange { start: seq.saturating_add(1), ..r });
             }
             let s = usize::from(r.slot);
             if s == PRIOR_SLOT {
@@ -279,11 +280,11 @@ impl SeqTracker {
             if s == RING_FULL_SLOT || s == OVERSIZED_SLOT {
                 self.kernel_attributed[s] = self.kernel_attributed[s].saturating_sub(1);
             }
-            self.counts.received += 1;
-            self.counts.revived += 1;
+            self.counts.received.inc();
+            self.counts.revived.inc();
             return true;
         }
-        self.counts.duplicates += 1;
+        self.counts.duplicates.inc();
         false
     }
 
@@ -304,17 +305,20 @@ impl SeqTracker {
             return;
         }
         let mut remaining = count;
+        // One past the range (a checked batch has `last < 2^62`; saturating for direct
+        // callers).
+        let end = last.saturating_add(1);
         // Beyond what was seen: the range's upper part becomes a gap first.
         if last >= self.high {
             let start = self.high.max(first);
             if start > self.high {
                 // Seqs between high and the record's range: unknown yet, pending.
                 self.gaps.insert(self.high, Gap { end: start, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
-                self.pending += start - self.high;
+                self.pending.grow(start.saturating_sub(self.high));
             }
-            self.gaps.insert(start, Gap { end: last + 1, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
-            self.pending += last + 1 - start;
-            self.high = last + 1;
+            self.gaps.insert(start, Gap { end, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
+            self.pending.grow(end.saturating_sub(start));
+            self.high = end;
         }
         let starts: Vec<u64> = self.gaps.range(..=last).map(|(s, _)| *s).collect();
         for start in starts {
@@ -323,13 +327,13 @@ impl SeqTracker {
             }
             let Some(gap) = self.gaps.get(&start).copied() else { continue };
             let lo = start.max(first);
-            let hi = gap.end.min(last + 1);
+            let hi = gap.end.min(end);
             if lo >= hi {
                 continue;
             }
-            let n = (hi - lo).min(remaining);
-            remaining -= n;
-            self.declare(start, lo, lo + n, slot(cause), reason, now, out, ids);
+            let n = hi.saturating_sub(lo).min(remaining);
+            remaining.shrink(n);
+            self.declare(start, lo, lo.saturating_add(n), slot(cause), reason, now, out, ids);
         }
         if remaining > 0 {
             self.reclassify_unknown(first, last, remaining, slot(cause), reason, now, out, ids);
@@ -364,12 +368,12 @@ impl SeqTracker {
             let r = self.recent_lost[i];
             let (lo, hi) = (r.start.max(first), r.end.min(last.saturating_add(1)));
             if usize::from(r.slot) != unknown || lo >= hi {
-                i += 1;
+                i = i.saturating_add(1);
                 continue;
             }
-            let hi = hi.min(lo + remaining);
-            let n = hi - lo;
-            remaining -= n;
+            let hi = hi.min(lo.saturating_add(remaining));
+            let n = hi.saturating_sub(lo);
+            remaining.shrink(n);
             // Split the remembered range: the piece takes the record's cause.
             self.recent_lost.remove(i);
             for (a, b, sl) in
@@ -383,7 +387,7 @@ impl SeqTracker {
                 *u = u.saturating_sub(n);
             }
             if let Some(l) = self.counts.lost.get_mut(to_slot) {
-                *l += n;
+                l.grow(n);
             }
             out.push(self.interval(ids, (lo, hi), to_slot, reason, (self.ts_high, 0), now));
         }
@@ -419,7 +423,7 @@ impl SeqTracker {
         }
         let start = self.high;
         self.gaps.insert(start, Gap { end: floor, lo_ts: self.ts_high, hi_ts: 0, created_at_ns: now });
-        self.pending += floor - start;
+        self.pending.grow(floor.saturating_sub(start));
         self.high = floor;
         self.resume_floor = floor;
         if proto_flat::StreamId(self.key.stream_id).class_code() == proto_flat::Class::P1.code() {
@@ -479,7 +483,7 @@ impl SeqTracker {
                 self.high,
                 Gap { end: tail_end, lo_ts: self.ts_high, hi_ts: hb.snapshot_node_ns, created_at_ns: now },
             );
-            self.pending += tail_end - self.high;
+            self.pending.grow(tail_end.saturating_sub(self.high));
             self.high = tail_end;
         }
         let _ = announced_ns;
@@ -540,22 +544,25 @@ impl SeqTracker {
         // After the first piece the rest of the gap starts where that piece ended.
         let mut at = gap_start;
         while lo < end {
+            // `lo < end` here, and every bound below is above `lo`: no difference is
+            // negative, and `n ≥ 1`, so the loop ends.
+            let left = end.saturating_sub(lo);
             let (slot_now, n) = if unexplained[0] > 0 {
-                (RING_FULL_SLOT, (end - lo).min(unexplained[0]))
+                (RING_FULL_SLOT, left.min(unexplained[0]))
             } else if unexplained[1] > 0 {
-                (OVERSIZED_SLOT, (end - lo).min(unexplained[1]))
+                (OVERSIZED_SLOT, left.min(unexplained[1]))
             } else if lo < self.resume_floor {
-                (PRIOR_SLOT, end.min(self.resume_floor) - lo)
+                (PRIOR_SLOT, end.min(self.resume_floor).saturating_sub(lo))
             } else if lo < self.restart_floor {
-                (slot(LossCause::ShipperRestart), end.min(self.restart_floor) - lo)
+                (slot(LossCause::ShipperRestart), end.min(self.restart_floor).saturating_sub(lo))
             } else {
-                (slot(LossCause::Unknown), end - lo)
+                (slot(LossCause::Unknown), left)
             };
-            if slot_now <= OVERSIZED_SLOT {
-                unexplained[slot_now] -= n;
+            if let Some(u) = unexplained.get_mut(slot_now) {
+                u.shrink(n);
             }
-            self.declare(at, lo, lo + n, slot_now, 0, now, out, ids);
-            lo += n;
+            self.declare(at, lo, lo.saturating_add(n), slot_now, 0, now, out, ids);
+            lo = lo.saturating_add(n);
             at = lo;
         }
     }
@@ -570,7 +577,7 @@ impl SeqTracker {
         let hb = self.hb.unwrap_or_default();
         self.settle(&hb, now, now, out, ids);
         let from = self.high.max(hb.attempted);
-        *ids += 1;
+        ids.inc();
         out.push(LossInterval {
             id: *ids,
             stream: self.key,
@@ -605,19 +612,19 @@ impl SeqTracker {
         if hi < gap.end {
             self.gaps.insert(hi, gap);
         }
-        let n = hi - lo;
-        self.pending -= n;
+        let n = hi.saturating_sub(lo);
+        self.pending.shrink(n);
         if cause_slot == PRIOR_SLOT {
             // Not loss: counted, remembered for revival, no loss interval.
-            self.counts.prior_instance += n;
+            self.counts.prior_instance.grow(n);
             self.remember_lost(lo, hi, cause_slot);
             return;
         }
         if let Some(l) = self.counts.lost.get_mut(cause_slot) {
-            *l += n;
+            l.grow(n);
         }
-        if cause_slot <= OVERSIZED_SLOT {
-            self.kernel_attributed[cause_slot] += n;
+        if let Some(k) = self.kernel_attributed.get_mut(cause_slot) {
+            k.grow(n);
         }
         self.remember_lost(lo, hi, cause_slot);
         out.push(self.interval(ids, (lo, hi), cause_slot, reason, (gap.lo_ts, gap.hi_ts), now));
@@ -633,14 +640,15 @@ impl SeqTracker {
         (from_node_ns, to_node_ns): (u64, u64),
         now: u64,
     ) -> LossInterval {
-        *ids += 1;
+        ids.inc();
         let cause = LossCause::from_drop_slot(cause_slot).unwrap_or(LossCause::Unknown);
         LossInterval {
             id: *ids,
             stream: self.key,
             first_seq: lo,
-            last_seq: hi - 1,
-            count: Some(hi - lo),
+            // `lo < hi` for every interval declared.
+            last_seq: hi.saturating_sub(1),
+            count: Some(hi.saturating_sub(lo)),
             cause: cause.code(),
             reason,
             from_node_ns,
@@ -660,7 +668,7 @@ impl SeqTracker {
     fn enforce_gap_cap(&mut self, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) {
         while self.gaps.len() > self.limits.max_gaps {
             let Some((&start, &gap)) = self.gaps.iter().next() else { break };
-            self.counts.gaps_evicted += 1;
+            self.counts.gaps_evicted.inc();
             self.declare(start, start, gap.end, slot(LossCause::Unknown), 0, now, out, ids);
         }
         self.update_watermark();

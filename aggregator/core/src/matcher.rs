@@ -60,6 +60,7 @@ use proto_flat::codes::{Op, Phase, ProcState, WireEnum, activation, flags};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::records::{Comm, LifecycleKind, LivenessState, NodeId, Record};
+use crate::tally::Tally;
 use crate::verdict::{
     Evidence, FrameRef, Indeterminate, MatcherEvent, OpRef, Outcome, ProgressRef, Rule, Verdict, VerdictTag,
 };
@@ -394,7 +395,7 @@ fn strong(op: u8) -> bool {
 }
 
 fn size_bucket(count: u64) -> u8 {
-    u8::try_from(64 - count.leading_zeros()).unwrap_or(64)
+    u8::try_from(64u32.saturating_sub(count.leading_zeros())).unwrap_or(64)
 }
 
 impl CollectiveMatcher {
@@ -524,7 +525,7 @@ impl CollectiveMatcher {
                     && old.node == Some(p.node)
                     && (old.epoch, old.snapshot_node_ns) > (p.epoch, p.snapshot_node_ns)
                 {
-                    self.stats.progress_stale += 1;
+                    self.stats.progress_stale.inc();
                     return;
                 }
                 self.progress.insert(
@@ -545,7 +546,7 @@ impl CollectiveMatcher {
                     },
                 );
                 // Ops of this communicator up to what the entry proves may change.
-                let hi = p.last_enqueued_op.max(p.last_completed_op) + 1;
+                let hi = p.last_enqueued_op.max(p.last_completed_op).saturating_add(1);
                 if let Some(open) = self.open_by_comm.get(&p.comm) {
                     self.dirty.extend(open.range(..=hi).map(|&seq| OpRef::Coll { comm: p.comm, seq }));
                 }
@@ -605,17 +606,17 @@ impl CollectiveMatcher {
     }
 
     fn on_lifecycle(&mut self, now: u64, l: &crate::records::Lifecycle) {
-        self.stats.lifecycle += 1;
+        self.stats.lifecycle.inc();
         let graph = l.flags & flags::GRAPH_CAPTURED != 0;
         let per_channel_frame = l.flags & flags::PER_CHANNEL != 0;
         if graph && !per_channel_frame {
             // Graph replays are matched from kernel-channel records only.
-            self.stats.unmatched_graph += 1;
+            self.stats.unmatched_graph.inc();
             return;
         }
         let (key, nranks) = match l.kind {
             LifecycleKind::Collective { graph_id, graph_node, replay_idx, nranks, .. } if graph => {
-                self.stats.graph_frames += 1;
+                self.stats.graph_frames.inc();
                 (OpRef::Graph { comm: l.comm, graph_id, graph_node, replay_idx }, nranks)
             }
             LifecycleKind::Collective { comm_op_seq, nranks, .. } => {
@@ -648,10 +649,10 @@ impl CollectiveMatcher {
                 // Late data for a final op: a recovery (handled above), or a late frame
                 // to count.
                 if self.final_recent.contains(&key) {
-                    self.stats.late_frames_after_final += 1;
+                    self.stats.late_frames_after_final.inc();
                     return;
                 }
-                self.stats.ops_created += 1;
+                self.stats.ops_created.inc();
                 created = true;
                 let participants: Vec<u32> = match key {
                     OpRef::Coll { .. } | OpRef::Graph { .. } => (0..nranks.min(4096)).collect(),
@@ -788,7 +789,7 @@ impl CollectiveMatcher {
             let ranks = self.homes.entry(l.comm).or_default();
             let i = usize::try_from(l.rank).unwrap_or(usize::MAX).min(65_535);
             if ranks.len() <= i {
-                ranks.resize(i + 1, None);
+                ranks.resize(i.saturating_add(1), None);
             }
             match ranks.get_mut(i) {
                 Some(Some(home)) if *home != (node, l.pid) => {
@@ -817,7 +818,7 @@ impl CollectiveMatcher {
         let Some(u) = waiting.remove(&rank) else { return false };
         self.recoverable_ranks = self.recoverable_ranks.saturating_sub(1);
         let all_back = waiting.is_empty();
-        self.stats.recovered += 1;
+        self.stats.recovered.inc();
         self.out.push(MatcherEvent::Recovered {
             op: key,
             rank,
@@ -869,12 +870,13 @@ impl CollectiveMatcher {
             return;
         }
         self.seen_through.insert(comm, seq);
-        let missing = seq - high - 1;
+        // `seq > high`, so this is at least 0.
+        let missing = seq.saturating_sub(high).saturating_sub(1);
         if missing > MAX_SEQ_GAP_OPS {
             self.stats.seq_gap_ops_skipped = self.stats.seq_gap_ops_skipped.saturating_add(missing);
             return;
         }
-        for k in high + 1..seq {
+        for k in high.saturating_add(1)..seq {
             let key = OpRef::Coll { comm, seq: k };
             if self.ops.contains_key(&key) || self.final_recent.contains(&key) {
                 continue;
@@ -888,8 +890,8 @@ impl CollectiveMatcher {
             self.ops.insert(key, op);
             self.open_by_comm.entry(comm).or_default().insert(k);
             self.dirty.insert(key);
-            self.stats.ops_created += 1;
-            self.stats.ops_inferred_from_seq_gap += 1;
+            self.stats.ops_created.inc();
+            self.stats.ops_inferred_from_seq_gap.inc();
         }
     }
 
@@ -905,7 +907,7 @@ impl CollectiveMatcher {
         {
             open.remove(&seq);
         }
-        self.stats.ops_evicted += 1;
+        self.stats.ops_evicted.inc();
     }
 
     fn stuck_deadline(&self, op: &OpState) -> u64 {
@@ -913,7 +915,7 @@ impl CollectiveMatcher {
         let p99 = self.durations.get(&key).and_then(|d| {
             let mut v = d.clone();
             v.sort_unstable();
-            v.get(v.len().saturating_sub(1) * 99 / 100).copied()
+            v.get(v.len().saturating_sub(1).saturating_mul(99) / 100).copied()
         });
         self.config.stuck_min_ns.max(p99.unwrap_or(0).saturating_mul(4))
     }
@@ -925,7 +927,7 @@ impl CollectiveMatcher {
     fn clock_start(&self, op: &OpState) -> u64 {
         let OpRef::Coll { comm, seq } = op.key else { return op.first_seen_ns };
         if seq > 1
-            && let Some(prev) = self.ops.get(&OpRef::Coll { comm, seq: seq - 1 })
+            && let Some(prev) = self.ops.get(&OpRef::Coll { comm, seq: seq.saturating_sub(1) })
             && !prev.is_final
         {
             let decided = prev.decided_now_ns != 0
@@ -934,7 +936,7 @@ impl CollectiveMatcher {
             return if decided { prev.decided_at_ns.max(op.first_seen_ns) } else { u64::MAX };
         }
         match self.comm_done.get(&comm) {
-            Some(&(done, at)) if done + 1 == seq => at.max(op.first_seen_ns),
+            Some(&(done, at)) if done.checked_add(1) == Some(seq) => at.max(op.first_seen_ns),
             _ => op.first_seen_ns,
         }
     }
@@ -1299,7 +1301,7 @@ impl CollectiveMatcher {
             let d = op
                 .observed()
                 .filter(|o| o.started_node_ns > 0 && o.completed_node_ns > o.started_node_ns)
-                .map(|o| o.completed_node_ns - o.started_node_ns)
+                .map(|o| o.completed_node_ns.saturating_sub(o.started_node_ns))
                 .max();
             if let Some(d) = d {
                 let w = self.durations.entry((comm, op.op, size_bucket(op.count))).or_default();
@@ -1333,7 +1335,8 @@ impl CollectiveMatcher {
                         if o.completed.is_none() || o.started_node_ns == 0 || o.completed_node_ns < o.started_node_ns {
                             return None;
                         }
-                        let start = -i64::try_from(o.completed_node_ns - o.started_node_ns).ok()?;
+                        let start =
+                            i64::try_from(o.completed_node_ns.saturating_sub(o.started_node_ns)).ok()?.saturating_neg();
                         let host_gap = if o.enqueued_cluster_ns != 0 {
                             o.enqueued_cluster_ns.saturating_sub(o.started_cluster_ns)
                         } else {
@@ -1376,7 +1379,7 @@ impl CollectiveMatcher {
                             VerdictTag::Straggler {
                                 lag_ns: lag,
                                 bound_ns: bound,
-                                host: host_count * 2 >= lagging_count,
+                                host: host_count.saturating_mul(2) >= lagging_count,
                             },
                         );
                     }
@@ -1452,12 +1455,12 @@ impl CollectiveMatcher {
                 && p.outcome != *o
             {
                 if p.is_final {
-                    self.stats.revisions_after_final += 1;
+                    self.stats.revisions_after_final.inc();
                 } else if is_decision(&p.outcome) {
                     // A decided outcome changed before it became final. Waiting states
                     // (in flight, waiting on, blocked by) evolving are not revisions.
-                    revision += 1;
-                    self.stats.revisions_before_final += 1;
+                    revision = revision.saturating_add(1);
+                    self.stats.revisions_before_final.inc();
                 }
             }
             if let Some(v) = new_verdicts.get_mut(slot) {
@@ -1519,7 +1522,7 @@ impl CollectiveMatcher {
         }
         self.out.extend(events);
         if is_final {
-            self.stats.ops_final += 1;
+            self.stats.ops_final.inc();
             self.final_recent.insert(key);
             self.final_order.push(key);
             if self.final_order.len() > 2 * FINAL_MEMORY {
@@ -1578,7 +1581,7 @@ impl CollectiveMatcher {
                     if let Some(w) = self.recoverable.remove(&k) {
                         self.recoverable_ranks = self.recoverable_ranks.saturating_sub(w.len());
                     }
-                    self.stats.recoverable_evicted += 1;
+                    self.stats.recoverable_evicted.inc();
                 }
             }
             if let OpRef::Coll { comm, seq } = key
@@ -1597,14 +1600,20 @@ impl CollectiveMatcher {
                 if seq > e.0 {
                     *e = (seq, decided_at);
                 }
-                self.dirty.insert(OpRef::Coll { comm, seq: seq + 1 });
+                self.dirty.insert(OpRef::Coll { comm, seq: seq.saturating_add(1) });
             }
         } else {
             let mut o = op;
             o.verdicts = new_verdicts;
             o.decided_at_ns = decided_at;
             o.decided_now_ns = decided_now;
-            let due = if past_stuck { now + self.config.reorder_timeout_ns } else { stuck_at.min(join_at) };
+            let recheck = now.saturating_add(self.config.reorder_timeout_ns);
+            let due = if past_stuck { recheck } else { stuck_at.min(join_at) };
+            // A deadline passed by arrival time but not yet by the watermarks is looked at
+            // again a reorder window later (and whenever a watermark moves), never at a
+            // time already past: that re-inserted the op at `now` on every evaluation and
+            // spun the timer (found by the issue 18 overflow test, watermarks held back).
+            let due = if due <= now { recheck } else { due };
             if due != u64::MAX {
                 self.deadlines.insert((due, key));
             }
@@ -1634,13 +1643,13 @@ impl CollectiveMatcher {
             if v.residuals.len() >= 32 {
                 v.residuals.remove(0);
             }
-            v.residuals.push(end - median);
+            v.residuals.push(end.saturating_sub(median));
             let mut r = v.residuals.clone();
             r.sort_unstable();
             v.correction_ns = r.get(r.len() / 2).copied().unwrap_or(0);
             let mut dev: Vec<u64> = v.residuals.iter().map(|x| x.abs_diff(v.correction_ns)).collect();
             dev.sort_unstable();
-            v.residual_spread_ns = dev.get(dev.len() * 9 / 10).copied().unwrap_or(0);
+            v.residual_spread_ns = dev.get(dev.len().saturating_mul(9) / 10).copied().unwrap_or(0);
         }
     }
 

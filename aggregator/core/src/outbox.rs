@@ -31,7 +31,7 @@ impl<T: Clone> Outbox<T> {
     pub fn poll(&mut self) -> Option<T> {
         let item = self.items.get(self.read).cloned();
         if item.is_some() {
-            self.read += 1;
+            self.read = self.read.saturating_add(1);
         }
         if self.read >= self.items.len() {
             self.items.clear();

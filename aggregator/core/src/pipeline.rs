@@ -13,6 +13,7 @@ use crate::ingest::{Ingest, IngestConfig};
 use std::collections::BTreeMap;
 
 use crate::matcher::{CollectiveMatcher, Health, MatcherConfig};
+use crate::plausible::Implausible;
 use crate::records::NodeId;
 use crate::verdict::MatcherEvent;
 
@@ -36,6 +37,10 @@ pub enum Receipt {
     /// Refused, nothing applied: ingest's node cap is reached (counted in
     /// `IngestStats::nodes_refused_batches`); the shell closes the connection.
     NodeCapReached,
+    /// Refused, nothing applied: a field no real shipper sends (see
+    /// [`crate::plausible`]; counted in `IngestStats::implausible_batches`): nack
+    /// `malformed_frame`.
+    Implausible(Implausible),
 }
 
 /// What a `resume` did ([`Core::handle_resume`]).
@@ -64,14 +69,19 @@ impl Core {
 
     /// A validated batch from the network: applied once, however often it is resent
     /// (dedup key `(node, shipper_session, batch_seq)`).
+    /// A batch whose fields are past what any shipper sends is refused whole, before
+    /// dedup sees it ([`crate::plausible`]).
     pub fn receive_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> Receipt {
+        if let Err(why) = self.ingest.check_batch(batch) {
+            return Receipt::Implausible(why);
+        }
         let (session, seq) = (batch.header.shipper_session.get(), batch.header.batch_seq.get());
         match self.ingest.dedup_mut().check(node, session, seq) {
             Admit::Duplicate => return Receipt::Duplicate,
             Admit::WindowFull => return Receipt::DedupWindowFull,
             Admit::New => {}
         }
-        if !self.handle_batch(now, node, rtt_ns, batch) {
+        if !self.apply_batch(now, node, rtt_ns, batch) {
             return Receipt::NodeCapReached;
         }
         self.ingest.dedup_mut().mark_applied(node, session, seq);
@@ -94,17 +104,26 @@ impl Core {
         clock: (u64, u64),
         held: &[(u64, u64)],
         floors: &[(u32, u64)],
-    ) -> Resumed {
+    ) -> Result<Resumed, Implausible> {
+        self.ingest.check_resume(next_batch_seq, clock.0, held, floors)?;
         let Some(windows) = self.ingest.handle_resume(now, node, epoch, clock, floors) else {
-            return Resumed { refused: true, ..Resumed::default() };
+            return Ok(Resumed { refused: true, ..Resumed::default() });
         };
         let batches_settled = self.ingest.dedup_mut().resume(node, session, next_batch_seq, held);
         self.pump(now);
-        Resumed { refused: false, batches_settled, stream_windows: windows }
+        Ok(Resumed { refused: false, batches_settled, stream_windows: windows })
     }
 
-    /// A validated batch, applied without dedup (see [`Ingest::handle_batch`]).
-    pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
+    /// A validated batch, applied without dedup (see [`Ingest::handle_batch`]); refused
+    /// whole, like [`Self::receive_batch`], when a field is implausible.
+    pub fn handle_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> Receipt {
+        if let Err(why) = self.ingest.check_batch(batch) {
+            return Receipt::Implausible(why);
+        }
+        if self.apply_batch(now, node, rtt_ns, batch) { Receipt::Applied } else { Receipt::NodeCapReached }
+    }
+
+    fn apply_batch(&mut self, now: u64, node: NodeId, rtt_ns: u64, batch: &BatchView<'_>) -> bool {
         let ok = self.ingest.handle_batch(now, node, rtt_ns, batch);
         self.pump(now);
         ok
@@ -186,7 +205,7 @@ impl Core {
 
     fn pump(&mut self, now: u64) {
         while let Some(r) = self.ingest.poll_record() {
-            self.records += 1;
+            self.records = self.records.saturating_add(1);
             self.matcher.handle_record(now, &r);
         }
     }

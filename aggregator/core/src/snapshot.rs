@@ -12,7 +12,7 @@ use crate::pipeline::Core;
 /// First bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"RWSNAP\0\0";
 /// Snapshot format version.
-pub const SNAPSHOT_VERSION: u32 = 9; // 2: batch dedup; 3: comm seq gaps; 4: ingest knows it was restored; 5: dedup holes + resume, prior_instance; 6: clock freshness floor, frozen decision times; 7: expected_nodes; 8: PROGRESS recency; 9: recovery of every unfinished rank
+pub const SNAPSHOT_VERSION: u32 = 10; // 2: batch dedup; 3: comm seq gaps; 4: ingest knows it was restored; 5: dedup holes + resume, prior_instance; 6: clock freshness floor, frozen decision times; 7: expected_nodes; 8: PROGRESS recency; 9: recovery of every unfinished rank; 10: implausible batch/resume counts
 
 /// Why a snapshot could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +30,7 @@ pub enum SnapshotError {
 /// Serializes the state.
 pub fn write(state: &Core) -> Result<Vec<u8>, SnapshotError> {
     let archive = rkyv::to_bytes::<rkyv::rancor::Error>(state).map_err(|e| SnapshotError::Archive(e.to_string()))?;
-    let mut out = Vec::with_capacity(16 + archive.len());
+    let mut out = Vec::with_capacity(archive.len().saturating_add(16));
     out.extend_from_slice(&SNAPSHOT_MAGIC);
     out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
     out.extend_from_slice(&[0; 4]);
@@ -50,7 +50,7 @@ pub fn read(bytes: &[u8], snapshot_ns: u64) -> Result<Core, SnapshotError> {
         return Err(SnapshotError::UnsupportedVersion { got: version });
     }
     // rkyv needs the archive aligned; copy it into an aligned buffer.
-    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len() - 16);
+    let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len().saturating_sub(16));
     aligned.extend_from_slice(bytes.get(16..).unwrap_or(&[]));
     let mut state =
         rkyv::from_bytes::<Core, rkyv::rancor::Error>(&aligned).map_err(|e| SnapshotError::Archive(e.to_string()))?;

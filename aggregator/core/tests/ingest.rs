@@ -458,50 +458,6 @@ fn loss_reports_for_applied_batches_do_not_count_delivered_frames_lost() {
     assert_eq!(core.ingest.dedup().stats().lost_but_applied, 2, "both reports for the applied batch ignored");
 }
 
-/// Seq `u64::MAX` has no successor: frames with it (every lane) and loss records ending
-/// there are refused and counted before any arithmetic — they once overflowed
-/// `SeqTracker` on the batch path (issue 18's hostile heartbeat finding, by the fuzzer).
-#[test]
-fn seq_u64_max_is_refused_and_counted_never_overflowed() {
-    use proto_flat::batch::BatchView;
-    use proto_flat::codes::{Class, Phase};
-    use proto_flat::header::StreamId;
-    use proto_flat::sample;
-    use ringwatch_core::{Core, Receipt};
-    use zerocopy::IntoBytes;
-    let node = 0;
-    let p0 = StreamId::new(Class::P0, 0, 0);
-    let bulk = StreamId::new(Class::P2, 1, 0);
-    let p0_frames: Vec<Vec<u8>> = [0, 1, u64::MAX]
-        .iter()
-        .map(|&q| sample::collective(p0, q, 1_000 + (q & 0xff), 1, Phase::EnqueueStart).as_bytes().to_vec())
-        .collect();
-    let bulk_frames: Vec<Vec<u8>> =
-        [0, u64::MAX].iter().map(|&q| sample::bulk_packet(bulk, q, 1_000 + (q & 0xff)).as_bytes().to_vec()).collect();
-    // batch_seq 0: not a report about one batch (the dedup check is not what is tested).
-    let loss: Vec<Vec<u8>> = [(5, u64::MAX), (u64::MAX, u64::MAX)]
-        .iter()
-        .enumerate()
-        .map(|(i, &(first, last))| {
-            let mut r = sample::loss_record(i as u64, 2_000, p0, first, last, LossCause::ShipperSpoolFull);
-            r.batch_seq = 0.into();
-            r.as_bytes().to_vec()
-        })
-        .collect();
-    let mut core = Core::new(Default::default(), Default::default(), 0);
-    for (i, (lane, frames)) in
-        [(Class::P0, &p0_frames), (Class::P2, &bulk_frames), (Class::P1, &loss)].iter().enumerate()
-    {
-        let b = common::batch(node, 1, 5, 1 + i as u64, lane.code(), frames);
-        assert_eq!(core.receive_batch(1, node_id(node), 0, &BatchView::parse(&b).unwrap()), Receipt::Applied);
-    }
-    assert_eq!(core.ingest.stats().seq_out_of_range, 4, "two frames, two loss records");
-    // Trackers in stream-id order: P0 (class 0) first.
-    let p0_tracker = core.ingest.trackers(node_id(node)).next().unwrap();
-    assert_eq!(p0_tracker.counts().received, 2);
-    assert!(p0_tracker.counts().lost_total() < 1 << 32, "no range reaching u64::MAX was declared");
-}
-
 /// A node whose P0 stream lost frames is `healthy_lossy` (node and every GPU) whatever
 /// the verdicts say: here the kernel dropped 5 P0 frames and no verdict exists at all.
 /// (Under load a lost frame's completion was sometimes proved before the loss was
@@ -540,9 +496,9 @@ fn p0_telemetry_loss_makes_an_otherwise_healthy_node_healthy_lossy() {
     assert_eq!(core.node_health(end, u64::MAX).get(&node_id(0)), Some(&Health::HealthyLossy));
 }
 
-/// Heartbeat counts come from the wire: two P0 streams announcing `attempted` near
-/// u64::MAX make the node's P0 totals saturate, not overflow (the `/v1/nodes` handler
-/// sums them under the core's lock).
+/// Heartbeat counts come from the wire: five P0 streams announcing the largest plausible
+/// `attempted` (2^62 each) make the node's P0 totals saturate, not overflow (the
+/// `/v1/nodes` handler sums them under the core's lock).
 #[test]
 fn p0_totals_saturate_on_hostile_heartbeat_counts() {
     use proto_flat::batch::BatchView;
@@ -554,11 +510,11 @@ fn p0_totals_saturate_on_hostile_heartbeat_counts() {
     use zerocopy::FromZeros;
     use zerocopy::little_endian::{U32, U64};
 
-    let entries: Vec<StreamEntry> = (0..2)
+    let entries: Vec<StreamEntry> = (0..5)
         .map(|cpu| {
             let mut e = StreamEntry::new_zeroed();
             e.stream_id = U32::new(StreamId::new(Class::P0, 0, cpu).0);
-            e.attempted_seq = U64::new(u64::MAX - 1);
+            e.attempted_seq = U64::new(ringwatch_core::plausible::MAX_SEQ);
             e.held_from_seq = U64::new(0);
             e
         })

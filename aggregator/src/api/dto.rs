@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 /// API version of every DTO here.
 pub const API_VERSION: &str = "v1";
 
-/// `GET /healthz`.
+/// `GET /healthz`: `200` with status `ok`; `503` with `degraded` (a long-lived task is
+/// dead, or the timer task made no progress for [`TIMER_STALL_MS`]) or `failed` (the core
+/// failed: the process is exiting to restart from its snapshot).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthzDto {
     pub status: String,
@@ -30,6 +32,43 @@ pub struct HealthzDto {
     pub nodes_connected: u64,
     /// Whether this instance restored its state from a snapshot.
     pub restored: bool,
+    /// Why the core failed (status `failed`).
+    pub failure: Option<String>,
+    /// Every long-lived task: `timers` (the core's), `ingest` (QUIC accept loop),
+    /// `http`, `snapshots` (alive only when snapshots are configured).
+    pub tasks: Vec<TaskDto>,
+    /// Panics caught in a connection's or batch stream's task (the connection was closed
+    /// and its shipper reconnected), and in HTTP handlers (answered 500).
+    pub connection_panics: u64,
+    pub handler_panics: u64,
+}
+
+/// How long the timer task may go without a turn before `/healthz` calls it stalled
+/// (it turns at least every 100 ms).
+pub const TIMER_STALL_MS: u64 = 10_000;
+
+/// One long-lived task in [`HealthzDto`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskDto {
+    pub name: String,
+    pub alive: bool,
+    /// Panics caught, and restarts in place after them (the timer task never restarts:
+    /// its panic fails the core).
+    pub panics: u64,
+    pub restarts: u64,
+    /// Real ms since the task's last progress: the timer's last turn, the last accepted
+    /// connection, the last request served, the last snapshot written (`None`: none yet).
+    pub last_progress_ago_ms: Option<u64>,
+    /// The timer task with no turn for [`TIMER_STALL_MS`].
+    pub stalled: bool,
+}
+
+/// `GET /readyz`: `200` when the aggregator is serving (the core has not failed, the
+/// timer task turns, the accept loop and the HTTP server run), else `503` with why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadyzDto {
+    pub ready: bool,
+    pub reasons: Vec<String>,
 }
 
 /// `GET /v1/ingest`: what the transport and ingest counted.
@@ -69,8 +108,12 @@ pub struct IngestDto {
     /// Heartbeats written before their connection's `resume` (they waited in the
     /// shipper's spool): their counters count, their send times are not clock samples.
     pub clock_samples_stale: u64,
-    /// Frames with seq `u64::MAX` and loss records ending there, refused.
-    pub seq_out_of_range: u64,
+    /// Batches refused whole (nacked `malformed_frame`) and resumes refused (connection
+    /// closed) for a field no real shipper sends: a seq or counter past 2^62, a loss
+    /// record that loses more than its range, a held seq above `attempted_seq`, …
+    /// (`ringwatch_core::plausible`). Each is also logged with the field.
+    pub implausible_batches: u64,
+    pub implausible_resumes: u64,
     /// The last snapshot: how long the core's lock was held to take it (µs), and when
     /// (aggregator ms).
     pub last_snapshot_hold_us: u64,

@@ -1,8 +1,11 @@
-//! The HTTP surface (axum): `GET /healthz`, `GET /v1/nodes`, `GET /v1/verdicts`.
+//! The HTTP surface (axum): `GET /healthz`, `GET /readyz`, `GET /v1/nodes`,
+//! `GET /v1/verdicts`, `GET /v1/ingest`.
 //!
 //! Handlers read shared state and answer with the DTOs of [`dto`]; they never hold the
 //! core's lock across an `.await`. Bad queries get `400` with an [`dto::ErrorDto`] that
-//! says what was wrong.
+//! says what was wrong; once the core failed, handlers that read it answer `503`. A
+//! handler that panics is answered `500`, counted (`/healthz` `handler_panics`) and
+//! logged; the server goes on.
 //!
 //! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX`
 //! (`stuck`, `waiting_on`, …), `final=true|false`, `limit=N` (1..=100000, default 10000).
@@ -13,50 +16,152 @@ pub mod dto;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering::Relaxed;
+
 use axum::Json;
 use axum::Router;
-use axum::extract::{Query, State};
+use axum::extract::{Query, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use futures_util::FutureExt;
 use ringwatch_core::NodeId;
 
 use self::dto::{
-    API_VERSION, ErrorDto, GapDto, GpuDto, HealthzDto, IngestDto, NodeDto, NodesDto, StreamDto, VerdictDto,
-    VerdictsDto, health_name, liveness_name,
+    API_VERSION, ErrorDto, GapDto, GpuDto, HealthzDto, IngestDto, NodeDto, NodesDto, ReadyzDto, StreamDto,
+    TIMER_STALL_MS, TaskDto, VerdictDto, VerdictsDto, health_name, liveness_name,
 };
-use crate::state::Shared;
+use crate::state::{CoreFailed, Shared};
 
 /// The router.
 pub fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
+    let r = Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/v1/nodes", get(nodes))
         .route("/v1/verdicts", get(verdicts))
-        .route("/v1/ingest", get(ingest))
-        .with_state(shared)
+        .route("/v1/ingest", get(ingest));
+    #[cfg(feature = "test-hooks")]
+    let r = r.route("/test/panic", get(test_panic));
+    r.layer(middleware::from_fn_with_state(Arc::clone(&shared), catch_panics)).with_state(shared)
+}
+
+/// Test hook: a handler that panics (without the core's lock).
+#[cfg(feature = "test-hooks")]
+async fn test_panic() -> &'static str {
+    panic!("test hook: an HTTP handler panics")
+}
+
+/// A handler's panic is answered 500, counted and logged (the core fails instead if the
+/// panic poisoned its lock); every answered request is the HTTP task's progress.
+async fn catch_panics(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_owned();
+    match AssertUnwindSafe(next.run(req)).catch_unwind().await {
+        Ok(r) => {
+            s.progress(&s.tasks.http);
+            r
+        }
+        Err(p) => {
+            s.tasks.handler_panics.fetch_add(1, Relaxed);
+            let why = crate::supervise::panic_message(p.as_ref());
+            if s.core_poisoned() {
+                s.fail(format!("an HTTP handler ({path}) panicked holding the core: {why}"));
+            } else {
+                tracing::error!(%path, panic = %why, "HTTP handler panicked");
+            }
+            (StatusCode::INTERNAL_SERVER_ERROR, Json(ErrorDto { error: "internal error (logged)".into() }))
+                .into_response()
+        }
+    }
 }
 
 fn bad(msg: String) -> Response {
     (StatusCode::BAD_REQUEST, Json(ErrorDto { error: msg })).into_response()
 }
 
-async fn healthz(State(s): State<Arc<Shared>>) -> Json<HealthzDto> {
-    Json(HealthzDto {
-        status: "ok".into(),
+fn unavailable(e: CoreFailed) -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, Json(ErrorDto { error: e.to_string() })).into_response()
+}
+
+fn tasks(s: &Shared) -> Vec<TaskDto> {
+    let now = s.real_ms();
+    s.tasks
+        .all()
+        .iter()
+        .map(|t| {
+            let last = t.last_progress_real_ms.load(Relaxed);
+            let ago = (last > 0).then(|| now.saturating_sub(last));
+            let is_timers = std::ptr::eq(*t, &s.tasks.timers);
+            TaskDto {
+                name: t.name.into(),
+                alive: t.alive.load(Relaxed),
+                panics: t.panics.load(Relaxed),
+                restarts: t.restarts.load(Relaxed),
+                last_progress_ago_ms: ago,
+                stalled: is_timers && ago.map_or(now > TIMER_STALL_MS, |a| a > TIMER_STALL_MS),
+            }
+        })
+        .collect()
+}
+
+/// Why the aggregator is not serving (empty: it is).
+fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
+    let mut why = Vec::new();
+    if let Some(f) = s.failure() {
+        why.push(format!("core failed: {f}"));
+    }
+    for t in tasks {
+        if t.name != "snapshots" && !t.alive {
+            why.push(format!("task {} is not running", t.name));
+        }
+        if t.stalled {
+            why.push(format!("task {} made no progress for {} ms", t.name, t.last_progress_ago_ms.unwrap_or(0)));
+        }
+    }
+    why
+}
+
+async fn healthz(State(s): State<Arc<Shared>>) -> Response {
+    let tasks = tasks(&s);
+    let failure = s.failure();
+    let status = if failure.is_some() {
+        "failed"
+    } else if not_ready(&s, &tasks).is_empty() {
+        "ok"
+    } else {
+        "degraded"
+    };
+    let code = if status == "ok" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = HealthzDto {
+        status: status.into(),
         instance: format!("{:016x}", s.instance),
         aggregator_epoch: s.epoch,
         uptime_ms: s.now() / 1_000_000,
         nodes_connected: s.nodes.iter().filter(|e| e.connected).count() as u64,
         restored: s.restored,
-    })
+        failure,
+        tasks,
+        connection_panics: s.tasks.connection_panics.load(Relaxed),
+        handler_panics: s.tasks.handler_panics.load(Relaxed),
+    };
+    (code, Json(body)).into_response()
 }
 
-async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
-    use std::sync::atomic::Ordering::Relaxed;
+async fn readyz(State(s): State<Arc<Shared>>) -> Response {
+    let reasons = not_ready(&s, &tasks(&s));
+    let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(ReadyzDto { ready: reasons.is_empty(), reasons })).into_response()
+}
+
+async fn ingest(State(s): State<Arc<Shared>>) -> Response {
     let c = &s.counters;
     let (stats, matcher, dedup) = {
-        let core = s.core();
+        let core = match s.core() {
+            Ok(c) => c,
+            Err(e) => return unavailable(e),
+        };
         (*core.ingest.stats(), *core.matcher.stats(), *core.ingest.dedup().stats())
     };
     Json(IngestDto {
@@ -90,10 +195,12 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Json<IngestDto> {
         resume_stream_windows: stats.resume_windows,
         dedup_window_full: dedup.window_full,
         clock_samples_stale: stats.clock_samples_stale,
-        seq_out_of_range: stats.seq_out_of_range,
+        implausible_batches: stats.implausible_batches,
+        implausible_resumes: stats.implausible_resumes,
         last_snapshot_hold_us: c.last_snapshot_hold_us.load(Relaxed),
         last_snapshot_at_ms: c.last_snapshot_at_ms.load(Relaxed),
     })
+    .into_response()
 }
 
 async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, String>>) -> Response {
@@ -103,7 +210,10 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
     let now = s.now();
     let registry: Vec<(NodeId, String, bool, u64)> =
         s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.connected, e.connections)).collect();
-    let core = s.core();
+    let core = match s.core() {
+        Ok(c) => c,
+        Err(e) => return unavailable(e),
+    };
     let health = core.node_health(now, s.degraded_clear_ns);
     let gpu_health = core.gpu_health(now, s.degraded_clear_ns);
     let mut out: Vec<NodeDto> = registry

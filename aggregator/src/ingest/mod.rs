@@ -12,6 +12,12 @@
 //! data) plus [`STREAMS_IN_PROGRESS`] batches of at most [`MAX_BATCH_READ`] being read
 //! or validated (224 MiB worst case, a few MiB typically), plus a header per waiting
 //! stream (at most `max_streams`).
+//!
+//! Numbers from the wire: the core refuses a batch or a resume whose fields no real
+//! shipper sends (`ringwatch_core::plausible`; nacked `malformed_frame` / connection
+//! closed, counted, logged with the field); arithmetic here is checked or saturating
+//! (`clippy::arithmetic_side_effects`).
+#![warn(clippy::arithmetic_side_effects)]
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,6 +32,7 @@ use tokio::sync::mpsc;
 use zerocopy::FromBytes;
 
 use crate::state::{Counters, NodeEntry, Shared};
+use crate::supervise::guard;
 
 /// After this many rejected batches a connection is closed (a broken or hostile peer
 /// must not make us validate garbage forever).
@@ -43,13 +50,20 @@ pub const STREAM_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// header and summary add little). Longer streams are refused `too_large`.
 pub const MAX_BATCH_READ: usize = 2 << 20;
 
-/// Accepts connections until the endpoint closes.
+/// Accepts connections until the endpoint closes. Each connection runs in its own task,
+/// supervised ([`guard`]): a panic there closes that connection, counted.
 pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     while let Some(incoming) = endpoint.accept().await {
+        shared.progress(&shared.tasks.ingest);
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
             match incoming.await {
-                Ok(conn) => connection(conn, shared).await,
+                Ok(conn) => {
+                    let c = conn.clone();
+                    if guard(&shared, "connection", connection(conn, Arc::clone(&shared))).await.is_none() {
+                        c.close(close::PROTOCOL.into(), b"aggregator task failed");
+                    }
+                }
                 Err(e) => {
                     Counters::inc(&shared.counters.handshake_failures);
                     tracing::info!(error = %e, "handshake failed");
@@ -66,6 +80,9 @@ enum Answer {
     /// The core's node cap is reached: nothing applied, the connection is closed (the
     /// shipper keeps its batches and resends them on a later connection).
     CloseNodeCap,
+    /// The core failed (the process is exiting): nothing is answered, the connection is
+    /// closed; the shipper resends what was not acked to the restarted aggregator.
+    CloseFailed,
 }
 
 async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
@@ -86,7 +103,7 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         .entry(node)
         .and_modify(|e| {
             e.connected = true;
-            e.connections += 1;
+            e.connections = e.connections.saturating_add(1);
         })
         .or_insert_with(|| NodeEntry { name: name.clone(), connected: true, connections: 1, last_shipper_session: 0 });
     tracing::info!(%remote, node = %name, "shipper connected");
@@ -111,12 +128,25 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
     match read_resume(&mut ctl_recv).await {
         Ok(r) => {
             let now = shared.now();
-            let mut core = shared.core();
+            let Ok(mut core) = shared.core() else {
+                conn.close(close::SHUTDOWN.into(), b"aggregator restarting");
+                return;
+            };
             let rtt = shared.aggregator_ns(conn.rtt());
             let clock = (r.sent_ns, rtt);
             let done = core.handle_resume(now, node, r.session, r.epoch, r.next_batch_seq, clock, &r.held, &r.floors);
             shared.drain_events(&mut core);
             drop(core);
+            let done = match done {
+                Ok(d) => d,
+                Err(why) => {
+                    Counters::inc(&shared.counters.protocol_errors);
+                    tracing::warn!(%remote, node = %name, error = %why, "implausible resume: closing");
+                    conn.close(close::PROTOCOL.into(), b"implausible resume");
+                    closed(&shared, node);
+                    return;
+                }
+            };
             if done.refused {
                 conn.close(close::REFUSED.into(), b"aggregator node cap reached");
                 closed(&shared, node);
@@ -158,52 +188,63 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         let (shared, tx, conn2, rejected) = (Arc::clone(&shared), tx.clone(), conn.clone(), Arc::clone(&rejected));
         let lanes = Arc::clone(&lanes);
         tokio::spawn(async move {
-            let mut stream = stream;
-            let mut head = [0u8; size_of::<BatchHeader>()];
-            let got = match stream.read_exact(&mut head).await {
-                Ok(()) => head.len(),
-                // Shorter than a header: validated (and rejected) as it is.
-                Err(quinn::ReadExactError::FinishedEarly(n)) => n,
-                Err(_) => {
-                    Counters::inc(&shared.counters.stream_errors);
-                    return;
-                }
-            };
-            let lane = BatchHeader::read_from_bytes(&head).map_or(2, |h| usize::from(h.lane).min(2));
-            let Some(pool) = lanes.get(lane) else { return };
-            let Ok(_permit) = pool.acquire().await else { return };
-            let mut bytes = head.get(..got).unwrap_or(&[]).to_vec();
-            if got == head.len() {
-                // A stream that stalls must not hold its lane's permit forever: the
-                // shipper sends the batch again when its acks stall.
-                let read = tokio::time::timeout(STREAM_READ_TIMEOUT, stream.read_to_end(MAX_BATCH_READ - head.len()));
-                let Ok(read) = read.await else {
-                    Counters::inc(&shared.counters.stream_errors);
-                    let _ = stream.stop(0u32.into());
-                    return;
-                };
-                match read {
-                    Ok(rest) => bytes.extend_from_slice(&rest),
-                    Err(quinn::ReadToEndError::TooLong) => {
-                        let ids = BatchHeader::read_from_bytes(&head)
-                            .ok()
-                            .map(|h| (h.shipper_session.get(), h.batch_seq.get()));
-                        reject(&shared, &rejected, &conn2, &tx, ids, NackReason::TooLarge).await;
-                        return;
-                    }
+            let sh = Arc::clone(&shared);
+            let c = conn2.clone();
+            let stream_task = async move {
+                let mut stream = stream;
+                let mut head = [0u8; size_of::<BatchHeader>()];
+                let got = match stream.read_exact(&mut head).await {
+                    Ok(()) => head.len(),
+                    // Shorter than a header: validated (and rejected) as it is.
+                    Err(quinn::ReadExactError::FinishedEarly(n)) => n,
                     Err(_) => {
                         Counters::inc(&shared.counters.stream_errors);
                         return;
                     }
+                };
+                let lane = BatchHeader::read_from_bytes(&head).map_or(2, |h| usize::from(h.lane).min(2));
+                let Some(pool) = lanes.get(lane) else { return };
+                let Ok(_permit) = pool.acquire().await else { return };
+                let mut bytes = head.get(..got).unwrap_or(&[]).to_vec();
+                if got == head.len() {
+                    // A stream that stalls must not hold its lane's permit forever: the
+                    // shipper sends the batch again when its acks stall.
+                    let read = tokio::time::timeout(
+                        STREAM_READ_TIMEOUT,
+                        stream.read_to_end(MAX_BATCH_READ.saturating_sub(head.len())),
+                    );
+                    let Ok(read) = read.await else {
+                        Counters::inc(&shared.counters.stream_errors);
+                        let _ = stream.stop(0u32.into());
+                        return;
+                    };
+                    match read {
+                        Ok(rest) => bytes.extend_from_slice(&rest),
+                        Err(quinn::ReadToEndError::TooLong) => {
+                            let ids = BatchHeader::read_from_bytes(&head)
+                                .ok()
+                                .map(|h| (h.shipper_session.get(), h.batch_seq.get()));
+                            reject(&shared, &rejected, &conn2, &tx, ids, NackReason::TooLarge).await;
+                            return;
+                        }
+                        Err(_) => {
+                            Counters::inc(&shared.counters.stream_errors);
+                            return;
+                        }
+                    }
                 }
-            }
-            let rtt = shared.aggregator_ns(conn2.rtt());
-            match apply(&shared, node, rtt, &bytes) {
-                Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
-                Ok(answer) => {
-                    let _ = tx.send(answer).await;
+                let rtt = shared.aggregator_ns(conn2.rtt());
+                match apply(&shared, node, rtt, &bytes) {
+                    Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
+                    Ok(Answer::CloseFailed) => conn2.close(close::SHUTDOWN.into(), b"aggregator restarting"),
+                    Ok(answer) => {
+                        let _ = tx.send(answer).await;
+                    }
+                    Err((ids, reason)) => reject(&shared, &rejected, &conn2, &tx, ids, reason).await,
                 }
-                Err((ids, reason)) => reject(&shared, &rejected, &conn2, &tx, ids, reason).await,
+            };
+            if guard(&sh, "batch stream", stream_task).await.is_none() {
+                c.close(close::PROTOCOL.into(), b"aggregator task failed");
             }
         });
     }
@@ -217,9 +258,10 @@ fn closed(shared: &Shared, node: NodeId) {
         e.connected = false;
     }
     let now = shared.now();
-    let mut core = shared.core();
-    core.handle_connection_closed(now, node);
-    shared.drain_events(&mut core);
+    if let Ok(mut core) = shared.core() {
+        core.handle_connection_closed(now, node);
+        shared.drain_events(&mut core);
+    }
 }
 
 async fn preface_ok(recv: &mut quinn::RecvStream) -> bool {
@@ -290,7 +332,7 @@ fn apply(shared: &Shared, node: NodeId, rtt: u64, bytes: &[u8]) -> Result<Answer
     }
     let now = shared.now();
     let receipt = {
-        let mut core = shared.core();
+        let Ok(mut core) = shared.core() else { return Ok(Answer::CloseFailed) };
         let r = core.receive_batch(now, node, rtt, &view);
         shared.drain_events(&mut core);
         r
@@ -306,6 +348,10 @@ fn apply(shared: &Shared, node: NodeId, rtt: u64, bytes: &[u8]) -> Result<Answer
         }
         Receipt::DedupWindowFull => Err((Some((session, seq)), NackReason::DedupWindowFull)),
         Receipt::NodeCapReached => Ok(Answer::CloseNodeCap),
+        Receipt::Implausible(why) => {
+            tracing::warn!(node = node.0, session, batch_seq = seq, error = %why, "implausible batch: nacked");
+            Err((Some((session, seq)), NackReason::MalformedFrame))
+        }
     }
 }
 
@@ -322,7 +368,7 @@ async fn reject(
     if let Some((session, seq)) = ids {
         let _ = tx.send(Answer::Nack(session, seq, reason)).await;
     }
-    if rejected.fetch_add(1, Ordering::Relaxed) + 1 == REJECT_THRESHOLD {
+    if rejected.fetch_add(1, Ordering::Relaxed).saturating_add(1) == REJECT_THRESHOLD {
         Counters::inc(&shared.counters.connections_closed_abuse);
         tracing::warn!(remote = %conn.remote_address(), "closing: too many rejected batches");
         conn.close(close::ABUSE.into(), b"too many rejected batches");
@@ -370,7 +416,7 @@ fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared) {
                 }
             }
             Answer::Nack(session, seq, reason) => encode_nack(out, session, seq, reason),
-            Answer::CloseNodeCap => {}
+            Answer::CloseNodeCap | Answer::CloseFailed => {}
         }
     }
     acks.sort_unstable();
@@ -382,10 +428,10 @@ fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared) {
                 break;
             }
             match ranges.last_mut() {
-                Some(r) if r.1 + 1 == seq => r.1 = seq,
+                Some(r) if r.1.checked_add(1) == Some(seq) => r.1 = seq,
                 _ => ranges.push((seq, seq)),
             }
-            i += 1;
+            i = i.saturating_add(1);
         }
         // ≤ 4,000 ranges fit a control message (64 KiB), so this cannot fail.
         let _ = encode_ack(out, session, AckStatus::from_code(status), &ranges);

@@ -62,9 +62,6 @@ pub struct AggregatorConfig {
     /// How long a degraded verdict keeps its GPU degraded without new evidence
     /// (aggregator time; 300 s).
     pub degraded_clear_ns: u64,
-    /// Test hook (acted on only with the `test-hooks` feature): the timer task panics,
-    /// holding the core's lock, this long after start (aggregator ms).
-    pub test_panic_timer_after_ms: Option<u64>,
 }
 
 /// How long a degraded verdict keeps its GPU degraded without new evidence, by default.
@@ -90,7 +87,6 @@ impl AggregatorConfig {
             snapshot_interval_ms: 10_000,
             time_scale: 1.0,
             degraded_clear_ns: DEGRADED_CLEAR_NS,
-            test_panic_timer_after_ms: None,
         }
     }
 }
@@ -151,8 +147,6 @@ impl Aggregator {
         };
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
         shared.degraded_clear_ns = cfg.degraded_clear_ns;
-        shared.test_panic_timer_at_ns =
-            cfg.test_panic_timer_after_ms.map(|ms| shared.base_ns.saturating_add(ms.saturating_mul(1_000_000)));
         let shared = Arc::new(shared);
         // A std listener, so the HTTP task can restart in place on a clone of it.
         let listener = std::net::TcpListener::bind(cfg.http)
@@ -210,7 +204,15 @@ impl Aggregator {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
         let Some(path) = self.snapshot_path.clone() else { return false };
         let shared = Arc::clone(&self.shared);
-        let written = tokio::task::spawn_blocking(move || snapshot_now(&shared, &path)).await.unwrap_or(false);
+        let sh = Arc::clone(&shared);
+        let written = match tokio::task::spawn_blocking(move || snapshot_now(&sh, &path)).await {
+            Ok(w) => w,
+            Err(e) => {
+                let why = if e.is_panic() { supervise::panic_message(e.into_panic().as_ref()) } else { e.to_string() };
+                shared.fail(format!("the final snapshot failed: {why}"));
+                false
+            }
+        };
         tracing::info!(written, "final snapshot");
         written
     }
@@ -291,7 +293,7 @@ async fn timers(shared: Arc<Shared>) {
         let due = {
             let Ok(mut core) = shared.core() else { return };
             #[cfg(feature = "test-hooks")]
-            if shared.test_panic_timer_at_ns.is_some_and(|at| now >= at) {
+            if shared.test_panic_timer.load(std::sync::atomic::Ordering::Relaxed) {
                 // Mid-update, as a real bug would be: the lock is held and poisoned.
                 core.handle_timeout(now);
                 panic!("test hook: the timer task panics with the core's lock held");

@@ -90,8 +90,7 @@ fn command() -> Command {
                         .long("test-hold-acks-after-ms")
                         .value_parser(value_parser!(u64))
                         .hide(true),
-                )
-                .args(test_hooks()),
+                ),
         )
         .subcommand(
             Command::new("certs").about("certificate set-up").subcommand_required(true).subcommand(
@@ -103,20 +102,6 @@ fn command() -> Command {
                     ),
             ),
         )
-}
-
-/// Flags that exist only in test builds (feature `test-hooks`).
-fn test_hooks() -> Vec<Arg> {
-    if cfg!(feature = "test-hooks") {
-        vec![
-            Arg::new("test-panic-timer-after-ms")
-                .long("test-panic-timer-after-ms")
-                .value_parser(value_parser!(u64))
-                .hide(true),
-        ]
-    } else {
-        Vec::new()
-    }
 }
 
 /// Exit code when the core failed (EX_SOFTWARE).
@@ -170,9 +155,6 @@ fn main() -> ExitCode {
             cfg.http = r.get_one::<SocketAddr>("http").copied().unwrap_or(cfg.http);
             cfg.hold_acks = r.get_flag("test-hold-acks");
             cfg.hold_acks_after_ms = r.get_one::<u64>("test-hold-acks-after-ms").copied();
-            if cfg!(feature = "test-hooks") {
-                cfg.test_panic_timer_after_ms = r.get_one::<u64>("test-panic-timer-after-ms").copied();
-            }
             cfg.snapshot_path = r.get_one::<PathBuf>("snapshot").cloned();
             cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
             if let Some(&w) = r.get_one::<u32>("dedup-window") {
@@ -202,6 +184,11 @@ fn main() -> ExitCode {
                 tokio::select! {
                     () = ringwatch_transport::shell::terminated() => {
                         agg.shutdown_with_snapshot().await;
+                        // The core may have failed meanwhile (or in the final snapshot).
+                        if let Some(why) = agg.shared.failure() {
+                            eprintln!("aggregator: core failed ({why}); exiting {EXIT_CORE_FAILED}");
+                            return ExitCode::from(EXIT_CORE_FAILED);
+                        }
                         ExitCode::SUCCESS
                     }
                     why = agg.failed() => {

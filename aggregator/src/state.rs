@@ -180,9 +180,9 @@ pub struct Shared {
     /// Test hook: withhold acks from this aggregator time on (the shippers' spools then
     /// hold every batch applied since).
     pub hold_acks_from_ns: Option<u64>,
-    /// Test hook (feature `test-hooks`): the timer task panics, holding the core's lock,
-    /// at this aggregator time.
-    pub test_panic_timer_at_ns: Option<u64>,
+    /// Test hook (feature `test-hooks`, `GET /test/arm-timer-panic`): the timer task
+    /// panics, holding the core's lock, at its next turn.
+    pub test_panic_timer: AtomicBool,
     pub tasks: Tasks,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
     failure: tokio::sync::watch::Sender<Option<String>>,
@@ -210,7 +210,7 @@ impl Shared {
             epoch,
             degraded_clear_ns: crate::DEGRADED_CLEAR_NS,
             hold_acks_from_ns,
-            test_panic_timer_at_ns: None,
+            test_panic_timer: AtomicBool::new(false),
             tasks: Tasks::default(),
             failure: tokio::sync::watch::Sender::new(None),
         }

@@ -45,9 +45,11 @@ pub fn spawn_core_task<F>(shared: Arc<Shared>, pick: Pick, fut: F) -> JoinHandle
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    // Alive from the moment it is spawned: `/healthz` never sees a task not yet polled as
+    // dead.
+    pick(&shared).alive.store(true, Relaxed);
     tokio::spawn(async move {
         let task = pick(&shared);
-        task.alive.store(true, Relaxed);
         let outcome = AssertUnwindSafe(fut).catch_unwind().await;
         task.alive.store(false, Relaxed);
         match outcome {
@@ -68,10 +70,10 @@ where
     M: Fn() -> F + Send + 'static,
     F: Future<Output = ()> + Send + 'static,
 {
+    pick(&shared).alive.store(true, Relaxed);
     tokio::spawn(async move {
         loop {
             let task = pick(&shared);
-            task.alive.store(true, Relaxed);
             let outcome = AssertUnwindSafe(make()).catch_unwind().await;
             task.alive.store(false, Relaxed);
             let Err(p) = outcome else { return };
@@ -84,6 +86,7 @@ where
             task.restarts.fetch_add(1, Relaxed);
             tracing::error!(task = task.name, panic = %why, "task panicked; restarting it");
             tokio::time::sleep(Duration::from_millis(100)).await;
+            task.alive.store(true, Relaxed);
         }
     })
 }

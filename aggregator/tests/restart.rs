@@ -394,9 +394,9 @@ async fn net_aggregator_restarts_of_every_kind_lock_no_shipper_out_regression_is
 }
 
 /// Issue 18: a panic inside the core — injected in the timer task with the core's lock
-/// held (test builds only) — ends the process with exit code 70 and no snapshot of the
-/// half-updated state; an aggregator started again on the same port restores the last
-/// snapshot and continues: every shipper reconnects, every stream of every node ends
+/// held (test builds only), once the instance has applied batches and written a snapshot —
+/// ends the process with exit code 70; an aggregator started again on the same port
+/// restores the last snapshot and continues: every shipper reconnects, every stream of every node ends
 /// exact (received, lost with a known cause, or `prior_instance`), and the new instance
 /// is healthy and ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -408,12 +408,17 @@ async fn net_a_core_panic_exits_nonzero_and_a_restart_from_the_snapshot_continue
     let set = cert_set(dir.path(), s.cluster.nodes);
     let snap = dir.path().join("aggregator.snap");
 
-    let (mut first, quic, http1) =
-        spawn_aggregator(dir.path(), "127.0.0.1:0", &snap, &["--test-panic-timer-after-ms", "2500"]);
+    let (mut first, quic, http1) = spawn_aggregator(dir.path(), "127.0.0.1:0", &snap, &[]);
     let start = Instant::now();
     let shippers = sim_shippers(&s, options, &set, quic, 0..s.cluster.nodes, start);
+    wait_ingest(http1, "instance 1 applied batches and snapshotted", |i| {
+        i.batches_applied > 100 && i.last_snapshot_at_ms > 0
+    })
+    .await;
     let h1: HealthzDto = get_json(http1, "/healthz").await;
     assert_eq!(h1.status, "ok");
+    let (status, _) = aggregator::api::client::get(http1, "/test/arm-timer-panic").await.expect("armed");
+    assert_eq!(status, 200);
     // The process ends by itself; a test that never sees it fails on nextest's timeout.
     let status = loop {
         if let Some(st) = first.try_wait().expect("wait") {
@@ -461,16 +466,15 @@ async fn net_a_core_panic_exits_nonzero_and_a_restart_from_the_snapshot_continue
 /// Issue 18: supervision in process (test hooks). An HTTP handler's panic is answered
 /// 500, counted and logged, and the server goes on; a panic with the core's lock held
 /// fails the core: `failed()` resolves, `/healthz` says `failed` (503), `/readyz` is 503,
-/// and handlers that read the core answer 503 instead of reading half-updated state.
+/// handlers that read the core or the verdicts answer 503 instead of reading half-updated
+/// state, and no snapshot can be written any more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn net_handler_panics_are_contained_and_a_core_panic_fails_the_service() {
     use aggregator::api::client::get;
     use aggregator::api::dto::ReadyzDto;
     let dir = TempDir::new("supervise");
     let set = cert_set(dir.path(), 1);
-    let mut cfg = aggregator::AggregatorConfig::local(&set);
-    cfg.test_panic_timer_after_ms = Some(1_500);
-    let agg = aggregator::Aggregator::start(cfg).await.expect("starts");
+    let agg = aggregator::Aggregator::start(aggregator::AggregatorConfig::local(&set)).await.expect("starts");
     let http = agg.http_addr;
 
     let (status, _) = get(http, "/test/panic").await.expect("answered");
@@ -482,7 +486,10 @@ async fn net_handler_panics_are_contained_and_a_core_panic_fails_the_service() {
     let timers = h.tasks.iter().find(|t| t.name == "timers").expect("timers task");
     assert!(timers.alive && timers.last_progress_ago_ms.is_some(), "{timers:?}");
 
-    let why = tokio::time::timeout(Duration::from_secs(60), agg.failed()).await.expect("the core fails");
+    let (status, _) = get(http, "/test/arm-timer-panic").await.expect("armed");
+    assert_eq!(status, 200);
+    // Waits on the state; a test that never sees it fails on nextest's timeout.
+    let why = agg.failed().await;
     assert!(why.contains("timers"), "{why}");
     let (status, body) = get(http, "/healthz").await.expect("answered");
     assert_eq!(status, 503, "{body}");
@@ -491,9 +498,12 @@ async fn net_handler_panics_are_contained_and_a_core_panic_fails_the_service() {
     assert!(h.tasks.iter().any(|t| t.name == "timers" && !t.alive && t.panics == 1), "{h:?}");
     let (status, body) = get(http, "/readyz").await.expect("answered");
     assert_eq!(status, 503, "{body}");
-    for path in ["/v1/nodes", "/v1/ingest"] {
+    for path in ["/v1/nodes", "/v1/ingest", "/v1/verdicts"] {
         let (status, body) = get(http, path).await.expect("answered");
         assert_eq!(status, 503, "{path}: {body}");
     }
+    let snap = dir.path().join("after-failure.snap");
+    assert!(!aggregator::snapshot_now(&agg.shared, &snap), "a failed core is never snapshotted");
+    assert!(!snap.exists());
     agg.shutdown();
 }

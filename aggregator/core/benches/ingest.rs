@@ -3,9 +3,9 @@
 //!
 //! `cargo bench -p ringwatch-core --profile perf --bench ingest`
 //!
-//! The core is built with overflow checks in every profile (`Cargo.toml`,
-//! `[profile.release.package.ringwatch-core]`); to see what they cost, run once without
-//! that override with `-- --save-baseline nochecks`, then with it and `-- --baseline
+//! What overflow checks would cost the core (issue 18; they are off in release builds,
+//! see `Cargo.toml`): run once with `-- --save-baseline nochecks`, then with
+//! `[profile.release.package.ringwatch-core] overflow-checks = true` and `-- --baseline
 //! nochecks`: criterion prints the change.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};

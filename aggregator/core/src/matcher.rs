@@ -256,8 +256,61 @@ struct RankKey {
 /// Final ops remembered for late frames (between this and twice this many).
 const FINAL_MEMORY: usize = 65_536;
 
+/// Where each rank of a communicator spoke from: `(node, pid)`. Dense below
+/// [`DENSE_RANKS`] (the participant cap: compact and cache-friendly, a communicator's
+/// ranks are looked up together), sparse above — a rank number from the wire costs one
+/// entry whatever its value (a dense Vec once let one frame with rank 65,535 allocate
+/// 1.5 MiB, issue 18).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct Homes {
+    dense: Vec<Option<(NodeId, u32)>>,
+    sparse: BTreeMap<u32, (NodeId, u32)>,
+}
+
+/// Ranks kept in [`Homes`]'s dense part (the participants a collective tracks).
+const DENSE_RANKS: u32 = 4096;
+
+impl Homes {
+    fn get(&self, rank: u32) -> Option<(NodeId, u32)> {
+        if rank < DENSE_RANKS {
+            self.dense.get(usize::try_from(rank).ok()?).copied().flatten()
+        } else {
+            self.sparse.get(&rank).copied()
+        }
+    }
+
+    /// Records `home` for `rank` unless one is known; true when a different one is (two
+    /// processes speak for one rank: the communicators' keys collide).
+    fn claim(&mut self, rank: u32, home: (NodeId, u32)) -> bool {
+        if rank >= DENSE_RANKS {
+            let known = *self.sparse.entry(rank).or_insert(home);
+            return known != home;
+        }
+        let i = usize::try_from(rank).unwrap_or(0);
+        if self.dense.len() <= i {
+            self.dense.resize(i.saturating_add(1), None);
+        }
+        match self.dense.get_mut(i) {
+            Some(Some(known)) => *known != home,
+            Some(slot) => {
+                *slot = Some(home);
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &(NodeId, u32)> + '_ {
+        self.dense.iter().flatten().chain(self.sparse.values())
+    }
+}
+
 /// Ops remembered per rank process for `blocked_by` (the oldest are dropped).
 const RANK_OPS_CAP: usize = 4096;
+/// How soon an op whose deadline passed by arrival time, but not yet by every gating
+/// node's watermark, is evaluated again (the aggregator's timer turns at least this
+/// often anyway).
+const WATERMARK_RECHECK_NS: u64 = 100_000_000;
 /// Final ops remembered for recovery (and stuck ops for `blocked_by` across
 /// communicators).
 const RECOVERABLE_CAP: usize = 4096;
@@ -311,7 +364,7 @@ pub struct CollectiveMatcher {
     /// communicators share a key.
     /// Per communicator, indexed by rank (compact and cache-friendly: a communicator's
     /// ranks are looked up together).
-    homes: FxMap<Comm, Vec<Option<(NodeId, u32)>>>,
+    homes: FxMap<Comm, Homes>,
     /// Communicators whose key collided.
     collided: BTreeSet<Comm>,
     /// Communicator → its earliest op that became final unresolved (hung, stuck, not
@@ -600,8 +653,18 @@ impl CollectiveMatcher {
 
     // ---------------------------------------------------------------- internals
 
+    /// Every open op with a rank on `node` — seen in its frames, or known only from
+    /// PROGRESS (a hung rank often is) — is evaluated again: that node's watermark or
+    /// liveness may decide it.
     fn mark_node_dirty(&mut self, node: NodeId) {
-        let keys: Vec<OpRef> = self.ops.iter().filter(|(_, o)| o.nodes.contains(&node)).map(|(k, _)| *k).collect();
+        let comms: HashSet<Comm> =
+            self.progress.iter().filter(|(_, v)| v.node == Some(node)).map(|(k, _)| k.comm).collect();
+        let keys: Vec<OpRef> = self
+            .ops
+            .iter()
+            .filter(|(k, o)| o.nodes.contains(&node) || comms.contains(&k.comm()))
+            .map(|(k, _)| *k)
+            .collect();
         self.dirty.extend(keys);
     }
 
@@ -786,17 +849,8 @@ impl CollectiveMatcher {
         }
         if !was_present {
             // Who speaks for this rank: another process means two communicators share a key.
-            let ranks = self.homes.entry(l.comm).or_default();
-            let i = usize::try_from(l.rank).unwrap_or(usize::MAX).min(65_535);
-            if ranks.len() <= i {
-                ranks.resize(i.saturating_add(1), None);
-            }
-            match ranks.get_mut(i) {
-                Some(Some(home)) if *home != (node, l.pid) => {
-                    self.collided.insert(l.comm);
-                }
-                Some(slot @ None) => *slot = Some((node, l.pid)),
-                _ => {}
+            if self.homes.entry(l.comm).or_default().claim(l.rank, (node, l.pid)) {
+                self.collided.insert(l.comm);
             }
         }
         // Only a change of what the rank proved makes the op worth evaluating again.
@@ -852,8 +906,7 @@ impl CollectiveMatcher {
 
     /// The node a communicator rank spoke from (its first frame).
     fn home_node(&self, comm: Comm, rank: u32) -> Option<NodeId> {
-        let i = usize::try_from(rank).ok()?;
-        self.homes.get(&comm)?.get(i).copied().flatten().map(|h| h.0)
+        self.homes.get(&comm)?.get(rank).map(|h| h.0)
     }
 
     /// `comm_op_seq` is dense per communicator: seqs skipped between the highest seen and
@@ -884,7 +937,7 @@ impl CollectiveMatcher {
             let mut op = OpState::new(key, (0..nranks.min(4096)).collect(), 0, 0);
             op.first_seen_ns = u64::try_from(ts_cluster_ns).unwrap_or(0);
             // Re-evaluated when the watermarks of the nodes its ranks live on move.
-            op.nodes = self.homes.get(&comm).into_iter().flatten().flatten().map(|h| h.0).collect();
+            op.nodes = self.homes.get(&comm).into_iter().flat_map(Homes::iter).map(|h| h.0).collect();
             op.nodes.sort_unstable();
             op.nodes.dedup();
             self.ops.insert(key, op);
@@ -1607,13 +1660,20 @@ impl CollectiveMatcher {
             o.verdicts = new_verdicts;
             o.decided_at_ns = decided_at;
             o.decided_now_ns = decided_now;
-            let recheck = now.saturating_add(self.config.reorder_timeout_ns);
-            let due = if past_stuck { recheck } else { stuck_at.min(join_at) };
-            // A deadline passed by arrival time but not yet by the watermarks is looked at
-            // again a reorder window later (and whenever a watermark moves), never at a
-            // time already past: that re-inserted the op at `now` on every evaluation and
-            // spun the timer (found by the issue 18 overflow test, watermarks held back).
-            let due = if due <= now { recheck } else { due };
+            let due = if past_stuck {
+                now.saturating_add(self.config.reorder_timeout_ns)
+            } else {
+                // The nearest deadline still ahead; one already passed by arrival time but
+                // not yet by the watermarks is looked at again shortly (and whenever a
+                // watermark of the op's nodes moves) — never at a time already past, which
+                // re-inserted the op at `now` on every evaluation and spun the timer
+                // (found by the issue 18 overflow test, watermarks held back).
+                [stuck_at, join_at]
+                    .into_iter()
+                    .filter(|&d| d > now)
+                    .min()
+                    .unwrap_or_else(|| now.saturating_add(WATERMARK_RECHECK_NS.min(self.config.reorder_timeout_ns)))
+            };
             if due != u64::MAX {
                 self.deadlines.insert((due, key));
             }

@@ -44,7 +44,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/verdicts", get(verdicts))
         .route("/v1/ingest", get(ingest));
     #[cfg(feature = "test-hooks")]
-    let r = r.route("/test/panic", get(test_panic));
+    let r = r.route("/test/panic", get(test_panic)).route("/test/arm-timer-panic", get(arm_timer_panic));
     r.layer(middleware::from_fn_with_state(Arc::clone(&shared), catch_panics)).with_state(shared)
 }
 
@@ -52,6 +52,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
 #[cfg(feature = "test-hooks")]
 async fn test_panic() -> &'static str {
     panic!("test hook: an HTTP handler panics")
+}
+
+/// Test hook: the timer task panics, holding the core's lock, at its next turn.
+#[cfg(feature = "test-hooks")]
+async fn arm_timer_panic(State(s): State<Arc<Shared>>) -> &'static str {
+    s.test_panic_timer.store(true, Relaxed);
+    "armed"
 }
 
 /// A handler's panic is answered 500, counted and logged (the core fails instead if the
@@ -260,6 +267,9 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
 }
 
 async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+    if s.failure().is_some() {
+        return unavailable(CoreFailed);
+    }
     let mut node = None;
     let mut outcome = None;
     let mut fin = None;

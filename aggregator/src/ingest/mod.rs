@@ -107,13 +107,15 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         })
         .or_insert_with(|| NodeEntry { name: name.clone(), connected: true, connections: 1, last_shipper_session: 0 });
     tracing::info!(%remote, node = %name, "shipper connected");
+    // However this task ends — a return, or a panic caught by its supervisor — the node
+    // is marked disconnected.
+    let _registered = Registered { shared: Arc::clone(&shared), node };
 
     let (ctl_send, ctl_recv) = match tokio::time::timeout(Duration::from_secs(10), conn.accept_bi()).await {
         Ok(Ok(s)) => s,
         _ => {
             Counters::inc(&shared.counters.protocol_errors);
             conn.close(close::PROTOCOL.into(), b"no control stream");
-            closed(&shared, node);
             return;
         }
     };
@@ -121,7 +123,6 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
     if !preface_ok(&mut ctl_recv).await {
         Counters::inc(&shared.counters.protocol_errors);
         conn.close(close::PROTOCOL.into(), b"bad control preface");
-        closed(&shared, node);
         return;
     }
     // The session's resume, applied before any batch of this connection is read.
@@ -143,13 +144,11 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     Counters::inc(&shared.counters.protocol_errors);
                     tracing::warn!(%remote, node = %name, error = %why, "implausible resume: closing");
                     conn.close(close::PROTOCOL.into(), b"implausible resume");
-                    closed(&shared, node);
                     return;
                 }
             };
             if done.refused {
                 conn.close(close::REFUSED.into(), b"aggregator node cap reached");
-                closed(&shared, node);
                 return;
             }
             if done.batches_settled > 0 || done.stream_windows > 0 {
@@ -166,12 +165,18 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
             Counters::inc(&shared.counters.protocol_errors);
             tracing::warn!(%remote, node = %name, error = %why, "bad resume");
             conn.close(close::PROTOCOL.into(), b"bad resume");
-            closed(&shared, node);
             return;
         }
     }
     let (tx, rx) = mpsc::channel::<Answer>(4096);
-    let writer = tokio::spawn(control_writer(ctl_send, rx, Arc::clone(&shared)));
+    let writer = {
+        let (sh, c) = (Arc::clone(&shared), conn.clone());
+        tokio::spawn(async move {
+            if guard(&sh, "control writer", control_writer(ctl_send, rx, Arc::clone(&sh))).await.is_none() {
+                c.close(close::PROTOCOL.into(), b"aggregator task failed");
+            }
+        })
+    };
     let rejected = Arc::new(std::sync::atomic::AtomicU64::new(0));
     // Per lane, how many batches may be read at once: a stream's lane is known from its
     // header, so P0 and P1 never queue behind bulk streams being read (unread bulk data
@@ -250,7 +255,18 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
     }
     drop(tx);
     let _ = writer.await;
-    closed(&shared, node);
+}
+
+/// A registered connection: dropped when its task ends, however it ends.
+struct Registered {
+    shared: Arc<Shared>,
+    node: NodeId,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        closed(&self.shared, self.node);
+    }
 }
 
 fn closed(shared: &Shared, node: NodeId) {

@@ -17,16 +17,23 @@ use std::sync::Mutex;
 use libfuzzer_sys::fuzz_target;
 use ringwatch_core::{Core, IngestConfig, MatcherConfig};
 
-static STATE: Mutex<Option<(Core, u64, hostile_input::Honest)>> = Mutex::new(None);
+/// The core, its time, the honest side's counters, and how many inputs it has taken.
+type State = (Core, u64, hostile_input::Honest, u32);
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+/// Inputs one core takes before a fresh one: enough for state built by earlier inputs to
+/// meet later ones, few enough that the state (and so each input's cost) stays small.
+const INPUTS_PER_CORE: u32 = 2_000;
 
 fuzz_target!(|script: hostile_input::Script| {
     let mut guard = STATE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let (core, now, honest) = guard.get_or_insert_with(|| {
-        (Core::new(IngestConfig::default(), MatcherConfig::default(), 0), 0, hostile_input::Honest::default())
+    let (core, now, honest, inputs) = guard.get_or_insert_with(|| {
+        (Core::new(IngestConfig::default(), MatcherConfig::default(), 0), 0, hostile_input::Honest::default(), 0)
     });
     hostile_input::run(core, now, honest, &script);
-    // Bounded memory is part of the contract: start over now and then.
-    if core.records() > 1_000_000 {
+    *inputs += 1;
+    if *inputs >= INPUTS_PER_CORE || core.records() > 1_000_000 {
         *guard = None;
     }
 });

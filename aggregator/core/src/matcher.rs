@@ -653,18 +653,11 @@ impl CollectiveMatcher {
 
     // ---------------------------------------------------------------- internals
 
-    /// Every open op with a rank on `node` — seen in its frames, or known only from
-    /// PROGRESS (a hung rank often is) — is evaluated again: that node's watermark or
-    /// liveness may decide it.
+    /// Every open op with a rank on `node` (`OpState::nodes`: from its frames, and from
+    /// each evaluation's view of its ranks — PROGRESS included) is evaluated again: that
+    /// node's watermark or liveness may decide it.
     fn mark_node_dirty(&mut self, node: NodeId) {
-        let comms: HashSet<Comm> =
-            self.progress.iter().filter(|(_, v)| v.node == Some(node)).map(|(k, _)| k.comm).collect();
-        let keys: Vec<OpRef> = self
-            .ops
-            .iter()
-            .filter(|(k, o)| o.nodes.contains(&node) || comms.contains(&k.comm()))
-            .map(|(k, _)| *k)
-            .collect();
+        let keys: Vec<OpRef> = self.ops.iter().filter(|(_, o)| o.nodes.contains(&node)).map(|(k, _)| *k).collect();
         self.dirty.extend(keys);
     }
 
@@ -1083,6 +1076,7 @@ impl CollectiveMatcher {
         // Deadlines pass on the participants' watermarks, not on arrival time: a deadline
         // has passed only when every gating node's data up to it is in (so any
         // interleaving of the same records decides the same).
+        let rank_nodes: Vec<NodeId> = rs.iter().filter_map(|r| r.node).collect();
         let horizon = rs
             .iter()
             .filter(|r| gates(r.live))
@@ -1657,6 +1651,13 @@ impl CollectiveMatcher {
             }
         } else {
             let mut o = op;
+            // A rank known only from PROGRESS (a hung rank often is) still gates: its
+            // node's watermark and liveness must wake the op.
+            for n in rank_nodes {
+                if !o.nodes.contains(&n) {
+                    o.nodes.push(n);
+                }
+            }
             o.verdicts = new_verdicts;
             o.decided_at_ns = decided_at;
             o.decided_now_ns = decided_now;

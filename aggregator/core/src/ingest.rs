@@ -222,6 +222,18 @@ impl Ingest {
         &self.stats
     }
 
+    /// Its maps, with their sizes and caps (see [`crate::bounds`]).
+    #[must_use]
+    pub fn map_sizes(&self) -> Vec<crate::MapSize> {
+        let trackers = self.nodes.values().map(|n| n.trackers.len()).sum();
+        let trackers_cap = self.config.max_nodes.saturating_mul(self.config.max_streams_per_node);
+        vec![
+            crate::MapSize::new("ingest.nodes", self.nodes.len(), self.config.max_nodes),
+            crate::MapSize::new("ingest.trackers", trackers, trackers_cap),
+            crate::MapSize::new("ingest.settles", self.settles.len(), usize::MAX),
+        ]
+    }
+
     /// The configuration.
     #[must_use]
     pub fn config(&self) -> &IngestConfig {

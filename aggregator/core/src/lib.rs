@@ -18,6 +18,7 @@
 
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
+pub mod bounds;
 pub mod clock;
 pub mod dedup;
 pub mod ingest;
@@ -31,6 +32,7 @@ pub mod snapshot;
 mod tally;
 pub mod verdict;
 
+pub use bounds::MapSize;
 pub use dedup::{Admit, BatchDedup, DedupConfig};
 pub use ingest::{Ingest, IngestConfig, IngestStats};
 pub use loss::SeqTracker;

@@ -499,6 +499,12 @@ impl CollectiveMatcher {
         &self.stats
     }
 
+    /// Its maps, with their sizes and caps (see [`crate::bounds`]).
+    #[must_use]
+    pub fn map_sizes(&self) -> Vec<crate::MapSize> {
+        vec![crate::MapSize::new("matcher.ops", self.ops.len(), self.config.max_ops)]
+    }
+
     /// Ops not yet final.
     #[must_use]
     pub fn in_flight(&self) -> usize {

@@ -61,6 +61,14 @@ impl Core {
         Self { ingest: Ingest::new(ingest, now), matcher: CollectiveMatcher::new(matcher), records: 0 }
     }
 
+    /// Every map the core keeps, with its size now and its cap (see [`crate::bounds`]).
+    #[must_use]
+    pub fn map_sizes(&self) -> Vec<crate::MapSize> {
+        let mut out = self.ingest.map_sizes();
+        out.extend(self.matcher.map_sizes());
+        out
+    }
+
     /// Records ingest has produced so far.
     #[must_use]
     pub fn records(&self) -> u64 {

@@ -145,8 +145,11 @@ impl Aggregator {
             }
             None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), instance, 1, cfg.verdict_cap, hold),
         };
+        // The clear time is configuration, not state: a restored core takes this run's.
+        if let Ok(mut core) = shared.core() {
+            core.set_degraded_clear_ns(cfg.degraded_clear_ns);
+        }
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
-        shared.degraded_clear_ns = cfg.degraded_clear_ns;
         let shared = Arc::new(shared);
         // A std listener, so the HTTP task can restart in place on a clone of it.
         let listener = std::net::TcpListener::bind(cfg.http)

@@ -175,8 +175,6 @@ pub struct Shared {
     pub counters: Counters,
     pub instance: u64,
     pub epoch: u64,
-    /// How long a degraded verdict keeps a node degraded without new evidence.
-    pub degraded_clear_ns: u64,
     /// Test hook: withhold acks from this aggregator time on (the shippers' spools then
     /// hold every batch applied since).
     pub hold_acks_from_ns: Option<u64>,
@@ -208,7 +206,6 @@ impl Shared {
             counters: Counters::default(),
             instance,
             epoch,
-            degraded_clear_ns: crate::DEGRADED_CLEAR_NS,
             hold_acks_from_ns,
             test_panic_timer: AtomicBool::new(false),
             tasks: Tasks::default(),

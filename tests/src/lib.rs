@@ -2,6 +2,8 @@
 //! helpers (test-only crate, never published): temporary directories, an aggregator with
 //! a fresh certificate set, shipper configurations, and a tiny HTTP/1.1 GET.
 
+pub mod pair;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -84,6 +84,31 @@ pub struct MatcherConfig {
     /// names the rank — instead of after the stuck deadline (a node that has not
     /// connected yet looks the same until then).
     pub expected_nodes: u32,
+    /// How long a `degraded` GPU stays degraded without new evidence.
+    pub degraded_clear_ns: u64,
+    /// A communicator with no open collective and no activity (an op created, a PROGRESS
+    /// entry) for this long is forgotten: its per-rank progress, op history, durations,
+    /// homes and blocking root go (counted in `MatcherStats::comms_retired`). A
+    /// communicator that comes back starts afresh (no seq-gap inference for its first op,
+    /// default stuck deadline until durations are learnt again).
+    pub comm_retention_ns: u64,
+    /// Communicators remembered; past it the least recently active eighth is forgotten
+    /// (`comms_evicted`; their open ops are evicted too, counted in `ops_evicted`).
+    pub max_comms: usize,
+    /// Per-rank entries (PROGRESS, completions, straggler history) remembered; past it
+    /// communicators are forgotten as for `max_comms`.
+    pub max_ranks: usize,
+    /// Rank processes whose op order is remembered (for `blocked_by`); past it the least
+    /// recently active eighth is forgotten (`procs_evicted`), and one idle for
+    /// `comm_retention_ns` is forgotten anyway (`procs_retired`).
+    pub max_procs: usize,
+    /// GPUs whose health evidence is remembered; past it the eighth with the oldest
+    /// evidence is forgotten (`gpus_evicted`).
+    pub max_gpus: usize,
+    /// Nodes remembered (watermarks, liveness, losses, clock residuals); past it an
+    /// unreachable node (else the one with the oldest watermark) is forgotten
+    /// (`nodes_evicted`). Ingest's own node cap keeps this from being reached.
+    pub max_nodes: usize,
 }
 
 impl Default for MatcherConfig {
@@ -96,6 +121,13 @@ impl Default for MatcherConfig {
             duration_window: 128,
             straggler_threshold_ns: 50_000_000,
             expected_nodes: 0,
+            degraded_clear_ns: 300_000_000_000,
+            comm_retention_ns: 3_600_000_000_000,
+            max_comms: 16_384,
+            max_ranks: 1 << 20,
+            max_procs: 16_384,
+            max_gpus: 65_536,
+            max_nodes: 4096,
         }
     }
 }
@@ -129,6 +161,25 @@ pub struct MatcherStats {
     /// PROGRESS entries older than the one already held for their rank (a heartbeat
     /// that arrived out of order or was resent): ignored.
     pub progress_stale: u64,
+    /// Communicators forgotten after `comm_retention_ns` without activity.
+    pub comms_retired: u64,
+    /// Communicators forgotten at `max_comms` / `max_ranks` (least recently active first).
+    pub comms_evicted: u64,
+    /// Rank processes forgotten after `comm_retention_ns` without activity.
+    pub procs_retired: u64,
+    /// Rank processes forgotten at `max_procs`.
+    pub procs_evicted: u64,
+    /// GPUs' health evidence forgotten at `max_gpus`.
+    pub gpus_evicted: u64,
+    /// Nodes forgotten at `max_nodes`.
+    pub nodes_evicted: u64,
+    /// Fused groups forgotten at their cap (65,536; their ops long final).
+    pub groups_forgotten: u64,
+    /// Final stuck ops forgotten at `RECOVERABLE_CAP` (they no longer block ops of their
+    /// ranks on other communicators).
+    pub final_stuck_evicted: u64,
+    /// Ranks ≥ 4,096 of a communicator not remembered as homes (4,096 of them are).
+    pub homes_refused: u64,
 }
 
 /// The widest `comm_op_seq` gap filled with inferred ops at once (a hostile or broken
@@ -194,6 +245,8 @@ struct OpState {
     decided_now_ns: u64,
     is_final: bool,
     key_collision: bool,
+    /// Its entry in `deadlines` (0: none), so an op holds at most one.
+    due_ns: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Default)]
@@ -267,6 +320,17 @@ pub struct Homes {
     sparse: BTreeMap<u32, (NodeId, u32)>,
 }
 
+/// What [`Homes::claim`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Claim {
+    /// The rank's home is this one (now, or already).
+    Known,
+    /// Another process speaks for the rank: two communicators share a key.
+    Collision,
+    /// A sparse rank past the cap: not remembered (counted).
+    Refused,
+}
+
 /// Ranks kept in [`Homes`]'s dense part (the participants a collective tracks).
 const DENSE_RANKS: u32 = 4096;
 
@@ -281,23 +345,33 @@ impl Homes {
 
     /// Records `home` for `rank` unless one is known; true when a different one is (two
     /// processes speak for one rank: the communicators' keys collide).
-    fn claim(&mut self, rank: u32, home: (NodeId, u32)) -> bool {
+    fn claim(&mut self, rank: u32, home: (NodeId, u32)) -> Claim {
         if rank >= DENSE_RANKS {
-            let known = *self.sparse.entry(rank).or_insert(home);
-            return known != home;
+            if let Some(known) = self.sparse.get(&rank) {
+                return if *known == home { Claim::Known } else { Claim::Collision };
+            }
+            if self.sparse.len() >= usize::try_from(DENSE_RANKS).unwrap_or(usize::MAX) {
+                return Claim::Refused;
+            }
+            self.sparse.insert(rank, home);
+            return Claim::Known;
         }
         let i = usize::try_from(rank).unwrap_or(0);
         if self.dense.len() <= i {
             self.dense.resize(i.saturating_add(1), None);
         }
         match self.dense.get_mut(i) {
-            Some(Some(known)) => *known != home,
+            Some(Some(known)) if *known != home => Claim::Collision,
+            Some(Some(_)) | None => Claim::Known,
             Some(slot) => {
                 *slot = Some(home);
-                false
+                Claim::Known
             }
-            None => false,
         }
+    }
+
+    fn len(&self) -> usize {
+        self.dense.iter().flatten().count().saturating_add(self.sparse.len())
     }
 
     fn iter(&self) -> impl Iterator<Item = &(NodeId, u32)> + '_ {
@@ -306,7 +380,12 @@ impl Homes {
 }
 
 /// Ops remembered per rank process for `blocked_by` (the oldest are dropped).
-const RANK_OPS_CAP: usize = 4096;
+const RANK_OPS_CAP: usize = 1024;
+/// (op code, size bucket) keys of durations kept per communicator, on average, before
+/// communicators are forgotten (a communicator runs a few op kinds at a few sizes).
+const DURATION_KEYS_PER_COMM: usize = 16;
+/// Fused groups remembered as done.
+const GROUPS_CAP: usize = 65_536;
 /// How soon an op whose deadline passed by arrival time, but not yet by every gating
 /// node's watermark, is evaluated again (the aggregator's timer turns at least this
 /// often anyway).
@@ -316,6 +395,15 @@ const WATERMARK_RECHECK_NS: u64 = 100_000_000;
 const RECOVERABLE_CAP: usize = 4096;
 /// Unfinished ranks remembered for recovery, over all those ops.
 const RECOVERABLE_RANKS_CAP: usize = 262_144;
+
+/// A rank process's recent ops, in its own order.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
+struct ProcOps {
+    /// Aggregator time of its last op.
+    active_ns: u64,
+    /// local_op_seq → (op, completed); the last [`RANK_OPS_CAP`].
+    ops: BTreeMap<u64, (OpRef, bool)>,
+}
 
 /// A rank process.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -345,7 +433,13 @@ pub struct CollectiveMatcher {
     /// (comm, rank) → highest comm_op_seq completed by an own frame.
     completed_through: FxMap<RankKey, u64>,
     /// (node, pid) → local_op_seq → (op, completed).
-    rank_ops: FxMap<ProcKey, BTreeMap<u64, (OpRef, bool)>>,
+    rank_ops: FxMap<ProcKey, ProcOps>,
+    /// Communicator → when it was last active (aggregator time: an op created, a
+    /// PROGRESS entry). Every communicator-keyed entry of the maps below belongs to one
+    /// of these; forgetting a communicator forgets them all (see `retire_comms`).
+    comm_active: FxMap<Comm, u64>,
+    /// When idle communicators and processes are next looked for (aggregator time).
+    next_sweep_ns: u64,
     ops: FxMap<OpRef, OpState>,
     /// comm → the comm_op_seqs of its open collectives.
     open_by_comm: FxMap<Comm, BTreeSet<u64>>,
@@ -413,6 +507,7 @@ impl OpState {
             decided_now_ns: 0,
             is_final: false,
             key_collision: false,
+            due_ns: 0,
         }
     }
 
@@ -447,6 +542,11 @@ fn strong(op: u8) -> bool {
     )
 }
 
+/// A map size as a counter increment.
+fn count(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
 fn size_bucket(count: u64) -> u8 {
     u8::try_from(64u32.saturating_sub(count.leading_zeros())).unwrap_or(64)
 }
@@ -461,6 +561,8 @@ impl CollectiveMatcher {
             progress: FxMap::default(),
             completed_through: FxMap::default(),
             rank_ops: FxMap::default(),
+            comm_active: FxMap::default(),
+            next_sweep_ns: 0,
             ops: FxMap::default(),
             open_by_comm: FxMap::default(),
             dirty: FxSet::default(),
@@ -502,7 +604,46 @@ impl CollectiveMatcher {
     /// Its maps, with their sizes and caps (see [`crate::bounds`]).
     #[must_use]
     pub fn map_sizes(&self) -> Vec<crate::MapSize> {
-        vec![crate::MapSize::new("matcher.ops", self.ops.len(), self.config.max_ops)]
+        use crate::MapSize;
+        let c = &self.config;
+        let comms = c.max_comms;
+        let rank_ops: usize = self.rank_ops.values().map(|p| p.ops.len()).sum();
+        let homes: usize = self.homes.values().map(Homes::len).sum();
+        vec![
+            MapSize::new("matcher.ops", self.ops.len(), c.max_ops),
+            MapSize::new("matcher.open_by_comm", self.open_by_comm.len(), comms),
+            MapSize::new("matcher.deadlines", self.deadlines.len(), c.max_ops),
+            MapSize::new("matcher.dirty", self.dirty.len(), c.max_ops.saturating_add(comms)),
+            MapSize::new("matcher.nodes", self.nodes.len(), c.max_nodes),
+            MapSize::new("matcher.comm_active", self.comm_active.len(), comms),
+            MapSize::new("matcher.progress", self.progress.len(), c.max_ranks),
+            MapSize::new("matcher.completed_through", self.completed_through.len(), c.max_ranks),
+            MapSize::new("matcher.lag_history", self.lag_history.len(), c.max_ranks),
+            MapSize::new("matcher.durations", self.durations.len(), comms.saturating_mul(DURATION_KEYS_PER_COMM)),
+            MapSize::new("matcher.comm_done", self.comm_done.len(), comms),
+            MapSize::new("matcher.seen_through", self.seen_through.len(), comms),
+            MapSize::new("matcher.homes", self.homes.len(), comms),
+            MapSize::new(
+                "matcher.homes_ranks",
+                homes,
+                comms.saturating_mul(usize::try_from(DENSE_RANKS).unwrap_or(usize::MAX).saturating_mul(2)),
+            ),
+            MapSize::new("matcher.collided", self.collided.len(), comms),
+            MapSize::new("matcher.unresolved", self.unresolved.len(), comms),
+            MapSize::new("matcher.rank_ops", self.rank_ops.len(), c.max_procs),
+            MapSize::new("matcher.rank_ops_entries", rank_ops, c.max_procs.saturating_mul(RANK_OPS_CAP)),
+            MapSize::new("matcher.groups_done", self.groups_done.len(), GROUPS_CAP),
+            MapSize::new("matcher.final_recent", self.final_recent.len(), FINAL_MEMORY.saturating_mul(2)),
+            MapSize::new("matcher.final_stuck", self.final_stuck.len(), RECOVERABLE_CAP),
+            MapSize::new("matcher.recoverable", self.recoverable.len(), RECOVERABLE_CAP),
+            MapSize::new("matcher.recoverable_ranks", self.recoverable_ranks, RECOVERABLE_RANKS_CAP),
+            MapSize::new("matcher.gpu_flags", self.gpu_flags.len(), c.max_gpus),
+        ]
+    }
+
+    /// See [`MatcherConfig::degraded_clear_ns`].
+    pub fn set_degraded_clear_ns(&mut self, ns: u64) {
+        self.config.degraded_clear_ns = ns;
     }
 
     /// Ops not yet final.
@@ -512,10 +653,11 @@ impl CollectiveMatcher {
     }
 
     /// Health of every GPU seen, `(node, gpu_uuid) → health`, at `now`: a pure function
-    /// of the verdicts so far and liveness. `degraded` clears `degraded_clear_ns` after
-    /// its last evidence.
+    /// of the verdicts so far and liveness. `degraded` clears
+    /// `MatcherConfig::degraded_clear_ns` after its last evidence.
     #[must_use]
-    pub fn health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
+    pub fn health(&self, now: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
+        let degraded_clear_ns = self.config.degraded_clear_ns;
         let mut out = BTreeMap::new();
         for ((node, rank_uuid), &(degraded_at, suspect_at, lossy_at)) in &self.gpu_flags {
             let live = self.nodes.get(node).and_then(|n| n.liveness);
@@ -534,9 +676,9 @@ impl CollectiveMatcher {
 
     /// Node health: its worst GPU.
     #[must_use]
-    pub fn node_health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<NodeId, Health> {
+    pub fn node_health(&self, now: u64) -> BTreeMap<NodeId, Health> {
         let mut out: BTreeMap<NodeId, Health> = BTreeMap::new();
-        for ((node, _), h) in self.health(now, degraded_clear_ns) {
+        for ((node, _), h) in self.health(now) {
             let e = out.entry(node).or_insert(h);
             *e = (*e).max(h);
         }
@@ -565,6 +707,8 @@ impl CollectiveMatcher {
         if !self.dirty.is_empty() {
             return Some(0);
         }
+        // The idle sweep is not a timer of its own: it runs in whichever `handle_timeout`
+        // finds it due (a core with nothing due grows nothing to forget).
         self.deadlines.iter().next().map(|d| d.0)
     }
 
@@ -572,6 +716,13 @@ impl CollectiveMatcher {
 
     /// One record from ingest.
     pub fn handle_record(&mut self, now: u64, record: &Record) {
+        self.apply_record(now, record);
+        if self.over_comm_caps() {
+            self.evict_comms();
+        }
+    }
+
+    fn apply_record(&mut self, now: u64, record: &Record) {
         match record {
             Record::Lifecycle(l) => self.on_lifecycle(now, l),
             Record::Progress(p) => {
@@ -604,6 +755,7 @@ impl CollectiveMatcher {
                         snapshot_node_ns: p.snapshot_node_ns,
                     },
                 );
+                self.comm_active.insert(p.comm, now);
                 // Ops of this communicator up to what the entry proves may change.
                 let hi = p.last_enqueued_op.max(p.last_completed_op).saturating_add(1);
                 if let Some(open) = self.open_by_comm.get(&p.comm) {
@@ -611,17 +763,17 @@ impl CollectiveMatcher {
                 }
             }
             Record::Watermark(w) if w.class == 0 => {
-                let n = self.nodes.entry(w.node).or_default();
+                let n = self.node_view(w.node);
                 n.w_p0_cluster_ns = n.w_p0_cluster_ns.max(w.cluster_ns);
                 n.epsilon_ns = w.epsilon_ns;
                 self.mark_node_dirty(w.node);
             }
             Record::Liveness(l) => {
-                self.nodes.entry(l.node).or_default().liveness = Some(l.state);
+                self.node_view(l.node).liveness = Some(l.state);
                 self.mark_node_dirty(l.node);
             }
             Record::Loss(l) if l.stream.stream_id >> 24 == 0 => {
-                let n = self.nodes.entry(l.stream.node).or_default();
+                let n = self.node_view(l.stream.node);
                 if n.p0_losses.len() >= 256 {
                     n.p0_losses.remove(0);
                 }
@@ -630,7 +782,7 @@ impl CollectiveMatcher {
             Record::KnowledgeGap(g) => {
                 // A fresh start's "gap" (nothing known before the first batch, and nothing
                 // happened that we could have known) is empty of ops; keep the list short.
-                let gaps = &mut self.nodes.entry(g.node).or_default().knowledge_gaps;
+                let gaps = &mut self.node_view(g.node).knowledge_gaps;
                 if gaps.len() >= 64 {
                     gaps.remove(0);
                 }
@@ -647,6 +799,9 @@ impl CollectiveMatcher {
                 break;
             }
             self.deadlines.remove(&(due, op));
+            if let Some(o) = self.ops.get_mut(&op) {
+                o.due_ns = 0;
+            }
             self.dirty.insert(op);
         }
         // Sorted, so evaluation (and so event) order does not depend on hashing.
@@ -654,6 +809,15 @@ impl CollectiveMatcher {
         dirty.sort_unstable();
         for op in dirty {
             self.evaluate(now, op);
+        }
+        if self.over_comm_caps() {
+            self.evict_comms();
+        }
+        if self.gpu_flags.len() > self.config.max_gpus {
+            self.evict_gpus();
+        }
+        if now >= self.next_sweep_ns {
+            self.sweep(now);
         }
     }
 
@@ -716,6 +880,7 @@ impl CollectiveMatcher {
                 }
                 self.stats.ops_created.inc();
                 created = true;
+                self.comm_active.insert(l.comm, now);
                 let participants: Vec<u32> = match key {
                     OpRef::Coll { .. } | OpRef::Graph { .. } => (0..nranks.min(4096)).collect(),
                     OpRef::P2p { src, dst, .. } => vec![src, dst],
@@ -822,18 +987,23 @@ impl CollectiveMatcher {
         // The rank's own op order (for blocked_by): touched once per op, and when it
         // completes — not for every phase.
         if !graph && (!was_present || completed != was_completed) {
-            let ops = self.rank_ops.entry(ProcKey { node, pid: l.pid }).or_default();
-            ops.insert(l.local_op_seq, (key, completed));
-            while ops.len() > RANK_OPS_CAP {
-                ops.pop_first();
+            let proc_ops = self.rank_ops.entry(ProcKey { node, pid: l.pid }).or_default();
+            proc_ops.active_ns = now;
+            proc_ops.ops.insert(l.local_op_seq, (key, completed));
+            while proc_ops.ops.len() > RANK_OPS_CAP {
+                proc_ops.ops.pop_first();
+            }
+            if self.rank_ops.len() > self.config.max_procs {
+                self.evict_procs();
             }
         }
         if group_done {
             self.groups_done.insert((ProcKey { node, pid: l.pid }, l.group_id));
-            while self.groups_done.len() > 65_536 {
+            while self.groups_done.len() > GROUPS_CAP {
                 // Bounded: forget an arbitrary old group (its ops are long final).
                 let Some(&k) = self.groups_done.iter().next() else { break };
                 self.groups_done.remove(&k);
+                self.stats.groups_forgotten.inc();
             }
             // Its fused siblings may now be complete.
             let keys: Vec<OpRef> = self
@@ -848,8 +1018,12 @@ impl CollectiveMatcher {
         }
         if !was_present {
             // Who speaks for this rank: another process means two communicators share a key.
-            if self.homes.entry(l.comm).or_default().claim(l.rank, (node, l.pid)) {
-                self.collided.insert(l.comm);
+            match self.homes.entry(l.comm).or_default().claim(l.rank, (node, l.pid)) {
+                Claim::Known => {}
+                Claim::Collision => {
+                    self.collided.insert(l.comm);
+                }
+                Claim::Refused => self.stats.homes_refused.inc(),
             }
         }
         // Only a change of what the rank proved makes the op worth evaluating again.
@@ -953,13 +1127,138 @@ impl CollectiveMatcher {
         else {
             return;
         };
-        self.ops.remove(&oldest);
+        if let Some(o) = self.ops.remove(&oldest) {
+            self.deadlines.remove(&(o.due_ns, oldest));
+        }
         if let OpRef::Coll { comm, seq } = oldest
             && let Some(open) = self.open_by_comm.get_mut(&comm)
         {
             open.remove(&seq);
         }
         self.stats.ops_evicted.inc();
+    }
+
+    // ---------------------------------------------------------------- bounds
+
+    /// A node's view, created if new; at `max_nodes` an unreachable node (else the one
+    /// with the oldest watermark) is forgotten first, counted.
+    fn node_view(&mut self, node: NodeId) -> &mut NodeView {
+        if !self.nodes.contains_key(&node) && self.nodes.len() >= self.config.max_nodes.max(1) {
+            let victim = self
+                .nodes
+                .iter()
+                .min_by_key(|(_, v)| (v.liveness != Some(LivenessState::Unreachable), v.w_p0_cluster_ns))
+                .map(|(k, _)| *k);
+            if let Some(v) = victim {
+                self.nodes.remove(&v);
+                self.stats.nodes_evicted.inc();
+            }
+        }
+        self.nodes.entry(node).or_default()
+    }
+
+    /// Whether a communicator-keyed map is past its cap.
+    fn over_comm_caps(&self) -> bool {
+        let ranks = self.config.max_ranks;
+        self.comm_active.len() > self.config.max_comms
+            || self.progress.len() > ranks
+            || self.completed_through.len() > ranks
+            || self.lag_history.len() > ranks
+            || self.durations.len() > self.config.max_comms.saturating_mul(DURATION_KEYS_PER_COMM)
+    }
+
+    /// Forgets the least recently active eighth of the communicators (at least one),
+    /// counted: a map keyed by communicator or rank is past its cap.
+    fn evict_comms(&mut self) {
+        let mut by_age: Vec<(u64, Comm)> = self.comm_active.iter().map(|(c, t)| (*t, *c)).collect();
+        by_age.sort_unstable();
+        let n = (by_age.len() / 8).max(1);
+        let victims: FxSet<Comm> = by_age.into_iter().take(n).map(|(_, c)| c).collect();
+        self.stats.comms_evicted = self.stats.comms_evicted.saturating_add(count(victims.len()));
+        self.retire_comms(&victims, true);
+    }
+
+    /// Forgets everything known about `comms`. `evicting`: also their open ops (a cap,
+    /// counted in `ops_evicted`); otherwise they have none open (idle retirement).
+    fn retire_comms(&mut self, comms: &FxSet<Comm>, evicting: bool) {
+        if comms.is_empty() {
+            return;
+        }
+        let gone = |c: &Comm| comms.contains(c);
+        let before = self.ops.len();
+        let mut dropped = Vec::new();
+        self.ops.retain(|k, o| {
+            let keep = !gone(&k.comm());
+            if !keep {
+                dropped.push((o.due_ns, *k));
+            }
+            keep
+        });
+        for d in dropped {
+            self.deadlines.remove(&d);
+            self.dirty.remove(&d.1);
+        }
+        if evicting {
+            let n = before.saturating_sub(self.ops.len());
+            self.stats.ops_evicted = self.stats.ops_evicted.saturating_add(count(n));
+        }
+        self.comm_active.retain(|c, _| !gone(c));
+        self.open_by_comm.retain(|c, _| !gone(c));
+        self.progress.retain(|k, _| !gone(&k.comm));
+        self.completed_through.retain(|k, _| !gone(&k.comm));
+        self.lag_history.retain(|k, _| !gone(&k.comm));
+        self.durations.retain(|k, _| !gone(&k.0));
+        self.comm_done.retain(|c, _| !gone(c));
+        self.seen_through.retain(|c, _| !gone(c));
+        self.homes.retain(|c, _| !gone(c));
+        self.collided.retain(|c| !gone(c));
+        self.unresolved.retain(|c, _| !gone(c));
+    }
+
+    /// Forgets the least recently active eighth of the rank processes, counted.
+    fn evict_procs(&mut self) {
+        let mut by_age: Vec<(u64, ProcKey)> = self.rank_ops.iter().map(|(k, p)| (p.active_ns, *k)).collect();
+        by_age.sort_unstable();
+        let n = (by_age.len() / 8).max(1);
+        for (_, k) in by_age.into_iter().take(n) {
+            self.rank_ops.remove(&k);
+            self.stats.procs_evicted.inc();
+        }
+    }
+
+    /// Forgets the eighth of the GPUs with the oldest health evidence, counted.
+    fn evict_gpus(&mut self) {
+        let mut by_age: Vec<(u64, (NodeId, [u8; 16]))> =
+            self.gpu_flags.iter().map(|(k, f)| (f.0.max(f.1).max(f.2), *k)).collect();
+        by_age.sort_unstable();
+        let n = (by_age.len() / 8).max(1);
+        for (_, k) in by_age.into_iter().take(n) {
+            self.gpu_flags.remove(&k);
+            self.stats.gpus_evicted.inc();
+        }
+    }
+
+    /// Forgets communicators with no open collective and rank processes idle for
+    /// `comm_retention_ns`, counted; next looked at an eighth of that later.
+    fn sweep(&mut self, now: u64) {
+        let retention = self.config.comm_retention_ns;
+        self.next_sweep_ns = now.saturating_add((retention / 8).max(1));
+        let cutoff = now.saturating_sub(retention);
+        if now < retention {
+            return;
+        }
+        let idle: FxSet<Comm> = self
+            .comm_active
+            .iter()
+            .filter(|(c, t)| **t < cutoff && !self.open_by_comm.contains_key(c))
+            .map(|(c, _)| *c)
+            .collect();
+        self.stats.comms_retired = self.stats.comms_retired.saturating_add(count(idle.len()));
+        self.retire_comms(&idle, false);
+        let before = self.rank_ops.len();
+        self.rank_ops.retain(|_, p| p.active_ns >= cutoff);
+        let retired = before.saturating_sub(self.rank_ops.len());
+        self.stats.procs_retired = self.stats.procs_retired.saturating_add(count(retired));
     }
 
     fn stuck_deadline(&self, op: &OpState) -> u64 {
@@ -1575,6 +1874,7 @@ impl CollectiveMatcher {
         }
         self.out.extend(events);
         if is_final {
+            self.deadlines.remove(&(op.due_ns, key));
             self.stats.ops_final.inc();
             self.final_recent.insert(key);
             self.final_order.push(key);
@@ -1603,6 +1903,7 @@ impl CollectiveMatcher {
                 self.final_stuck.insert(key, stuck);
                 while self.final_stuck.len() > RECOVERABLE_CAP {
                     self.final_stuck.pop_first();
+                    self.stats.final_stuck_evicted.inc();
                 }
             }
             let unfinished: BTreeMap<u32, Unfinished> = rs
@@ -1681,8 +1982,13 @@ impl CollectiveMatcher {
                     .min()
                     .unwrap_or_else(|| now.saturating_add(WATERMARK_RECHECK_NS.min(self.config.reorder_timeout_ns)))
             };
-            if due != u64::MAX {
-                self.deadlines.insert((due, key));
+            if o.due_ns != due {
+                self.deadlines.remove(&(o.due_ns, key));
+                o.due_ns = 0;
+                if due != u64::MAX {
+                    self.deadlines.insert((due, key));
+                    o.due_ns = due;
+                }
             }
             self.ops.insert(key, o);
         }
@@ -1706,7 +2012,7 @@ impl CollectiveMatcher {
         ends.sort_unstable();
         let median = ends[ends.len() / 2];
         for (n, end) in per_node {
-            let v = self.nodes.entry(n).or_default();
+            let v = self.node_view(n);
             if v.residuals.len() >= 32 {
                 v.residuals.remove(0);
             }
@@ -1736,8 +2042,10 @@ impl CollectiveMatcher {
     }
 
     fn blocked_by(&self, node: Option<NodeId>, pid: u32, local_op_seq: u64, me: OpRef) -> Option<OpRef> {
-        let ops = self.rank_ops.get(&ProcKey { node: node?, pid })?;
-        ops.range(..local_op_seq)
+        let proc_ops = self.rank_ops.get(&ProcKey { node: node?, pid })?;
+        proc_ops
+            .ops
+            .range(..local_op_seq)
             .find(|(_, (k, done))| !done && *k != me && (self.ops.contains_key(k) || self.final_stuck.contains_key(k)))
             .map(|(_, (k, _))| *k)
     }

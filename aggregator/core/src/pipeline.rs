@@ -69,6 +69,12 @@ impl Core {
         out
     }
 
+    /// How long a `degraded` GPU stays degraded without new evidence (configuration, not
+    /// state: a core restored from a snapshot takes the running service's).
+    pub fn set_degraded_clear_ns(&mut self, ns: u64) {
+        self.matcher.set_degraded_clear_ns(ns);
+    }
+
     /// Records ingest has produced so far.
     #[must_use]
     pub fn records(&self) -> u64 {
@@ -178,8 +184,8 @@ impl Core {
     /// what the operator is told, whether or not a verdict had to infer around it (and
     /// whatever the order in which the loss and the verdicts it touches were learnt).
     #[must_use]
-    pub fn node_health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<NodeId, Health> {
-        let mut out = self.matcher.node_health(now, degraded_clear_ns);
+    pub fn node_health(&self, now: u64) -> BTreeMap<NodeId, Health> {
+        let mut out = self.matcher.node_health(now);
         for (node, h) in &mut out {
             *h = self.with_p0_loss(*node, *h);
         }
@@ -190,8 +196,8 @@ impl Core {
     /// otherwise healthy GPU of a node whose P0 telemetry lost frames (a node's P0 streams
     /// are per CPU and carry every rank of it).
     #[must_use]
-    pub fn gpu_health(&self, now: u64, degraded_clear_ns: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
-        let mut out = self.matcher.health(now, degraded_clear_ns);
+    pub fn gpu_health(&self, now: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
+        let mut out = self.matcher.health(now);
         let mut lossy: BTreeMap<NodeId, bool> = BTreeMap::new();
         for ((node, _), h) in &mut out {
             let l = *lossy.entry(*node).or_insert_with(|| self.p0_loss(*node).0 > 0);

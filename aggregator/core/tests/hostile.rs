@@ -219,8 +219,8 @@ fn the_largest_plausible_counters_settle_without_overflow() {
         // Every seq of the stream accounted for, exactly (the sums fit: each < 2^62).
         assert_eq!(c.received + c.lost_total() + c.prior_instance + t.pending() + t.in_transit(), MAX_SEQ, "{t:?}");
     }
-    let _ = core.node_health(400_000_000_000, u64::MAX);
-    let _ = core.gpu_health(400_000_000_000, u64::MAX);
+    let _ = core.node_health(400_000_000_000);
+    let _ = core.gpu_health(400_000_000_000);
 }
 
 /// Cluster times at the clamps: one node's clock sample says its clock is 2^62 ns behind
@@ -252,7 +252,7 @@ fn cluster_times_at_the_clamps_never_overflow_the_matcher_regression_issue_18() 
     }
     let events = run_timers(&mut core, u64::MAX - 1);
     assert!(events > 0, "verdicts were produced");
-    let _ = core.node_health(u64::MAX, u64::MAX);
+    let _ = core.node_health(u64::MAX);
 }
 
 /// A resume whose numbers no shipper sends is refused (the shell closes the connection)

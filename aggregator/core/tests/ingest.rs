@@ -492,8 +492,8 @@ fn p0_telemetry_loss_makes_an_otherwise_healthy_node_healthy_lossy() {
         while core.poll_event().is_some() {}
     }
     assert_eq!(core.p0_loss(node_id(0)), (5, 5));
-    assert_eq!(core.matcher.node_health(end, u64::MAX).get(&node_id(0)), Some(&Health::Healthy));
-    assert_eq!(core.node_health(end, u64::MAX).get(&node_id(0)), Some(&Health::HealthyLossy));
+    assert_eq!(core.matcher.node_health(end).get(&node_id(0)), Some(&Health::Healthy));
+    assert_eq!(core.node_health(end).get(&node_id(0)), Some(&Health::HealthyLossy));
 }
 
 /// Heartbeat counts come from the wire: five P0 streams announcing the largest plausible

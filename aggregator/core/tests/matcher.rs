@@ -28,6 +28,8 @@ fn config(s: &Scenario) -> MatcherConfig {
         join_deadline_ns: s.timers.join_deadline_ms * 1_000_000,
         straggler_threshold_ns: straggler_threshold_ns(s),
         expected_nodes: s.cluster.nodes,
+        // The scenario's clear time when it sets one (the aggregator is given it).
+        degraded_clear_ns: s.timers.degraded_clear_ms.map_or(DEGRADED_CLEAR_NS, |c| c * 1_000_000),
         ..MatcherConfig::default()
     }
 }
@@ -41,8 +43,6 @@ fn judge(s: &Scenario, scale: f64, net: Net) -> Judged {
     let r = run(s, None, scale, net, &[]);
     let truth = r.sim.ground_truth();
     let mut m = CollectiveMatcher::new(config(s));
-    // The scenario's clear time when it sets one (the aggregator is given it).
-    let clear_ns = s.timers.degraded_clear_ms.map_or(DEGRADED_CLEAR_NS, |c| c * 1_000_000);
     let mut verdicts = BTreeMap::new();
     let mut collect = |m: &mut CollectiveMatcher| {
         while let Some(e) = m.poll_event() {
@@ -61,7 +61,7 @@ fn judge(s: &Scenario, scale: f64, net: Net) -> Judged {
         if *t > run_end && health_at_end.is_none() {
             m.handle_timeout(run_end);
             collect(&mut m);
-            health_at_end = Some(m.node_health(run_end, clear_ns));
+            health_at_end = Some(m.node_health(run_end));
         }
         if *t >= last_eval + 50_000_000 {
             m.handle_timeout(*t);
@@ -76,7 +76,7 @@ fn judge(s: &Scenario, scale: f64, net: Net) -> Judged {
         m.handle_timeout(t);
         collect(&mut m);
     }
-    let health_at_end = health_at_end.unwrap_or_else(|| m.node_health(run_end, clear_ns));
+    let health_at_end = health_at_end.unwrap_or_else(|| m.node_health(run_end));
     Judged { run: r, truth, verdicts, matcher: m, health_at_end }
 }
 

@@ -388,7 +388,7 @@ fn fr_trace_type_size_dtype_mismatches_are_reported_not_degraded() {
         for rank in [0, 1, 3] {
             assert_eq!(mismatch_of(&c, rank), None);
         }
-        assert!(c.m.node_health(c.now, 300 * S).values().all(|h| *h != ringwatch_core::Health::Degraded));
+        assert!(c.m.node_health(c.now).values().all(|h| *h != ringwatch_core::Health::Degraded));
     }
 }
 
@@ -491,7 +491,7 @@ fn ras_missing_rank_is_silent_not_stuck() {
     for rank in 0..3 {
         assert_eq!(c.outcome(k, 1, rank), (Outcome::WaitingOn(Some(3)), true));
     }
-    assert!(c.m.node_health(c.now, 300 * S).values().all(|h| *h != ringwatch_core::Health::Degraded));
+    assert!(c.m.node_health(c.now).values().all(|h| *h != ringwatch_core::Health::Degraded));
 }
 
 #[test]
@@ -892,8 +892,12 @@ fn stall_in_op_1(c: &mut Case, k: Comm) {
 #[test]
 fn a_gpu_pause_past_the_deadline_is_stuck_then_recovered_and_unblocks_its_communicator_regression_issue_17() {
     use ringwatch_core::Health;
-    let mut c =
-        Case::with_config(MatcherConfig { stuck_min_ns: 5 * S, reorder_timeout_ns: 6 * S, ..MatcherConfig::default() });
+    let mut c = Case::with_config(MatcherConfig {
+        stuck_min_ns: 5 * S,
+        reorder_timeout_ns: 6 * S,
+        degraded_clear_ns: 40 * S,
+        ..MatcherConfig::default()
+    });
     let k = comm(17);
     let nodes = [1, 2, 3];
     stall_in_op_1(&mut c, k);
@@ -921,8 +925,7 @@ fn a_gpu_pause_past_the_deadline_is_stuck_then_recovered_and_unblocks_its_commun
     for rank in 0..3 {
         assert_eq!(c.outcome(k, 2, rank), (Outcome::BlockedBy(op1), true), "op 2 rank {rank}");
     }
-    let clear = 40 * S;
-    let gpu = |c: &Case| c.m.health(c.now, clear).get(&(NodeId(3), [3; 16])).copied();
+    let gpu = |c: &Case| c.m.health(c.now).get(&(NodeId(3), [3; 16])).copied();
     assert_eq!(gpu(&c), Some(Health::Degraded));
 
     // The stall ends, and op 3 is entered after it; node 3's data lags: op 3's frames from

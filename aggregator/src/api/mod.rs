@@ -221,8 +221,8 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
         Ok(c) => c,
         Err(e) => return unavailable(e),
     };
-    let health = core.node_health(now, s.degraded_clear_ns);
-    let gpu_health = core.gpu_health(now, s.degraded_clear_ns);
+    let health = core.node_health(now);
+    let gpu_health = core.gpu_health(now);
     let mut out: Vec<NodeDto> = registry
         .into_iter()
         .map(|(id, name, connected, connections)| {

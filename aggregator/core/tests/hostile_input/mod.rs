@@ -550,8 +550,8 @@ pub fn run(core: &mut Core, now: &mut u64, honest: &mut Honest, script: &Script)
         }
     }
     // Reading what the API reads must not panic either.
-    let _ = core.node_health(*now, 300_000_000_000);
-    let _ = core.gpu_health(*now, 300_000_000_000);
+    let _ = core.node_health(*now);
+    let _ = core.gpu_health(*now);
     for n in 0..4 {
         let _ = core.p0_loss(node(n));
         for t in core.ingest.trackers(node(n)) {

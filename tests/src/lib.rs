@@ -1,6 +1,7 @@
 //! Cross-crate end-to-end tests live in `tests/tests/`; this library holds their shared
 //! helpers (test-only crate, never published): temporary directories, an aggregator with
-//! a fresh certificate set, shipper configurations, and a tiny HTTP/1.1 GET.
+//! a fresh certificate set, shipper configurations, a tiny HTTP/1.1 GET, and [`pair`]: the
+//! real shipper and aggregator state machines wired together in simulated time.
 
 pub mod pair;
 

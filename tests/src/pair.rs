@@ -11,16 +11,25 @@
 //! one-way delay plus seeded jitter each, so batches of one connection reorder only by
 //! that jitter), the control streams ordered (the shipper's preface and `resume`; the
 //! aggregator's `hello`, acks and nacks, each message no earlier than the one before
-//! it), no datagram loss. Faults ([`NetFault`]): a partition delivers nothing that was
-//! in flight during its window, and resets the connection at its end (or at the idle
+//! it), no datagram loss. Faults ([`NetFault`]): a partition delivers nothing whose
+//! flight overlaps its window, and closes the connection at its end (or at the idle
 //! timeout, when that comes first, as QUIC's does); a handshake tried during it completes
-//! once it heals, if that is within the idle timeout, and fails then otherwise; a reset
-//! loses everything in flight on the connection. After either the shipper reconnects
+//! once it heals if that is within the idle timeout, and fails at the idle timeout
+//! otherwise; a reset loses everything in flight on the connection. Both ends learn of
+//! either at once (the aggregator runs `Core::handle_connection_closed`); a node that dies
+//! closes its endpoint, which the aggregator learns a one-way delay later. After a close
+//! the shipper reconnects
 //! after the driver's backoff (100 ms doubling to 5 s, equal jitter), sends its `resume`,
 //! and sends again everything unacked (`ShipperCore::reconnected`).
 //!
 //! Verdicts are judged as [`Core::poll_event`] yields them and then dropped (see
 //! [`Judge`]); maps are checked against their caps every [`PairConfig::map_check_ns`].
+//!
+//! Not modelled: a batch stream that fails alone (`ShipperCore::handle_send_failed`; here
+//! streams fail only with their connection), the aggregator stopping a stream that
+//! stalls, flow-control windows (the spool's bulk window still bounds what is in
+//! flight), processing time (the aggregator answers the instant a batch arrives), shipper
+//! and aggregator restarts.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
@@ -117,21 +126,24 @@ pub struct VerdictScore {
     pub wrong: u64,
     /// Right verdicts by outcome (base name).
     pub right_by_outcome: BTreeMap<String, u64>,
-    /// Wrong verdicts by `owed → got` (base names).
+    /// Wrong verdicts by `owed → got` (base names), and by the node of the rank.
     pub wrong_by_kind: BTreeMap<String, u64>,
+    pub wrong_by_node: BTreeMap<u32, u64>,
     /// The first wrong ones, described.
     pub wrong_examples: Vec<String>,
     /// Judged right only because the truth says the rank lost frames (settled at the end,
     /// from the simulator's final truth).
     pub right_by_lost_frames: u64,
     /// Final verdicts again for a rank already judged (an outcome or tags changed after
-    /// final), judged again; and those that came too late to be judged again.
+    /// final), judged again.
     pub refinals: u64,
     pub refinals_wrong: u64,
-    pub refinals_unjudged: u64,
-    /// Final verdicts the truth owes nothing (graph replays, ranks the truth does not
-    /// call decidable, keys it does not know).
+    /// Final verdicts of ranks the truth does not call decidable by the run's end (the
+    /// aggregator decided them while the run settled), and of graph replays: not scored.
     pub not_scored: u64,
+    /// Final verdicts of ops the truth does not know, or re-finals of ranks judged too
+    /// long ago to be judged again.
+    pub unknown: u64,
     /// Non-final verdict events, and `Recovered` events.
     pub non_final_events: u64,
     pub recovered_events: u64,
@@ -320,10 +332,17 @@ enum Answer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Link {
     /// Waiting to connect.
-    Down { retry_at: u64 },
+    Down {
+        retry_at: u64,
+    },
     /// A handshake in progress: it completes (`ok`) or fails at `done_at`.
-    Handshake { done_at: u64, ok: bool },
-    Up { conn: u64 },
+    Handshake {
+        done_at: u64,
+        ok: bool,
+    },
+    Up {
+        conn: u64,
+    },
     /// The node died: the shipper is gone.
     Gone,
 }
@@ -370,6 +389,7 @@ impl Shipper {
 
 const COMPLETED: u8 = 1;
 const GATED_BY_DEAD: u8 = 2;
+const UNDECIDABLE: u8 = 4;
 const NO_ALT: u32 = u32::MAX;
 
 /// What the truth owes one rank of one op (interned outcome names).
@@ -385,8 +405,8 @@ struct Owed {
 /// `(kind: 0 collective / 1 p2p, comm hash, seq, rank)`, as the scorer keys ops.
 type Key = (u8, u64, u64, u32);
 
-/// Judges final verdicts as they come: what each decidable rank is owed is computed
-/// once, before the run, from the simulator's truth (the simulator computes its whole
+/// Judges final verdicts as they come: what each rank is owed is computed once, before
+/// the run, from the simulator's truth (the simulator computes its whole
 /// timeline up front; it has no incremental truth) with the scorer's table
 /// (`loadgen_sim::expect::Table`) and compared with the scorer's equivalences
 /// (`loadgen::score::agrees`); each entry leaves the index when its rank's first final
@@ -403,8 +423,9 @@ pub struct Judge {
     shared: HashMap<Key, Vec<Owed>>,
     judged_recent: HashMap<Key, Vec<Owed>>,
     judged_order: VecDeque<Key>,
-    /// Verdicts right only if their rank lost frames: (key, verdict outcome).
-    deferred: Vec<(Key, String)>,
+    /// Verdicts right only if their rank lost frames: (key, verdict outcome, a re-final?,
+    /// what the rank is owed).
+    deferred: Vec<(Key, String, bool, Vec<Owed>)>,
     dead_at: Vec<u64>,
     score: VerdictScore,
     reorder_ms: u64,
@@ -412,6 +433,9 @@ pub struct Judge {
 
 /// Judged entries kept for re-final verdicts.
 const JUDGED_MEMORY: usize = 1 << 16;
+
+/// How long before its node's death an op may have frames that died with the shipper.
+const DEATH_REACH_MS: u64 = 30_000;
 
 fn base(s: &str) -> &str {
     s.split('(').next().unwrap_or("")
@@ -438,8 +462,9 @@ fn truth_key(c: &loadgen_sim::truth::CollectiveTruth) -> Option<(u8, u64, u64)> 
 }
 
 impl Judge {
-    /// The index of what every decidable rank is owed. `reorder_ms`: the aggregator's
-    /// reorder timeout in simulated ms (the table's slack).
+    /// The index of what every rank of every entered op is owed, and whether the truth
+    /// calls it decidable by the run's end. `reorder_ms`: the aggregator's reorder
+    /// timeout in simulated ms (the table's slack).
     fn new(truth: &GroundTruth, reorder_ms: u64, dead_at: Vec<u64>) -> Self {
         #[allow(clippy::cast_precision_loss, reason = "ms")]
         let table = Table::new(truth, reorder_ms as f64);
@@ -473,10 +498,6 @@ impl Judge {
             let gated = c.ranks.iter().any(|r| j.dead_at.get(r.node as usize).is_some_and(|&d| d != u64::MAX));
             for r in &c.ranks {
                 let e = table.expected(c, r);
-                if !e.decidable {
-                    continue;
-                }
-                j.score.decidable_ranks += 1;
                 let outcome = name(&e.outcome, &mut j.names);
                 let alternative = e.alternative.as_deref().map_or(NO_ALT, |a| name(a, &mut j.names));
                 let mut flags = 0;
@@ -486,6 +507,9 @@ impl Judge {
                 if gated {
                     flags |= GATED_BY_DEAD;
                 }
+                if !e.decidable {
+                    flags |= UNDECIDABLE;
+                }
                 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "ms of a run")]
                 let sched_ms = c.sched_ms.max(0.0) as u64;
                 let owed = Owed { outcome, alternative, flags, node: r.node, sched_ms };
@@ -493,11 +517,24 @@ impl Judge {
                 if let Some(first) = j.owed.get(&key).copied() {
                     j.shared.entry(key).or_insert_with(|| vec![first]).push(owed);
                 } else {
+                    // Counted once per key, as the scorer does.
+                    if e.decidable {
+                        j.score.decidable_ranks += 1;
+                    }
                     j.owed.insert(key, owed);
                 }
             }
         }
         j
+    }
+
+    /// What became of the node of `o`'s rank, as far as the op goes: the scorer's fate
+    /// of the node, except that a node that died is alive for ops scheduled more than
+    /// [`DEATH_REACH_MS`] before its death (their frames were long acked; the scorer's
+    /// excuses for a dead node cover only what died with its shipper).
+    fn fate(&self, o: &Owed, fate: &dyn Fn(u32) -> NodeFate) -> NodeFate {
+        let dead_ms = self.dead_at.get(o.node as usize).map_or(u64::MAX, |&d| d / MS);
+        if o.sched_ms.saturating_add(DEATH_REACH_MS) < dead_ms { NodeFate::Alive } else { fate(o.node) }
     }
 
     /// Whether `got` is right for `o`, with `lost` standing for the rank's lost frames.
@@ -536,15 +573,17 @@ impl Judge {
         };
         let got = v.outcome.name();
         if let Some(list) = self.judged_recent.get(&key) {
-            // A final verdict again for a rank already judged.
+            // A final verdict again for a rank already judged (or already not scored).
             self.score.refinals += 1;
             let list = list.clone();
-            if list.iter().all(|o| self.agrees(o, &got, 0, fate(o.node))) {
+            if list.iter().any(|o| o.flags & UNDECIDABLE != 0)
+                || list.iter().all(|o| self.agrees(o, &got, 0, self.fate(o, fate)))
+            {
                 return;
             }
-            if list.iter().all(|o| self.agrees(o, &got, 1, fate(o.node))) {
+            if list.iter().all(|o| self.agrees(o, &got, 1, self.fate(o, fate))) {
                 // Right only if the rank lost frames: settled at the end.
-                self.deferred.push((key, got));
+                self.deferred.push((key, got, true, list));
                 return;
             }
             self.score.refinals_wrong += 1;
@@ -557,20 +596,25 @@ impl Judge {
         } else if let Some(o) = self.owed.remove(&key) {
             vec![o]
         } else {
-            // Not owed anything: not decidable by the truth, or an op it does not know
-            // (a re-final of a rank judged long ago lands here too).
-            self.score.not_scored += 1;
+            // An op the truth does not know (a re-final of a rank judged long ago lands
+            // here too).
+            self.score.unknown += 1;
             return;
         };
-        self.score.judged += 1;
-        let plain = list.iter().all(|o| self.agrees(o, &got, 0, fate(o.node)));
-        let with_loss = list.iter().all(|o| self.agrees(o, &got, 1, fate(o.node)));
-        if plain {
+        let plain = list.iter().all(|o| self.agrees(o, &got, 0, self.fate(o, fate)));
+        let with_loss = list.iter().all(|o| self.agrees(o, &got, 1, self.fate(o, fate)));
+        if list.iter().any(|o| o.flags & UNDECIDABLE != 0) {
+            // The truth owes nothing by the run's end (the scorer does not score it).
+            self.score.not_scored += 1;
+        } else if plain {
+            self.score.judged += 1;
             self.score.right += 1;
             *self.score.right_by_outcome.entry(base(&got).to_owned()).or_default() += 1;
         } else if with_loss {
-            self.deferred.push((key, got.clone()));
+            self.score.judged += 1;
+            self.deferred.push((key, got.clone(), false, list.clone()));
         } else {
+            self.score.judged += 1;
             self.score.wrong += 1;
             self.note_wrong(&list, &key, &got, v);
         }
@@ -584,8 +628,15 @@ impl Judge {
     }
 
     fn note_wrong(&mut self, list: &[Owed], key: &Key, got: &str, v: &Verdict) {
+        if let Some(o) = list.first() {
+            *self.score.wrong_by_node.entry(o.node).or_default() += 1;
+        }
         let owed = list.first().map(|o| self.describe(o)).unwrap_or_default();
-        let kind = format!("{} → {}", list.first().map_or("", |o| base(self.names.get(o.outcome as usize).map_or("", String::as_str))), base(got));
+        let kind = format!(
+            "{} → {}",
+            list.first().map_or("", |o| base(self.names.get(o.outcome as usize).map_or("", String::as_str))),
+            base(got)
+        );
         *self.score.wrong_by_kind.entry(kind).or_default() += 1;
         if self.score.wrong_examples.len() < 20 {
             self.score.wrong_examples.push(format!(
@@ -618,25 +669,34 @@ impl Judge {
                     }
                 }
             }
-            for (key, got) in std::mem::take(&mut self.deferred) {
+            for (key, got, refinal, list) in std::mem::take(&mut self.deferred) {
                 let frames = lost.get(&key).copied().unwrap_or(0);
-                let list = self.judged_recent.get(&key).cloned().unwrap_or_default();
                 // Only a rank whose frames were lost makes these right (the fate of a
                 // dead node was already enough otherwise, and judged then).
                 let ok = frames > 0 && list.iter().all(|o| self.agrees(o, &got, frames, NodeFate::Alive));
                 if ok {
-                    self.score.right += 1;
-                    self.score.right_by_lost_frames += 1;
-                    *self.score.right_by_outcome.entry(base(&got).to_owned()).or_default() += 1;
+                    if !refinal {
+                        self.score.right += 1;
+                        self.score.right_by_lost_frames += 1;
+                        *self.score.right_by_outcome.entry(base(&got).to_owned()).or_default() += 1;
+                    }
                 } else {
-                    self.score.wrong += 1;
+                    if refinal {
+                        self.score.refinals_wrong += 1;
+                    } else {
+                        self.score.wrong += 1;
+                    }
                     let owed = list.first().map(|o| self.describe(o)).unwrap_or_default();
                     let kind = format!(
                         "{} → {} (no frame lost)",
-                        list.first().map_or("", |o| base(self.names.get(o.outcome as usize).map_or("", String::as_str))),
+                        list.first()
+                            .map_or("", |o| base(self.names.get(o.outcome as usize).map_or("", String::as_str))),
                         base(&got)
                     );
                     *self.score.wrong_by_kind.entry(kind).or_default() += 1;
+                    if let Some(o) = list.first() {
+                        *self.score.wrong_by_node.entry(o.node).or_default() += 1;
+                    }
                     if self.score.wrong_examples.len() < 20 {
                         self.score.wrong_examples.push(format!(
                             "{:016x}#{} rank {}: owed {owed}, verdict {got}, but the truth says it lost no frame",
@@ -650,7 +710,7 @@ impl Judge {
         let old_before = end_ms.saturating_sub(stuck_ms + self.reorder_ms + 2 * heartbeat_ms);
         let mut left: Vec<(Key, Owed)> = self.owed.iter().map(|(k, o)| (*k, *o)).collect();
         left.sort_unstable_by_key(|(k, o)| (o.sched_ms, *k));
-        for (key, o) in left {
+        for (key, o) in left.into_iter().filter(|(_, o)| o.flags & UNDECIDABLE == 0) {
             self.score.non_final += 1;
             if o.sched_ms < old_before {
                 self.score.non_final_old += 1;
@@ -918,7 +978,8 @@ impl Pair {
     fn healed(&self, node: u32, t: u64) -> u64 {
         let mut t = t;
         loop {
-            let Some(&(_, _, until)) = self.partitions.iter().find(|&&(n, from, until)| n == node && from <= t && t < until)
+            let Some(&(_, _, until)) =
+                self.partitions.iter().find(|&&(n, from, until)| n == node && from <= t && t < until)
             else {
                 return t;
             };
@@ -1163,9 +1224,7 @@ impl Pair {
     /// stream.
     fn transmit(&mut self, i: usize) {
         let Link::Up { conn } = self.shippers[i].link else { return };
-        loop {
-            let Some((_, _, bytes)) = self.shippers[i].core.poll_transmit() else { break };
-            let bytes = bytes.to_vec();
+        while let Some(bytes) = self.shippers[i].core.poll_transmit().map(|(_, _, b)| b.to_vec()) {
             let at = self.now + self.delay();
             let at = self.conns.get(&conn).map_or(at, |c| at.max(c.resume_at));
             self.net.batches_sent += 1;
@@ -1233,16 +1292,17 @@ impl Pair {
             return;
         };
         let parsed = match parse_control(rest) {
-            Ok(Some((ControlMessage::Resume { shipper_session, epoch, next_batch_seq, sent_ns, held, streams }, _))) => {
-                Some((
-                    shipper_session,
-                    epoch,
-                    next_batch_seq,
-                    sent_ns,
-                    held.iter().map(|r| (r.first.get(), r.last.get())).collect::<Vec<_>>(),
-                    streams.iter().map(|s| (s.stream_id.get(), s.floor_seq.get())).collect::<Vec<_>>(),
-                ))
-            }
+            Ok(Some((
+                ControlMessage::Resume { shipper_session, epoch, next_batch_seq, sent_ns, held, streams },
+                _,
+            ))) => Some((
+                shipper_session,
+                epoch,
+                next_batch_seq,
+                sent_ns,
+                held.iter().map(|r| (r.first.get(), r.last.get())).collect::<Vec<_>>(),
+                streams.iter().map(|s| (s.stream_id.get(), s.floor_seq.get())).collect::<Vec<_>>(),
+            )),
             _ => None,
         };
         let Some((session, epoch, next_batch_seq, sent_ns, held, floors)) = parsed else {
@@ -1478,13 +1538,7 @@ impl Pair {
             ..truth
         };
         let conservation = loadgen::score::conservation(&conservation_truth, &nodes_dto);
-        if std::env::var("PAIR_DEBUG").is_ok() {
-            for n in &nodes_dto.nodes {
-                for st in &n.streams {
-                    println!("DEBUG {} {:?}", n.name, st);
-                }
-            }
-        }
+
         let shippers = self
             .shippers
             .iter()

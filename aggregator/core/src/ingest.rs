@@ -50,7 +50,12 @@ pub struct IngestConfig {
     /// Unreachable after this long (RAS: dead at 60 s), or when the connection closes.
     pub unreachable_ns: u64,
     pub max_nodes: usize,
+    /// Streams per node in its open epochs (trackers of closed epochs do not count).
     pub max_streams_per_node: usize,
+    /// Closed epochs whose trackers are kept per node (late frames of them still revive
+    /// what their close declared lost); older ones are summarised into
+    /// [`NodeState::retired`] and dropped (`IngestStats::trackers_retired`).
+    pub closed_epochs_kept: usize,
     pub tracker: TrackerLimits,
     /// Batch dedup limits.
     pub dedup: DedupConfig,
@@ -65,6 +70,7 @@ impl Default for IngestConfig {
             max_nodes: 4096,
             // 2 rings × 256 CPUs × 2 + the shipper's own streams, with room.
             max_streams_per_node: 2048,
+            closed_epochs_kept: 2,
             tracker: TrackerLimits::default(),
             dedup: DedupConfig::default(),
         }
@@ -98,6 +104,12 @@ pub struct IngestStats {
     pub clock_samples_stale: u64,
     /// Batches refused whole for a field no real shipper sends ([`crate::plausible`]).
     pub implausible_batches: u64,
+    /// Trackers of old closed epochs summarised into their node's totals and dropped
+    /// (`closed_epochs_kept`).
+    pub trackers_retired: u64,
+    /// Heartbeat settlements not scheduled because [`MAX_PENDING_SETTLES`] were pending
+    /// (a later heartbeat of the stream settles what this one would have).
+    pub settles_refused: u64,
     /// Resumes refused for the same reason (the shell closes the connection).
     pub implausible_resumes: u64,
 }
@@ -118,8 +130,85 @@ pub struct NodeState {
     pub watermark_ns: [u64; 4],
     /// Epochs up to this one are closed (their tails declared).
     pub closed_through_epoch: u64,
+    /// The pending close of the previous epochs (its `settles` key), if any: a further
+    /// epoch change moves it on instead of adding another.
+    pending_close: Option<(u64, u64)>,
+    /// Trackers of open epochs (what `max_streams_per_node` caps).
+    open_streams: usize,
+    /// What the trackers of retired epochs counted.
+    pub retired: RetiredStreams,
 }
 
+/// The totals of a node's retired trackers (closed epochs past `closed_epochs_kept`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RetiredStreams {
+    pub epochs: u64,
+    pub streams: u64,
+    pub received: u64,
+    /// Lost, all causes, net of revivals.
+    pub lost: u64,
+    pub prior_instance: u64,
+    /// P0 streams: frames lost, and frames known attempted (received, lost, another
+    /// instance's, pending or in transit) — [`crate::Core::p0_loss`] adds them in.
+    pub p0_lost: u64,
+    pub p0_known: u64,
+}
+
+impl RetiredStreams {
+    fn absorb(&mut self, t: &SeqTracker) {
+        let c = t.counts();
+        self.streams.inc();
+        self.received = self.received.saturating_add(c.received);
+        self.lost = self.lost.saturating_add(c.lost_total());
+        self.prior_instance = self.prior_instance.saturating_add(c.prior_instance);
+        if t.key.stream_id >> 24 == 0 {
+            self.p0_lost = self.p0_lost.saturating_add(c.lost_total());
+            self.p0_known = self.p0_known.saturating_add(p0_known(t));
+        }
+    }
+}
+
+/// Frames a P0 tracker knows were attempted: received, lost, another instance's, pending
+/// or in transit (counts rest on heartbeat numbers from the wire: saturating).
+#[must_use]
+pub fn p0_known(t: &SeqTracker) -> u64 {
+    let c = t.counts();
+    [c.received, c.lost_total(), c.prior_instance, t.pending(), t.in_transit()]
+        .iter()
+        .fold(0u64, |a, &x| a.saturating_add(x))
+}
+
+/// Drops the trackers of closed epochs older than the newest `kept`, adding them to the
+/// node's retired totals, and recounts its open streams; returns how many were dropped.
+fn retire_closed(n: &mut NodeState, kept: usize) -> u64 {
+    let closed = n.closed_through_epoch;
+    let open_from = (closed.saturating_add(1), 0);
+    n.open_streams = n.trackers.range(open_from..).count();
+    let mut epochs: Vec<u64> = n.trackers.range(..open_from).map(|((e, _), _)| *e).collect();
+    epochs.dedup();
+    let Some(drop_through) = epochs.len().checked_sub(kept.saturating_add(1)).and_then(|i| epochs.get(i).copied())
+    else {
+        return 0;
+    };
+    // `split_off` keeps the newer part; what stays in `old` is retired.
+    let newer = n.trackers.split_off(&(drop_through.saturating_add(1), 0));
+    let old = std::mem::replace(&mut n.trackers, newer);
+    let mut retired = 0u64;
+    let mut last_epoch = None;
+    for ((e, _), t) in &old {
+        if last_epoch != Some(*e) {
+            n.retired.epochs.inc();
+            last_epoch = Some(*e);
+        }
+        n.retired.absorb(t);
+        retired.inc();
+    }
+    retired
+}
+
+/// Heartbeat settlements pending at once, over all nodes (an honest cluster has about
+/// one per stream per reorder timeout).
+pub const MAX_PENDING_SETTLES: usize = 1 << 20;
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 struct Settle {
     node: NodeId,
@@ -226,11 +315,18 @@ impl Ingest {
     #[must_use]
     pub fn map_sizes(&self) -> Vec<crate::MapSize> {
         let trackers = self.nodes.values().map(|n| n.trackers.len()).sum();
-        let trackers_cap = self.config.max_nodes.saturating_mul(self.config.max_streams_per_node);
+        // Open epochs' streams, plus the kept closed epochs' (each at most as many).
+        let per_node =
+            self.config.max_streams_per_node.saturating_mul(self.config.closed_epochs_kept.saturating_add(1));
+        let trackers_cap = self.config.max_nodes.saturating_mul(per_node);
         vec![
             crate::MapSize::new("ingest.nodes", self.nodes.len(), self.config.max_nodes),
             crate::MapSize::new("ingest.trackers", trackers, trackers_cap),
-            crate::MapSize::new("ingest.settles", self.settles.len(), usize::MAX),
+            crate::MapSize::new(
+                "ingest.settles",
+                self.settles.len(),
+                MAX_PENDING_SETTLES.saturating_add(self.config.max_nodes),
+            ),
         ]
     }
 
@@ -309,6 +405,11 @@ impl Ingest {
                         }
                     }
                     n.closed_through_epoch = n.closed_through_epoch.max(s.epoch);
+                    if n.pending_close == Some(key) {
+                        n.pending_close = None;
+                    }
+                    let retired = retire_closed(n, self.config.closed_epochs_kept);
+                    self.stats.trackers_retired = self.stats.trackers_retired.saturating_add(retired);
                 }
             } else if let Some(t) =
                 self.nodes.get_mut(&s.node).and_then(|n| n.trackers.get_mut(&(s.epoch, s.stream_id)))
@@ -440,6 +541,9 @@ impl Ingest {
                 heard_since_start: false,
                 watermark_ns: [0; 4],
                 closed_through_epoch: 0,
+                pending_close: None,
+                open_streams: 0,
+                retired: RetiredStreams::default(),
             },
         );
         true
@@ -458,12 +562,18 @@ impl Ingest {
         let old = n.epoch;
         n.epoch = epoch;
         n.watermark_ns = [0; 4];
-        // Close the old epoch once its batches in flight have had time to land.
+        // Close the old epoch once its batches in flight have had time to land; a close
+        // still pending is moved on (one per node, however fast epochs change).
+        if let Some(pending) = n.pending_close.take() {
+            self.settles.remove(&pending);
+        }
         let due = now.saturating_add(self.config.reorder_timeout_ns);
+        let key = (due, self.next_order);
         self.settles.insert(
-            (due, self.next_order),
+            key,
             Settle { node, epoch: old, stream_id: 0, hb: HeartbeatCounters::default(), announced_ns: now, close: true },
         );
+        n.pending_close = Some(key);
         self.next_order.inc();
         self.out.push(Record::Epoch(EpochChange { node, old_epoch: old, new_epoch: epoch, boot_id, at_ns: now }));
     }
@@ -487,14 +597,17 @@ impl Ingest {
             }
             return t;
         }
-        let len = n.trackers.len();
+        // Only the open epochs' streams count (a node that restarts often keeps a few
+        // closed epochs' trackers for late frames: they must not crowd out its new ones).
+        let open = n.open_streams;
         match n.trackers.entry((epoch, stream_id)) {
             std::collections::btree_map::Entry::Occupied(e) => Some(e.into_mut()),
             std::collections::btree_map::Entry::Vacant(v) => {
-                if len >= config.max_streams_per_node {
+                if open >= config.max_streams_per_node {
                     stats.streams_refused_frames.inc();
                     return None;
                 }
+                n.open_streams = open.saturating_add(1);
                 Some(v.insert(SeqTracker::new(StreamKey { node, epoch, stream_id }, config.tracker)))
             }
         }
@@ -675,6 +788,10 @@ impl Ingest {
                                     ) {
                                         t.on_heartbeat(counters);
                                         let due = now.saturating_add(self.config.reorder_timeout_ns);
+                                        if self.settles.len() >= MAX_PENDING_SETTLES {
+                                            self.stats.settles_refused.inc();
+                                            continue;
+                                        }
                                         self.settles.insert(
                                             (due, self.next_order),
                                             Settle {

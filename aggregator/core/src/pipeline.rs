@@ -167,15 +167,16 @@ impl Core {
 
     /// Frames of `node`'s P0 (lifecycle) streams lost by any cause, net of revivals, and
     /// how many its P0 streams attempted as far as this instance knows (received, lost,
-    /// another instance's, pending or in transit), over every epoch.
+    /// another instance's, pending or in transit), over every epoch (retired ones from
+    /// their totals).
     #[must_use]
     pub fn p0_loss(&self, node: NodeId) -> (u64, u64) {
-        self.ingest.trackers(node).filter(|t| t.key.stream_id >> 24 == 0).fold((0, 0), |(lost, seen), t| {
-            let c = t.counts();
+        let retired = self.ingest.node(node).map(|n| n.retired).unwrap_or_default();
+        let start = (retired.p0_lost, retired.p0_known);
+        self.ingest.trackers(node).filter(|t| t.key.stream_id >> 24 == 0).fold(start, |(lost, seen), t| {
             // Counts rest on heartbeat numbers from the wire (`attempted` may be anything
             // up to u64::MAX): saturate, never overflow.
-            let known = [c.received, c.lost_total(), c.prior_instance, t.pending(), t.in_transit()];
-            (lost.saturating_add(c.lost_total()), known.iter().fold(seen, |a, &x| a.saturating_add(x)))
+            (lost.saturating_add(t.counts().lost_total()), seen.saturating_add(crate::ingest::p0_known(t)))
         })
     }
 

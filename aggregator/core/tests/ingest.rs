@@ -526,3 +526,97 @@ fn p0_totals_saturate_on_hostile_heartbeat_counts() {
     core.handle_batch(1_000_000, node_id(0), 100_000, &BatchView::parse(&bytes).unwrap());
     assert_eq!(core.p0_loss(node_id(0)), (0, u64::MAX));
 }
+
+/// A node whose shipper restarts 1,000 times (a new epoch and session each time, as a
+/// crash loop would): every epoch's streams are accepted and its P0 watermark moves on
+/// each time. Closed epochs' trackers are retired into the node's totals (2 closed epochs
+/// kept), so they neither crowd out new streams under `max_streams_per_node` (here 10:
+/// two epochs' 5 streams, as the old epoch stays open for the reorder timeout after the
+/// new one starts) nor grow without bound. Before issue 19 the closed epochs' trackers
+/// counted against the cap: the third epoch's streams were refused and its watermark
+/// stuck at 0.
+#[test]
+fn a_node_restarting_1000_times_keeps_its_new_streams_and_its_watermark() {
+    use proto_flat::batch::BatchView;
+    use proto_flat::codes::{Class, Phase};
+    use proto_flat::encode::SectionedFrameWriter;
+    use proto_flat::header::StreamId;
+    use proto_flat::sample;
+    use proto_flat::sections::StreamEntry;
+    use ringwatch_core::{Core, IngestConfig, MatcherConfig, Receipt};
+    use zerocopy::little_endian::{U32, U64};
+    use zerocopy::{FromZeros, IntoBytes};
+
+    const RESTARTS: u64 = 1_000;
+    const STREAMS: u16 = 4;
+    const FRAMES: u64 = 4;
+    let config = IngestConfig { max_streams_per_node: 10, ..IngestConfig::default() };
+    let mut core = Core::new(config, MatcherConfig::default(), 0);
+    let node = node_id(0);
+    let mut now = 1_000_000_000u64;
+    let mut highest_trackers = 0;
+    for epoch in 1..=RESTARTS {
+        let session = epoch;
+        // The node's clock runs on: frames of this epoch are stamped after the last's.
+        let ts = now;
+        let p0: Vec<StreamId> = (0..STREAMS).map(|cpu| StreamId::new(Class::P0, 0, cpu)).collect();
+        let frames: Vec<Vec<u8>> = p0
+            .iter()
+            .flat_map(|&s| {
+                (0..FRAMES).map(move |q| sample::collective(s, q, ts + q, 1 + q, Phase::KernelEnd).as_bytes().to_vec())
+            })
+            .collect();
+        let data = common::batch(0, epoch, session, 1, Class::P0.code(), &frames);
+        let entries: Vec<StreamEntry> = p0
+            .iter()
+            .map(|s| {
+                let mut e = StreamEntry::new_zeroed();
+                e.stream_id = U32::new(s.0);
+                e.attempted_seq = U64::new(FRAMES);
+                e.held_from_seq = U64::new(FRAMES);
+                e
+            })
+            .collect();
+        let mut w = SectionedFrameWriter::heartbeat(common::SHIPPER_STREAM, 0, ts + FRAMES, ts + FRAMES);
+        w.section(&entries);
+        let hb = common::batch(0, epoch, session, 2, Class::P1.code(), &[w.finish()]);
+        for b in [&data, &hb] {
+            let r = core.receive_batch(now, node, 100_000, &BatchView::parse(b).expect("parses"));
+            assert_eq!(r, Receipt::Applied, "epoch {epoch}");
+        }
+        // Past the reorder timeout: this epoch's heartbeat settles, the previous epoch
+        // closes.
+        let until = now + 1_000_000_000;
+        // `poll_timeout` says 0 for work due now: time never runs backwards.
+        while let Some(due) = core.poll_timeout().filter(|&d| d <= until) {
+            now = now.max(due);
+            core.handle_timeout(now);
+            while core.poll_event().is_some() {}
+        }
+        now = until;
+        let n = core.ingest.node(node).expect("the node is known");
+        assert_eq!(core.ingest.stats().streams_refused_frames, 0, "epoch {epoch}: its streams were accepted");
+        assert!(
+            n.watermark_ns[0] >= ts,
+            "epoch {epoch}: P0 watermark {} moved to the epoch's frames ({ts})",
+            n.watermark_ns[0]
+        );
+        highest_trackers = highest_trackers.max(n.trackers.len());
+        for size in core.map_sizes() {
+            assert!(size.within(), "{size:?}");
+        }
+    }
+    let n = core.ingest.node(node).expect("the node is known");
+    let stats = core.ingest.stats();
+    println!(
+        "{RESTARTS} restarts: trackers held at most {highest_trackers}, retired {} ({} epochs), received {}",
+        stats.trackers_retired, n.retired.epochs, n.retired.received
+    );
+    // Each epoch: 4 P0 streams and the shipper's own P1 stream.
+    assert!(highest_trackers <= 3 * 5, "the open epoch and 2 closed ones: {highest_trackers}");
+    assert_eq!(stats.trackers_retired + n.trackers.len() as u64, RESTARTS * 5, "every tracker held or retired");
+    assert_eq!(n.retired.p0_lost, 0);
+    // Conservation over every epoch: all P0 frames received, none lost, retired or not.
+    let (lost, known) = core.p0_loss(node);
+    assert_eq!((lost, known), (0, RESTARTS * u64::from(STREAMS) * FRAMES));
+}

@@ -13,8 +13,9 @@
 //! (`SeqTracker`), [`ingest`] (batches → records; watermarks, liveness, knowledge
 //! gaps), [`clock`] (cluster time), [`matcher`] and [`verdict`] (collectives → verdicts,
 //! health), [`plausible`] (what a batch may say before any arithmetic on it), [`pipeline`]
-//! (`Core`: ingest and matcher together), [`snapshot`] (the
-//! versioned state format).
+//! (`Core`: ingest and matcher together), [`store`] (`VerdictStore`: what the API serves,
+//! bounded by age and bytes), [`bounds`] (every map's cap), [`snapshot`] (the versioned
+//! state format).
 
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
@@ -29,6 +30,7 @@ pub mod pipeline;
 pub mod plausible;
 pub mod records;
 pub mod snapshot;
+pub mod store;
 mod tally;
 pub mod verdict;
 
@@ -39,3 +41,4 @@ pub use loss::SeqTracker;
 pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
 pub use pipeline::{Core, Receipt, Resumed};
 pub use records::{NodeId, Record, StreamKey};
+pub use store::{Cursor, Page, PageItem, StoreConfig, StoreStats, Stored, VerdictStore};

@@ -1,0 +1,462 @@
+//! `VerdictStore`: the verdicts the API serves, latest per (op, rank), bounded by age and
+//! by bytes.
+//!
+//! Fed from [`crate::Core::poll_event`] ([`VerdictStore::apply`]); the aggregator keeps it
+//! behind its own lock, apart from the core's, so ingest never waits on a query. Rules:
+//! - an op is forgotten `retention_ns` after its last update, and the least recently
+//!   updated ops go first while the store is over `max_bytes` (both counted);
+//! - an op whose every held verdict is final `completed` with no tags — the common case —
+//!   is compacted to a summary of `(rank, node, gpu)` ([`CompactRank`], ≈ 40 B a rank
+//!   instead of ≈ 400 B): its per-rank evidence (frame references, watermarks) is
+//!   dropped, the outcome, finality and decision time are kept;
+//! - `Recovered` events set the rank's `recovered_at` (counted when the verdict is no
+//!   longer held);
+//! - queries return owned pages (cursor, limit, a scan budget), so no lock is held while
+//!   they are turned into responses, and a query costs what it returns, not what the
+//!   store holds.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Bound;
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::records::NodeId;
+use crate::tally::Tally;
+use crate::verdict::{Evidence, MatcherEvent, OpRef, Outcome, Rule, Verdict, VerdictTag};
+
+/// Limits.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// An op is forgotten this long (aggregator time) after its last update.
+    pub retention_ns: u64,
+    /// The store's estimated size ([`VerdictStore::bytes`]) is kept under this.
+    pub max_bytes: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self { retention_ns: 3_600_000_000_000, max_bytes: 256 << 20 }
+    }
+}
+
+/// Counters.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Verdict events applied.
+    pub verdicts: u64,
+    /// Recoveries applied to a held verdict.
+    pub recoveries: u64,
+    /// Recoveries of a verdict no longer held (aged out or evicted).
+    pub recoveries_unheld: u64,
+    /// Ops compacted to a summary (every verdict final `completed`, untagged).
+    pub ops_compacted: u64,
+    /// Ops (and their rank verdicts) forgotten `retention_ns` after their last update.
+    pub ops_aged_out: u64,
+    pub verdicts_aged_out: u64,
+    /// Ops (and their rank verdicts) forgotten, least recently updated first, to stay
+    /// under `max_bytes`.
+    pub ops_evicted_bytes: u64,
+    pub verdicts_evicted_bytes: u64,
+}
+
+/// A rank of a compacted op: final `completed`, untagged.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompactRank {
+    pub rank: u32,
+    pub node: Option<NodeId>,
+    pub gpu_uuid: [u8; 16],
+}
+
+/// A held verdict with the store's times.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub verdict: Verdict,
+    /// Aggregator time it became final.
+    pub final_at_ns: Option<u64>,
+    /// Aggregator time its rank completed after all (a final unfinished verdict).
+    pub recovered_at_ns: Option<u64>,
+}
+
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+enum Entry {
+    Full(BTreeMap<u32, Stored>),
+    Completed { ranks: Vec<CompactRank>, decided_at_ns: u64, final_at_ns: u64, revision: u32 },
+}
+
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+struct OpEntry {
+    touched_ns: u64,
+    bytes: u64,
+    entry: Entry,
+}
+
+/// One verdict of a page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageItem {
+    pub stored: Stored,
+    /// From a compacted op: the evidence is the rule only.
+    pub compacted: bool,
+}
+
+/// Where a page ends: the next page starts after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Cursor {
+    pub op: OpRef,
+    pub rank: u32,
+}
+
+/// A page of verdicts, in (op, rank) order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Page {
+    pub items: Vec<PageItem>,
+    /// Set when more may follow (the limit or the scan budget was reached).
+    pub next: Option<Cursor>,
+    /// Rank verdicts looked at.
+    pub scanned: usize,
+}
+
+/// Estimated bytes of a B-tree entry beyond its key and value (node slack, pointers).
+const TREE_ENTRY_OVERHEAD: u64 = 24;
+
+fn stored_bytes(s: &Stored) -> u64 {
+    let v = &s.verdict;
+    let tags: usize = v
+        .tags
+        .iter()
+        .map(|t| match t {
+            VerdictTag::TelemetryLoss { ids } => ids.len().saturating_mul(8),
+            VerdictTag::Mismatch { field } => field.len(),
+            _ => 0,
+        })
+        .fold(v.tags.len().saturating_mul(size_of::<VerdictTag>()), usize::saturating_add);
+    let e = &v.evidence;
+    let evidence = [
+        e.frames.len().saturating_mul(size_of::<crate::verdict::FrameRef>()),
+        e.loss_intervals.len().saturating_mul(8),
+        e.watermarks.len().saturating_mul(size_of::<(NodeId, i64)>()),
+        e.progress.len().saturating_mul(size_of::<crate::verdict::ProgressRef>()),
+    ]
+    .into_iter()
+    .fold(tags, usize::saturating_add);
+    u64::try_from(size_of::<(u32, Stored)>().saturating_add(evidence)).unwrap_or(u64::MAX).saturating_add(TREE_ENTRY_OVERHEAD)
+}
+
+fn entry_bytes(e: &Entry) -> u64 {
+    let base = u64::try_from(size_of::<(OpRef, OpEntry)>() + size_of::<(u64, OpRef)>()).unwrap_or(u64::MAX);
+    let body = match e {
+        Entry::Full(m) => m.values().map(stored_bytes).fold(0u64, u64::saturating_add),
+        Entry::Completed { ranks, .. } => {
+            u64::try_from(ranks.len().saturating_mul(size_of::<CompactRank>())).unwrap_or(u64::MAX)
+        }
+    };
+    base.saturating_add(TREE_ENTRY_OVERHEAD.saturating_mul(2)).saturating_add(body)
+}
+
+/// The verdict store. See the module docs.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct VerdictStore {
+    config: StoreConfig,
+    ops: BTreeMap<OpRef, OpEntry>,
+    /// (last update, op): the ageing and eviction order.
+    by_age: BTreeSet<(u64, OpRef)>,
+    bytes: u64,
+    /// Rank verdicts held.
+    held: u64,
+    stats: StoreStats,
+}
+
+impl VerdictStore {
+    /// An empty store.
+    #[must_use]
+    pub fn new(config: StoreConfig) -> Self {
+        Self { config, ops: BTreeMap::new(), by_age: BTreeSet::new(), bytes: 0, held: 0, stats: StoreStats::default() }
+    }
+
+    /// Counters.
+    #[must_use]
+    pub fn stats(&self) -> &StoreStats {
+        &self.stats
+    }
+
+    /// The limits.
+    #[must_use]
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Replaces the limits (configuration, not state: a restored store takes the running
+    /// service's); applied at the next [`Self::expire`].
+    pub fn set_config(&mut self, config: StoreConfig) {
+        self.config = config;
+    }
+
+    /// Rank verdicts held.
+    #[must_use]
+    pub fn len(&self) -> u64 {
+        self.held
+    }
+
+    /// Whether nothing is held.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.held == 0
+    }
+
+    /// Ops held.
+    #[must_use]
+    pub fn ops(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Estimated bytes held (entries and their heap parts, with B-tree overhead).
+    #[must_use]
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Its sizes against its caps (see [`crate::bounds`]); the cap of `store.bytes` is
+    /// `max_bytes`, and the op count follows from it.
+    #[must_use]
+    pub fn map_sizes(&self) -> Vec<crate::MapSize> {
+        let min_op = usize::try_from(entry_bytes(&Entry::Full(BTreeMap::new()))).unwrap_or(1).max(1);
+        let max_bytes = usize::try_from(self.config.max_bytes).unwrap_or(usize::MAX);
+        vec![
+            crate::MapSize::new("store.bytes", usize::try_from(self.bytes).unwrap_or(usize::MAX), max_bytes),
+            crate::MapSize::new("store.ops", self.ops.len(), max_bytes / min_op),
+        ]
+    }
+
+    /// Applies a batch of the core's events at `now`, then compacts the ops they touched
+    /// and enforces the limits.
+    pub fn apply(&mut self, now: u64, events: impl IntoIterator<Item = MatcherEvent>) {
+        let mut touched: Vec<OpRef> = Vec::new();
+        for e in events {
+            match e {
+                MatcherEvent::Verdict(v) => {
+                    let op = v.op;
+                    self.put(now, v);
+                    if touched.last() != Some(&op) {
+                        touched.push(op);
+                    }
+                }
+                MatcherEvent::Recovered { op, rank, .. } => self.recover(now, op, rank),
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for op in touched {
+            self.compact(op);
+        }
+        self.expire(now);
+    }
+
+    /// Forgets ops past the retention, then the least recently updated while over
+    /// `max_bytes`.
+    pub fn expire(&mut self, now: u64) {
+        let cutoff = now.saturating_sub(self.config.retention_ns);
+        while let Some(&(t, op)) = self.by_age.first() {
+            let aged = now >= self.config.retention_ns && t < cutoff;
+            if !aged && self.bytes <= self.config.max_bytes {
+                break;
+            }
+            let n = self.remove(op);
+            if aged {
+                self.stats.ops_aged_out.inc();
+                self.stats.verdicts_aged_out = self.stats.verdicts_aged_out.saturating_add(n);
+            } else {
+                self.stats.ops_evicted_bytes.inc();
+                self.stats.verdicts_evicted_bytes = self.stats.verdicts_evicted_bytes.saturating_add(n);
+            }
+        }
+    }
+
+    /// One rank's verdict, if held.
+    #[must_use]
+    pub fn get(&self, op: OpRef, rank: u32) -> Option<PageItem> {
+        match &self.ops.get(&op)?.entry {
+            Entry::Full(m) => m.get(&rank).map(|s| PageItem { stored: s.clone(), compacted: false }),
+            e @ Entry::Completed { .. } => expand(op, e).find(|i| i.stored.verdict.rank == rank),
+        }
+    }
+
+    /// Up to `limit` verdicts after `after` (from the start without one) that `keep`
+    /// accepts, looking at no more than `max_scan` of them; owned, so the caller can
+    /// release its lock before using them.
+    pub fn page(
+        &self,
+        after: Option<Cursor>,
+        limit: usize,
+        max_scan: usize,
+        mut keep: impl FnMut(&Stored) -> bool,
+    ) -> Page {
+        let mut page = Page::default();
+        let (first_op, resume) = match after {
+            Some(c) => (Bound::Included(c.op), Some(c)),
+            None => (Bound::Unbounded, None),
+        };
+        let mut last: Option<Cursor> = None;
+        for (op, e) in self.ops.range((first_op, Bound::Unbounded)) {
+            let from = match resume {
+                Some(c) if c.op == *op => Bound::Excluded(c.rank),
+                _ => Bound::Unbounded,
+            };
+            let mut visit = |rank: u32, stored: &Stored, compacted: bool, page: &mut Page| -> bool {
+                if page.items.len() >= limit || page.scanned >= max_scan {
+                    // Resume after the last one looked at.
+                    page.next = last;
+                    return false;
+                }
+                page.scanned = page.scanned.saturating_add(1);
+                last = Some(Cursor { op: *op, rank });
+                if keep(stored) {
+                    page.items.push(PageItem { stored: stored.clone(), compacted });
+                }
+                true
+            };
+            match &e.entry {
+                Entry::Full(m) => {
+                    for (rank, stored) in m.range((from, Bound::Unbounded)) {
+                        if !visit(*rank, stored, false, &mut page) {
+                            return page;
+                        }
+                    }
+                }
+                Entry::Completed { .. } => {
+                    for item in expand(*op, &e.entry) {
+                        let rank = item.stored.verdict.rank;
+                        let after_from = match from {
+                            Bound::Excluded(r) => rank > r,
+                            _ => true,
+                        };
+                        if after_from && !visit(rank, &item.stored, true, &mut page) {
+                            return page;
+                        }
+                    }
+                }
+            }
+        }
+        page
+    }
+
+    // ---------------------------------------------------------------- internals
+
+    fn touch(&mut self, now: u64, op: OpRef) {
+        if let Some(e) = self.ops.get_mut(&op) {
+            self.by_age.remove(&(e.touched_ns, op));
+            e.touched_ns = now;
+            self.by_age.insert((now, op));
+        }
+    }
+
+    fn put(&mut self, now: u64, v: Verdict) {
+        self.stats.verdicts.inc();
+        let op = v.op;
+        let e = self.ops.entry(op).or_insert_with(|| OpEntry {
+            touched_ns: now,
+            bytes: 0,
+            entry: Entry::Full(BTreeMap::new()),
+        });
+        if e.bytes == 0 {
+            self.by_age.insert((now, op));
+        }
+        // A compacted op that gets another verdict is expanded again (none is expected:
+        // a final op takes no more frames; this keeps the store right if one comes).
+        if let Entry::Completed { .. } = e.entry {
+            e.entry = Entry::Full(expand(op, &e.entry).map(|i| (i.stored.verdict.rank, i.stored)).collect());
+        }
+        let Entry::Full(ranks) = &mut e.entry else { return };
+        let rank = v.rank;
+        let old = ranks.remove(&rank);
+        let final_at_ns = old.as_ref().and_then(|s| s.final_at_ns).or(v.is_final.then_some(now));
+        let recovered_at_ns = old.as_ref().and_then(|s| s.recovered_at_ns);
+        if old.is_none() {
+            self.held.inc();
+        }
+        ranks.insert(rank, Stored { verdict: v, final_at_ns, recovered_at_ns });
+        let before = e.bytes;
+        e.bytes = entry_bytes(&e.entry);
+        self.bytes = self.bytes.saturating_sub(before).saturating_add(e.bytes);
+        self.touch(now, op);
+    }
+
+    fn recover(&mut self, now: u64, op: OpRef, rank: u32) {
+        let held = self.ops.get_mut(&op).and_then(|e| match &mut e.entry {
+            Entry::Full(ranks) => ranks.get_mut(&rank),
+            Entry::Completed { .. } => None,
+        });
+        match held {
+            Some(s) => {
+                s.recovered_at_ns.get_or_insert(now);
+                self.stats.recoveries.inc();
+            }
+            None => self.stats.recoveries_unheld.inc(),
+        }
+    }
+
+    /// Compacts `op` if every verdict it holds is final `completed`, untagged.
+    fn compact(&mut self, op: OpRef) {
+        let Some(e) = self.ops.get_mut(&op) else { return };
+        let Entry::Full(ranks) = &e.entry else { return };
+        let plain = |s: &Stored| {
+            s.verdict.is_final
+                && s.verdict.outcome == Outcome::Completed
+                && s.verdict.tags.is_empty()
+                && s.recovered_at_ns.is_none()
+        };
+        if ranks.is_empty() || !ranks.values().all(plain) {
+            return;
+        }
+        let decided_at_ns = ranks.values().map(|s| s.verdict.decided_at_ns).max().unwrap_or(0);
+        let final_at_ns = ranks.values().filter_map(|s| s.final_at_ns).max().unwrap_or(0);
+        let revision = ranks.values().map(|s| s.verdict.revision).max().unwrap_or(0);
+        let compact: Vec<CompactRank> = ranks
+            .values()
+            .map(|s| CompactRank { rank: s.verdict.rank, node: s.verdict.node, gpu_uuid: s.verdict.gpu_uuid })
+            .collect();
+        e.entry = Entry::Completed { ranks: compact, decided_at_ns, final_at_ns, revision };
+        let before = e.bytes;
+        e.bytes = entry_bytes(&e.entry);
+        self.bytes = self.bytes.saturating_sub(before).saturating_add(e.bytes);
+        self.stats.ops_compacted.inc();
+    }
+
+    /// Forgets `op`; returns how many rank verdicts it held.
+    fn remove(&mut self, op: OpRef) -> u64 {
+        let Some(e) = self.ops.remove(&op) else { return 0 };
+        self.by_age.remove(&(e.touched_ns, op));
+        self.bytes = self.bytes.saturating_sub(e.bytes);
+        let n = match &e.entry {
+            Entry::Full(m) => m.len(),
+            Entry::Completed { ranks, .. } => ranks.len(),
+        };
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        self.held = self.held.saturating_sub(n);
+        n
+    }
+}
+
+/// A compacted op's verdicts, rebuilt.
+fn expand(op: OpRef, e: &Entry) -> Box<dyn Iterator<Item = PageItem> + '_> {
+    let Entry::Completed { ranks, decided_at_ns, final_at_ns, revision } = e else {
+        return Box::new(std::iter::empty());
+    };
+    Box::new(ranks.iter().map(move |r| PageItem {
+        stored: Stored {
+            verdict: Verdict {
+                op,
+                rank: r.rank,
+                node: r.node,
+                gpu_uuid: r.gpu_uuid,
+                outcome: Outcome::Completed,
+                tags: Vec::new(),
+                is_final: true,
+                decided_at_ns: *decided_at_ns,
+                evidence: Evidence { rule: Rule::CompletionFrame, ..Evidence::default() },
+                revision: *revision,
+            },
+            final_at_ns: Some(*final_at_ns),
+            recovered_at_ns: None,
+        },
+        compacted: true,
+    }))
+}

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ringwatch_core::{Core, IngestConfig, MatcherConfig};
+use ringwatch_core::{Core, IngestConfig, MatcherConfig, StoreConfig, VerdictStore};
 use ringwatch_transport::{TlsFiles, Tuning};
 use tokio::task::JoinHandle;
 
@@ -47,8 +47,8 @@ pub struct AggregatorConfig {
     pub tuning: Tuning,
     pub ingest: IngestConfig,
     pub matcher: MatcherConfig,
-    /// Verdicts kept (latest per op and rank); the oldest ops are evicted beyond it.
-    pub verdict_cap: usize,
+    /// The verdict store's limits (retention and bytes).
+    pub store: StoreConfig,
     /// Test hook: never send acks (shippers' spools then hold every batch) …
     pub hold_acks: bool,
     /// … or only from this long after start.
@@ -80,7 +80,7 @@ impl AggregatorConfig {
             tuning: Tuning::default(),
             ingest: IngestConfig::default(),
             matcher: MatcherConfig::default(),
-            verdict_cap: 1_000_000,
+            store: StoreConfig::default(),
             hold_acks: false,
             hold_acks_after_ms: None,
             snapshot_path: None,
@@ -137,13 +137,15 @@ impl Aggregator {
             Some(r) => {
                 tracing::info!(epoch = r.epoch, snapshot_ns = r.snapshot_ns, "restored from snapshot");
                 let hold = hold.map(|h| h.saturating_add(r.now_ns));
-                let mut s = Shared::new(r.core, instance, r.epoch, cfg.verdict_cap, hold);
+                let mut store = r.store;
+                // Limits are configuration, not state: this run's apply.
+                store.set_config(cfg.store);
+                let mut s = Shared::new(r.core, store, instance, r.epoch, hold);
                 s.base_ns = r.now_ns;
                 s.restored = true;
-                s.restore_verdicts(r.verdicts);
                 s
             }
-            None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), instance, 1, cfg.verdict_cap, hold),
+            None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), VerdictStore::new(cfg.store), instance, 1, hold),
         };
         // The clear time is configuration, not state: a restored core takes this run's.
         if let Ok(mut core) = shared.core() {
@@ -264,15 +266,15 @@ async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
 pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
     let started = std::time::Instant::now();
-    let (core, verdicts, now) = {
+    let (core, store, now) = {
         // A failed core is never written: the last good snapshot is what a restart uses.
         let Ok(mut core) = shared.core() else { return false };
         shared.drain_events(&mut core);
-        let verdicts: Vec<_> = shared.verdicts().by_key.values().cloned().collect();
-        (core.clone(), verdicts, shared.now())
+        let store = shared.store().clone();
+        (core.clone(), store, shared.now())
     };
     let hold_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-    match snapshots::save(path, &core, &verdicts, now, shared.epoch) {
+    match snapshots::save(path, &core, &store, now, shared.epoch) {
         Ok(bytes) => {
             state::Counters::inc(&shared.counters.snapshots_written);
             shared.counters.last_snapshot_bytes.store(bytes as u64, Relaxed);

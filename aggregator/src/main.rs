@@ -83,6 +83,22 @@ fn command() -> Command {
                         .value_parser(value_parser!(u32).range(1..=1_000_000))
                         .help("the cluster's node count: a rank that never reports (no profiler shim) is then final as indeterminate(uninstrumented) once every node's data is in, instead of after the stuck deadline"),
                 )
+                .arg(
+                    Arg::new("verdict-retention-s")
+                        .long("verdict-retention-s")
+                        .value_name("SECONDS")
+                        .default_value("3600")
+                        .value_parser(value_parser!(u64).range(1..=30 * 86_400))
+                        .help("an op's verdicts are forgotten this long after their last update"),
+                )
+                .arg(
+                    Arg::new("verdict-store-mb")
+                        .long("verdict-store-mb")
+                        .value_name("MIB")
+                        .default_value("256")
+                        .value_parser(value_parser!(u64).range(1..=1_048_576))
+                        .help("the verdict store's size cap (estimated); the least recently updated ops go first past it"),
+                )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
                 .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
                 .arg(
@@ -159,6 +175,12 @@ fn main() -> ExitCode {
             cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
             if let Some(&w) = r.get_one::<u32>("dedup-window") {
                 cfg.ingest.dedup.window = w;
+            }
+            if let Some(&s) = r.get_one::<u64>("verdict-retention-s") {
+                cfg.store.retention_ns = s.saturating_mul(1_000_000_000);
+            }
+            if let Some(&mb) = r.get_one::<u64>("verdict-store-mb") {
+                cfg.store.max_bytes = mb.saturating_mul(1 << 20);
             }
             if let Some(&n) = r.get_one::<u32>("expect-nodes") {
                 cfg.matcher.expected_nodes = n;

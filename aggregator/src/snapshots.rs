@@ -1,8 +1,8 @@
 //! Periodic snapshots of the core (and the verdict store), restored at start.
 //!
-//! File layout (little-endian): `magic "RWAGGv1\0" | aggregator_ns u64 | realtime_ns u64 |
+//! File layout (little-endian): `magic "RWAGGv2\0" | aggregator_ns u64 | realtime_ns u64 |
 //! aggregator_epoch u64 | core_len u64 | core snapshot (ringwatch_core::snapshot) |
-//! verdicts (rkyv Vec<Verdict>)`. Written to `PATH.tmp`, fsynced, and renamed over `PATH`
+//! verdict store (rkyv VerdictStore)`. Written to `PATH.tmp`, fsynced, and renamed over `PATH`
 //! (the directory fsynced after), so a crash mid-write leaves the previous snapshot
 //! intact. The core and the verdict store are captured in one cut under the core's lock
 //! (pending verdicts drained into the store first), cloned, and written after every
@@ -17,11 +17,10 @@
 
 use std::path::Path;
 
-use ringwatch_core::Core;
-use ringwatch_core::verdict::Verdict;
+use ringwatch_core::{Core, VerdictStore};
 
 /// First bytes of an aggregator snapshot file.
-pub const FILE_MAGIC: [u8; 8] = *b"RWAGGv1\0";
+pub const FILE_MAGIC: [u8; 8] = *b"RWAGGv2\0";
 const HEAD: usize = 8 + 4 * 8;
 
 /// Why a snapshot could not be written or read.
@@ -41,7 +40,7 @@ pub enum SnapshotFileError {
 #[derive(Debug)]
 pub struct Restored {
     pub core: Core,
-    pub verdicts: Vec<Verdict>,
+    pub store: VerdictStore,
     /// The aggregator time the snapshot was taken.
     pub snapshot_ns: u64,
     /// Aggregator time now: the snapshot's plus the wall-clock time since.
@@ -56,7 +55,7 @@ fn realtime_ns() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// Writes a snapshot of `core` and `verdicts` taken at aggregator time `now_ns`; returns
+/// Writes a snapshot of `core` and `store` taken at aggregator time `now_ns`; returns
 /// its size.
 ///
 /// # Errors
@@ -64,14 +63,14 @@ fn realtime_ns() -> u64 {
 pub fn save(
     path: &Path,
     core: &Core,
-    verdicts: &[Verdict],
+    store: &VerdictStore,
     now_ns: u64,
     epoch: u64,
 ) -> Result<usize, SnapshotFileError> {
     let p = path.display().to_string();
     let core_bytes =
         ringwatch_core::snapshot::write(core).map_err(|source| SnapshotFileError::Core { path: p.clone(), source })?;
-    let verdict_bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&verdicts.to_vec())
+    let verdict_bytes = rkyv::to_bytes::<rkyv::rancor::Error>(store)
         .map_err(|e| SnapshotFileError::Verdicts { path: p.clone(), msg: e.to_string() })?;
     let mut out = Vec::with_capacity(HEAD + core_bytes.len() + verdict_bytes.len());
     out.extend_from_slice(&FILE_MAGIC);
@@ -124,8 +123,8 @@ pub fn load(path: &Path) -> Result<Option<Restored>, SnapshotFileError> {
         .map_err(|source| SnapshotFileError::Core { path: p.clone(), source })?;
     let mut aligned = rkyv::util::AlignedVec::<16>::new();
     aligned.extend_from_slice(bytes.get(core_end..).unwrap_or(&[]));
-    let verdicts = rkyv::from_bytes::<Vec<Verdict>, rkyv::rancor::Error>(&aligned)
+    let store = rkyv::from_bytes::<VerdictStore, rkyv::rancor::Error>(&aligned)
         .map_err(|e| SnapshotFileError::Verdicts { path: p.clone(), msg: e.to_string() })?;
     let now_ns = snapshot_ns.saturating_add(realtime_ns().saturating_sub(then_real));
-    Ok(Some(Restored { core, verdicts, snapshot_ns, now_ns, epoch: epoch.saturating_add(1) }))
+    Ok(Some(Restored { core, store, snapshot_ns, now_ns, epoch: epoch.saturating_add(1) }))
 }

@@ -1,9 +1,12 @@
-//! What the I/O tasks share: the core behind one lock, the verdicts it produced, the
-//! node registry, and counters.
+//! What the I/O tasks share: the core behind one lock, the verdict store behind another,
+//! the node registry, and counters.
 //!
 //! The core is one state machine (`ringwatch_core::Core`); connection tasks and the timer
 //! task lock it for one batch or one timeout at a time and never across an `.await`.
-//! Verdicts are kept per (op, rank), latest wins, capped (oldest op evicted, counted).
+//! Its events go to the `VerdictStore` (latest per (op, rank), bounded by age and bytes)
+//! while the core's lock is still held, so they land in the order the core produced
+//! them; locks are always taken core first, store second. A query locks only the store,
+//! for one bounded page.
 //! The registry is read by every HTTP request and written on connect/disconnect: a
 //! `DashMap` (read-mostly, never on the per-frame path).
 
@@ -13,8 +16,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use dashmap::DashMap;
-use ringwatch_core::verdict::{MatcherEvent, OpRef, Verdict};
-use ringwatch_core::{Core, NodeId};
+use ringwatch_core::{Core, NodeId, VerdictStore};
 
 /// Counters of the I/O shell (the core counts its own).
 #[derive(Debug, Default)]
@@ -32,7 +34,6 @@ pub struct Counters {
     /// Batch streams that failed before their end (reset, connection lost).
     pub stream_errors: AtomicU64,
     pub protocol_errors: AtomicU64,
-    pub verdicts_evicted: AtomicU64,
     /// Acks held back by the test hook.
     pub acks_held: AtomicU64,
     /// Connections closed for too many rejected batches.
@@ -147,17 +148,6 @@ pub struct NodeEntry {
     pub last_shipper_session: u64,
 }
 
-/// The latest verdicts, capped.
-#[derive(Debug, Default)]
-pub struct Verdicts {
-    pub by_key: BTreeMap<(OpRef, u32), Verdict>,
-    /// Aggregator time each verdict became final (for time-to-final).
-    pub final_at: BTreeMap<(OpRef, u32), u64>,
-    /// Aggregator time a final unfinished rank completed after all (`Recovered`).
-    pub recovered_at: BTreeMap<(OpRef, u32), u64>,
-    pub cap: usize,
-}
-
 /// Everything shared.
 #[derive(Debug)]
 pub struct Shared {
@@ -170,7 +160,7 @@ pub struct Shared {
     /// Whether the state was restored from a snapshot.
     pub restored: bool,
     core: Mutex<Core>,
-    verdicts: Mutex<Verdicts>,
+    store: Mutex<VerdictStore>,
     pub nodes: DashMap<NodeId, NodeEntry>,
     pub counters: Counters,
     pub instance: u64,
@@ -189,19 +179,14 @@ pub struct Shared {
 impl Shared {
     /// Shared state around a fresh core.
     #[must_use]
-    pub fn new(core: Core, instance: u64, epoch: u64, verdict_cap: usize, hold_acks_from_ns: Option<u64>) -> Self {
+    pub fn new(core: Core, store: VerdictStore, instance: u64, epoch: u64, hold_acks_from_ns: Option<u64>) -> Self {
         Self {
             started: Instant::now(),
             base_ns: 0,
             time_scale: 1.0,
             restored: false,
             core: Mutex::new(core),
-            verdicts: Mutex::new(Verdicts {
-                by_key: BTreeMap::new(),
-                final_at: BTreeMap::new(),
-                recovered_at: BTreeMap::new(),
-                cap: verdict_cap,
-            }),
+            store: Mutex::new(store),
             nodes: DashMap::new(),
             counters: Counters::default(),
             instance,
@@ -260,7 +245,7 @@ impl Shared {
     /// panicked: was it mid-update?).
     #[must_use]
     pub fn core_poisoned(&self) -> bool {
-        self.core.is_poisoned() || self.verdicts.is_poisoned()
+        self.core.is_poisoned() || self.store.is_poisoned()
     }
 
     /// Aggregator time (the core's `now`): ns since the first start, continued across
@@ -308,8 +293,8 @@ impl Shared {
 
     /// The verdict store, locked. It is written under the core's lock; a panic while it
     /// was held fails the core the same way (reads still get the store).
-    pub fn verdicts(&self) -> MutexGuard<'_, Verdicts> {
-        self.verdicts.lock().unwrap_or_else(|poisoned| {
+    pub fn store(&self) -> MutexGuard<'_, VerdictStore> {
+        self.store.lock().unwrap_or_else(|poisoned| {
             self.fail("a panic while the verdict store's lock was held");
             poisoned.into_inner()
         })
@@ -321,42 +306,19 @@ impl Shared {
         self.hold_acks_from_ns.is_some_and(|t| self.now() >= t)
     }
 
-    /// Puts restored verdicts back into the store.
-    pub fn restore_verdicts(&self, verdicts: Vec<Verdict>) {
-        let mut s = self.verdicts();
-        for v in verdicts {
-            s.by_key.insert((v.op, v.rank), v);
-        }
-    }
-
-    /// Moves the core's pending events into the verdict store.
+    /// Moves the core's pending events into the verdict store (the caller holds the
+    /// core's lock: events land in the order the core produced them).
     pub fn drain_events(&self, core: &mut Core) {
-        let mut store = None;
+        let mut events = Vec::new();
         while let Some(e) = core.poll_event() {
-            let v = match e {
-                MatcherEvent::Verdict(v) => v,
-                MatcherEvent::Recovered { op, rank, .. } => {
-                    let s = store.get_or_insert_with(|| self.verdicts());
-                    // Only for a verdict still held (bounded by the store's cap).
-                    if s.by_key.contains_key(&(op, rank)) {
-                        s.recovered_at.entry((op, rank)).or_insert_with(|| self.now());
-                    }
-                    continue;
-                }
-            };
-            let s = store.get_or_insert_with(|| self.verdicts());
-            let key = (v.op, v.rank);
-            if v.is_final {
-                s.final_at.entry(key).or_insert_with(|| self.now());
-            }
-            s.by_key.insert(key, v);
-            while s.by_key.len() > s.cap {
-                if let Some((k, _)) = s.by_key.pop_first() {
-                    s.final_at.remove(&k);
-                    s.recovered_at.remove(&k);
-                }
-                Counters::inc(&self.counters.verdicts_evicted);
-            }
+            events.push(e);
+        }
+        let now = self.now();
+        let mut store = self.store();
+        if events.is_empty() {
+            store.expire(now);
+        } else {
+            store.apply(now, events);
         }
     }
 }

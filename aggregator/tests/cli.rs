@@ -55,6 +55,7 @@ fn net_certs_init_then_run_serves_http_and_stops_on_sigterm() {
         ("/v1/verdicts?limit=0", "limit"),
         ("/v1/verdicts?final=maybe", "final"),
         ("/v1/verdicts?colour=red", "unknown query parameter"),
+        ("/v1/verdicts?cursor=c.1.2", "cursor"),
         ("/v1/nodes?x=1", "unknown query parameter"),
     ] {
         let (status, body) = get(&addr, path);

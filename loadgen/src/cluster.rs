@@ -385,7 +385,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
-    let verdicts: VerdictsDto = client::get_json(http, "/v1/verdicts?limit=100000").await?;
+    let verdicts: VerdictsDto = client::get_all_verdicts(http, "").await?;
     let ended_at_ms = match &agg {
         Some(a) => a.shared.now() / 1_000_000,
         None => client::get_json::<aggregator::api::dto::HealthzDto>(http, "/healthz").await?.uptime_ms,

@@ -359,8 +359,8 @@ async fn net_overflow_inputs_from_a_certified_peer_are_nacked_while_verdicts_flo
     let (ready_status, _) = aggregator::api::client::get(agg.http_addr, "/readyz").await.expect("readyz");
     let reports = stop(honest).await;
     agg.shutdown();
-    println!("final verdicts {} → {}; {ingest:?}; {health:?}", before.total, after.total);
-    assert!(after.total > before.total, "verdicts kept flowing after the attack");
+    println!("final verdicts {} → {}; {ingest:?}; {health:?}", before.total.unwrap_or(0), after.total.unwrap_or(0));
+    assert!(after.total.unwrap_or(0) > before.total.unwrap_or(0), "verdicts kept flowing after the attack");
     assert_eq!(ingest.implausible_batches, 4);
     assert_eq!(ingest.implausible_resumes, 1);
     assert_eq!(ingest.rejected.get("malformed_frame"), Some(&4), "{:?}", ingest.rejected);

@@ -75,6 +75,34 @@ impl Core {
         self.matcher.set_degraded_clear_ns(ns);
     }
 
+    /// What every cap and retention turned away, by name (the counters behind
+    /// [`Self::map_sizes`]'s caps).
+    #[must_use]
+    pub fn evictions(&self) -> Vec<(&'static str, u64)> {
+        let i = self.ingest.stats();
+        let m = self.matcher.stats();
+        let d = self.ingest.dedup().stats();
+        vec![
+            ("ingest.trackers_retired", i.trackers_retired),
+            ("ingest.settles_refused", i.settles_refused),
+            ("ingest.streams_refused_frames", i.streams_refused_frames),
+            ("ingest.nodes_refused_batches", i.nodes_refused_batches),
+            ("ingest.dedup_sessions_forgotten", d.sessions_forgotten),
+            ("matcher.ops_evicted", m.ops_evicted),
+            ("matcher.recoverable_evicted", m.recoverable_evicted),
+            ("matcher.final_stuck_evicted", m.final_stuck_evicted),
+            ("matcher.groups_forgotten", m.groups_forgotten),
+            ("matcher.comms_retired", m.comms_retired),
+            ("matcher.comms_evicted", m.comms_evicted),
+            ("matcher.procs_retired", m.procs_retired),
+            ("matcher.procs_evicted", m.procs_evicted),
+            ("matcher.gpus_evicted", m.gpus_evicted),
+            ("matcher.nodes_evicted", m.nodes_evicted),
+            ("matcher.homes_refused", m.homes_refused),
+            ("matcher.seq_gap_ops_skipped", m.seq_gap_ops_skipped),
+        ]
+    }
+
     /// Records ingest has produced so far.
     #[must_use]
     pub fn records(&self) -> u64 {

@@ -105,6 +105,54 @@ pub struct Cursor {
     pub rank: u32,
 }
 
+impl Cursor {
+    /// The cursor as an opaque token for an API (`c.` / `p.` / `g.` and the key's fields
+    /// in hex, dot-separated).
+    #[must_use]
+    pub fn encode(&self) -> String {
+        let c = |comm: &crate::records::Comm| format!("{:x}.{:x}.{:x}", comm.hash, comm.disambiguator, comm.instance);
+        match self.op {
+            OpRef::Coll { comm, seq } => format!("c.{}.{seq:x}.{:x}", c(&comm), self.rank),
+            OpRef::P2p { comm, src, dst, p2p_seq } => {
+                format!("p.{}.{src:x}.{dst:x}.{p2p_seq:x}.{:x}", c(&comm), self.rank)
+            }
+            OpRef::Graph { comm, graph_id, graph_node, replay_idx } => {
+                format!("g.{}.{graph_id:x}.{graph_node:x}.{replay_idx:x}.{:x}", c(&comm), self.rank)
+            }
+        }
+    }
+
+    /// Parses [`Self::encode`]'s token.
+    ///
+    /// # Errors
+    /// What is wrong with the token.
+    pub fn decode(token: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = token.split('.').collect();
+        let hex64 = |i: usize| -> Result<u64, String> {
+            let p = parts.get(i).ok_or_else(|| format!("cursor {token:?}: too few fields"))?;
+            u64::from_str_radix(p, 16).map_err(|_| format!("cursor {token:?}: field {i} is not hex"))
+        };
+        let hex32 = |i: usize| -> Result<u32, String> {
+            u32::try_from(hex64(i)?).map_err(|_| format!("cursor {token:?}: field {i} is out of range"))
+        };
+        let comm = || -> Result<crate::records::Comm, String> {
+            Ok(crate::records::Comm { hash: hex64(1)?, disambiguator: hex64(2)?, instance: hex64(3)? })
+        };
+        let (op, fields) = match parts.first().copied() {
+            Some("c") => (OpRef::Coll { comm: comm()?, seq: hex64(4)? }, 6),
+            Some("p") => (OpRef::P2p { comm: comm()?, src: hex32(4)?, dst: hex32(5)?, p2p_seq: hex64(6)? }, 8),
+            Some("g") => {
+                (OpRef::Graph { comm: comm()?, graph_id: hex64(4)?, graph_node: hex32(5)?, replay_idx: hex32(6)? }, 8)
+            }
+            _ => return Err(format!("cursor {token:?}: not a cursor this API gave")),
+        };
+        if parts.len() != fields {
+            return Err(format!("cursor {token:?}: expected {fields} fields, got {}", parts.len()));
+        }
+        Ok(Self { op, rank: hex32(fields.saturating_sub(1))? })
+    }
+}
+
 /// A page of verdicts, in (op, rank) order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Page {
@@ -138,7 +186,9 @@ fn stored_bytes(s: &Stored) -> u64 {
     ]
     .into_iter()
     .fold(tags, usize::saturating_add);
-    u64::try_from(size_of::<(u32, Stored)>().saturating_add(evidence)).unwrap_or(u64::MAX).saturating_add(TREE_ENTRY_OVERHEAD)
+    u64::try_from(size_of::<(u32, Stored)>().saturating_add(evidence))
+        .unwrap_or(u64::MAX)
+        .saturating_add(TREE_ENTRY_OVERHEAD)
 }
 
 fn entry_bytes(e: &Entry) -> u64 {
@@ -160,8 +210,9 @@ pub struct VerdictStore {
     /// (last update, op): the ageing and eviction order.
     by_age: BTreeSet<(u64, OpRef)>,
     bytes: u64,
-    /// Rank verdicts held.
+    /// Rank verdicts held, and how many of them are final.
     held: u64,
+    finals: u64,
     stats: StoreStats,
 }
 
@@ -169,7 +220,15 @@ impl VerdictStore {
     /// An empty store.
     #[must_use]
     pub fn new(config: StoreConfig) -> Self {
-        Self { config, ops: BTreeMap::new(), by_age: BTreeSet::new(), bytes: 0, held: 0, stats: StoreStats::default() }
+        Self {
+            config,
+            ops: BTreeMap::new(),
+            by_age: BTreeSet::new(),
+            bytes: 0,
+            held: 0,
+            finals: 0,
+            stats: StoreStats::default(),
+        }
     }
 
     /// Counters.
@@ -194,6 +253,12 @@ impl VerdictStore {
     #[must_use]
     pub fn len(&self) -> u64 {
         self.held
+    }
+
+    /// Final rank verdicts held.
+    #[must_use]
+    pub fn finals(&self) -> u64 {
+        self.finals
     }
 
     /// Whether nothing is held.
@@ -372,6 +437,12 @@ impl VerdictStore {
         if old.is_none() {
             self.held.inc();
         }
+        if old.as_ref().is_some_and(|o| o.verdict.is_final) {
+            self.finals = self.finals.saturating_sub(1);
+        }
+        if v.is_final {
+            self.finals.inc();
+        }
         ranks.insert(rank, Stored { verdict: v, final_at_ns, recovered_at_ns });
         let before = e.bytes;
         e.bytes = entry_bytes(&e.entry);
@@ -425,12 +496,13 @@ impl VerdictStore {
         let Some(e) = self.ops.remove(&op) else { return 0 };
         self.by_age.remove(&(e.touched_ns, op));
         self.bytes = self.bytes.saturating_sub(e.bytes);
-        let n = match &e.entry {
-            Entry::Full(m) => m.len(),
-            Entry::Completed { ranks, .. } => ranks.len(),
+        let (n, finals) = match &e.entry {
+            Entry::Full(m) => (m.len(), m.values().filter(|s| s.verdict.is_final).count()),
+            Entry::Completed { ranks, .. } => (ranks.len(), ranks.len()),
         };
-        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        let (n, finals) = (u64::try_from(n).unwrap_or(u64::MAX), u64::try_from(finals).unwrap_or(u64::MAX));
         self.held = self.held.saturating_sub(n);
+        self.finals = self.finals.saturating_sub(finals);
         n
     }
 }

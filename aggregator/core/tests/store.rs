@@ -144,8 +144,35 @@ fn recoveries_are_delivered_to_held_verdicts() {
     s.apply(S, op_events(1, 2, Outcome::Stuck));
     let op = OpRef::Coll { comm: comm(), seq: 1 };
     s.apply(5 * S, [MatcherEvent::Recovered { op, rank: 1, node: Some(NodeId(1)), after_ms: 4_000 }]);
-    s.apply(6 * S, [MatcherEvent::Recovered { op: OpRef::Coll { comm: comm(), seq: 9 }, rank: 0, node: None, after_ms: 1 }]);
+    s.apply(
+        6 * S,
+        [MatcherEvent::Recovered { op: OpRef::Coll { comm: comm(), seq: 9 }, rank: 0, node: None, after_ms: 1 }],
+    );
     assert_eq!(s.get(op, 1).and_then(|i| i.stored.recovered_at_ns), Some(5 * S));
     assert_eq!(s.get(op, 0).and_then(|i| i.stored.recovered_at_ns), None);
     assert_eq!((s.stats().recoveries, s.stats().recoveries_unheld), (1, 1));
+}
+
+/// Cursor tokens round-trip for every kind of op; anything else is a clear error.
+#[test]
+fn cursor_tokens_round_trip_and_bad_ones_are_refused() {
+    let comm = Comm { hash: u64::MAX, disambiguator: 0, instance: 3 };
+    for op in [
+        OpRef::Coll { comm, seq: 77 },
+        OpRef::P2p { comm, src: 1, dst: u32::MAX, p2p_seq: 9 },
+        OpRef::Graph { comm, graph_id: 5, graph_node: 6, replay_idx: 7 },
+    ] {
+        let c = Cursor { op, rank: 12 };
+        assert_eq!(Cursor::decode(&c.encode()), Ok(c), "{}", c.encode());
+    }
+    for bad in ["", "x", "c.1.2.3", "c.1.2.3.4.5.6", "c.zz.2.3.4.5", "p.1.2.3.4.100000000.6.7", "c.1.2.3.4.-5"] {
+        let e = Cursor::decode(bad).expect_err(bad);
+        assert!(e.contains("cursor"), "{e}");
+    }
+    let mut s = VerdictStore::new(StoreConfig::default());
+    s.apply(S, op_events(1, 3, Outcome::Stuck));
+    s.apply(S, op_events(2, 3, Outcome::Completed));
+    assert_eq!((s.len(), s.finals()), (6, 6));
+    s.apply(S, [MatcherEvent::Verdict(verdict(3, 0, Outcome::InFlight, false))]);
+    assert_eq!((s.len(), s.finals()), (7, 6));
 }

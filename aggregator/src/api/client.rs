@@ -62,3 +62,20 @@ pub async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &s
     }
     serde_json::from_str(&body).map_err(|source| ClientError::Json { path: path.to_owned(), source })
 }
+
+/// Every verdict `query` selects (`/v1/verdicts?{query}`), following `next_cursor`
+/// page by page (100,000 at a time); `total` and `stored` are the first page's.
+///
+/// # Errors
+/// As [`get_json`].
+pub async fn get_all_verdicts(addr: SocketAddr, query: &str) -> Result<super::dto::VerdictsDto, ClientError> {
+    let sep = if query.is_empty() { "" } else { "&" };
+    let mut all: super::dto::VerdictsDto = get_json(addr, &format!("/v1/verdicts?limit=100000{sep}{query}")).await?;
+    while let Some(cursor) = all.next_cursor.take() {
+        let page: super::dto::VerdictsDto =
+            get_json(addr, &format!("/v1/verdicts?limit=100000{sep}{query}&cursor={cursor}")).await?;
+        all.verdicts.extend(page.verdicts);
+        all.next_cursor = page.next_cursor;
+    }
+    Ok(all)
+}

@@ -90,7 +90,10 @@ pub struct IngestDto {
     pub snapshots_written: u64,
     pub snapshot_failures: u64,
     pub last_snapshot_bytes: u64,
-    pub verdicts_evicted: u64,
+    /// What each cap and retention turned away, by `component.counter` (the core's, and
+    /// the verdict store's as `store.*`).
+    pub evictions: BTreeMap<String, u64>,
+    pub verdict_store: VerdictStoreDto,
     /// The core's own counters (frames, duplicates, malformed frames, loss intervals).
     pub frames: u64,
     pub duplicate_frames: u64,
@@ -209,12 +212,39 @@ pub struct StreamDto {
     pub duplicates: u64,
 }
 
+/// The verdict store, in `GET /v1/ingest`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct VerdictStoreDto {
+    /// Rank verdicts held, and how many are final.
+    pub verdicts: u64,
+    pub finals: u64,
+    pub ops: u64,
+    /// Estimated size, and its cap.
+    pub bytes: u64,
+    pub max_bytes: u64,
+    pub retention_s: u64,
+    /// Ops compacted to summaries (every rank final `completed`, untagged).
+    pub ops_compacted: u64,
+    /// Recoveries applied to held verdicts.
+    pub recoveries: u64,
+}
+
 /// `GET /v1/verdicts`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VerdictsDto {
     pub api_version: String,
-    /// Verdicts matching the query (before `limit`).
-    pub total: u64,
+    /// Verdicts matching the query, where the store counts them without a scan (no
+    /// filter, or `final` alone); absent for `node` / `outcome` filters — page through
+    /// with `next_cursor`.
+    #[serde(default)]
+    pub total: Option<u64>,
+    /// Rank verdicts the store holds.
+    #[serde(default)]
+    pub stored: u64,
+    /// Pass as `cursor=` for the next page; absent on the last page.
+    #[serde(default)]
+    pub next_cursor: Option<String>,
+    /// In (op, rank) order.
     pub verdicts: Vec<VerdictDto>,
 }
 
@@ -242,6 +272,10 @@ pub struct VerdictDto {
     /// stands (it was true when final), the rank recovered.
     #[serde(default)]
     pub recovered_at_ms: Option<u64>,
+    /// From an op the store compacted (every rank final `completed`, untagged): its
+    /// per-rank evidence (frame references) is no longer held.
+    #[serde(default)]
+    pub compacted: bool,
 }
 
 /// Which op.
@@ -366,6 +400,7 @@ impl VerdictDto {
             revision: v.revision,
             final_at_ms: None,
             recovered_at_ms: None,
+            compacted: false,
         }
     }
 }

@@ -8,7 +8,10 @@
 //! logged; the server goes on.
 //!
 //! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX`
-//! (`stuck`, `waiting_on`, …), `final=true|false`, `limit=N` (1..=100000, default 10000).
+//! (`stuck`, `waiting_on`, …), `final=true|false`, `limit=N` (1..=100000, default
+//! 10000), `cursor=TOKEN` (the previous page's `next_cursor`). Pages are in (op, rank)
+//! order; a page ends early, with a `next_cursor`, after [`VERDICT_SCAN_BUDGET`]
+//! verdicts looked at.
 
 pub mod client;
 pub mod dto;
@@ -31,7 +34,7 @@ use ringwatch_core::NodeId;
 
 use self::dto::{
     API_VERSION, ErrorDto, GapDto, GpuDto, HealthzDto, IngestDto, NodeDto, NodesDto, ReadyzDto, StreamDto,
-    TIMER_STALL_MS, TaskDto, VerdictDto, VerdictsDto, health_name, liveness_name,
+    TIMER_STALL_MS, TaskDto, VerdictDto, VerdictStoreDto, VerdictsDto, health_name, liveness_name,
 };
 use crate::state::{CoreFailed, Shared};
 
@@ -164,13 +167,37 @@ async fn readyz(State(s): State<Arc<Shared>>) -> Response {
 
 async fn ingest(State(s): State<Arc<Shared>>) -> Response {
     let c = &s.counters;
-    let (stats, matcher, dedup) = {
+    let (stats, matcher, dedup, evictions) = {
         let core = match s.core() {
             Ok(c) => c,
             Err(e) => return unavailable(e),
         };
-        (*core.ingest.stats(), *core.matcher.stats(), *core.ingest.dedup().stats())
+        (*core.ingest.stats(), *core.matcher.stats(), *core.ingest.dedup().stats(), core.evictions())
     };
+    let (store, store_stats) = {
+        let st = s.store();
+        let dto = VerdictStoreDto {
+            verdicts: st.len(),
+            finals: st.finals(),
+            ops: u64::try_from(st.ops()).unwrap_or(u64::MAX),
+            bytes: st.bytes(),
+            max_bytes: st.config().max_bytes,
+            retention_s: st.config().retention_ns / 1_000_000_000,
+            ops_compacted: st.stats().ops_compacted,
+            recoveries: st.stats().recoveries,
+        };
+        (dto, *st.stats())
+    };
+    let mut evictions: BTreeMap<String, u64> = evictions.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    for (k, v) in [
+        ("store.ops_aged_out", store_stats.ops_aged_out),
+        ("store.verdicts_aged_out", store_stats.verdicts_aged_out),
+        ("store.ops_evicted_bytes", store_stats.ops_evicted_bytes),
+        ("store.verdicts_evicted_bytes", store_stats.verdicts_evicted_bytes),
+        ("store.recoveries_unheld", store_stats.recoveries_unheld),
+    ] {
+        evictions.insert(k.to_owned(), v);
+    }
     Json(IngestDto {
         api_version: API_VERSION.into(),
         aggregator_epoch: s.epoch,
@@ -191,7 +218,8 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Response {
         snapshots_written: c.snapshots_written.load(Relaxed),
         snapshot_failures: c.snapshot_failures.load(Relaxed),
         last_snapshot_bytes: c.last_snapshot_bytes.load(Relaxed),
-        verdicts_evicted: c.verdicts_evicted.load(Relaxed),
+        evictions,
+        verdict_store: store,
         frames: stats.frames,
         duplicate_frames: stats.duplicate_frames,
         malformed_frames: stats.malformed_frames,
@@ -274,6 +302,7 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String,
     let mut outcome = None;
     let mut fin = None;
     let mut limit = 10_000usize;
+    let mut after = None;
     for (k, v) in &q {
         match k.as_str() {
             "node" => node = Some(v.clone()),
@@ -287,33 +316,62 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String,
                 Ok(n) if (1..=100_000).contains(&n) => limit = n,
                 _ => return bad(format!("limit={v:?}: expected a whole number in 1..=100000")),
             },
-            _ => return bad(format!("unknown query parameter {k:?} (node, outcome, final, limit)")),
+            "cursor" => match ringwatch_core::Cursor::decode(v) {
+                Ok(c) => after = Some(c),
+                Err(e) => return bad(e),
+            },
+            _ => return bad(format!("unknown query parameter {k:?} (node, outcome, final, limit, cursor)")),
         }
     }
     let names: BTreeMap<u64, String> = s.nodes.iter().map(|e| (e.key().0, e.name.clone())).collect();
-    if let Some(n) = &node
-        && !names.values().any(|x| x == n)
-    {
-        return (StatusCode::NOT_FOUND, Json(ErrorDto { error: format!("no node named {n:?}") })).into_response();
-    }
-    let store = s.verdicts();
-    let mut total = 0u64;
-    let mut out = Vec::new();
-    for (key, v) in &store.by_key {
-        let mut dto = VerdictDto::from_verdict(v, |id| names.get(&id).cloned());
-        dto.final_at_ms = store.final_at.get(key).map(|t| t / 1_000_000);
-        dto.recovered_at_ms = store.recovered_at.get(key).map(|t| t / 1_000_000);
-        if node.as_ref().is_some_and(|n| dto.node.as_ref() != Some(n))
-            || outcome.as_ref().is_some_and(|o| !dto.outcome.starts_with(o.as_str()))
-            || fin.is_some_and(|f| dto.is_final != f)
-        {
-            continue;
-        }
-        total += 1;
-        if out.len() < limit {
-            out.push(dto);
-        }
-    }
-    drop(store);
-    Json(VerdictsDto { api_version: API_VERSION.into(), total, verdicts: out }).into_response()
+    let node_id = match &node {
+        Some(n) => match names.iter().find(|(_, name)| *name == n) {
+            Some((id, _)) => Some(NodeId(*id)),
+            None => {
+                return (StatusCode::NOT_FOUND, Json(ErrorDto { error: format!("no node named {n:?}") }))
+                    .into_response();
+            }
+        },
+        None => None,
+    };
+    // One bounded page under the store's lock (owned), the DTOs after it is released.
+    let (page, total, stored) = {
+        let store = s.store();
+        let total = match (&node, &outcome, fin) {
+            (None, None, None) => Some(store.len()),
+            (None, None, Some(true)) => Some(store.finals()),
+            (None, None, Some(false)) => Some(store.len().saturating_sub(store.finals())),
+            _ => None,
+        };
+        let page = store.page(after, limit, VERDICT_SCAN_BUDGET.max(limit), |st| {
+            let v = &st.verdict;
+            node_id.is_none_or(|n| v.node == Some(n))
+                && fin.is_none_or(|f| v.is_final == f)
+                && outcome.as_ref().is_none_or(|o| v.outcome.name().starts_with(o.as_str()))
+        });
+        (page, total, store.len())
+    };
+    let verdicts = page
+        .items
+        .iter()
+        .map(|i| {
+            let mut dto = VerdictDto::from_verdict(&i.stored.verdict, |id| names.get(&id).cloned());
+            dto.final_at_ms = i.stored.final_at_ns.map(|t| t / 1_000_000);
+            dto.recovered_at_ms = i.stored.recovered_at_ns.map(|t| t / 1_000_000);
+            dto.compacted = i.compacted;
+            dto
+        })
+        .collect();
+    Json(VerdictsDto {
+        api_version: API_VERSION.into(),
+        total,
+        stored,
+        next_cursor: page.next.map(|c| c.encode()),
+        verdicts,
+    })
+    .into_response()
 }
+
+/// Verdicts one `/v1/verdicts` request looks at, at most (past it the page ends early
+/// with a `next_cursor`): a selective filter costs a bounded time under the store's lock.
+pub const VERDICT_SCAN_BUDGET: usize = 100_000;

@@ -150,8 +150,7 @@ impl CollectiveMatcher {
 
     /// Forgets the eighth of the GPUs with the oldest health evidence, counted.
     pub(super) fn evict_gpus(&mut self) {
-        let mut by_age: Vec<(u64, (NodeId, [u8; 16]))> =
-            self.gpu_flags.iter().map(|(k, f)| (f.0.max(f.1).max(f.2), *k)).collect();
+        let mut by_age: Vec<(u64, (NodeId, [u8; 16]))> = self.gpu_flags.iter().map(|(k, f)| (f.latest(), *k)).collect();
         by_age.sort_unstable();
         let n = (by_age.len() / 8).max(1);
         for (_, k) in by_age.into_iter().take(n) {

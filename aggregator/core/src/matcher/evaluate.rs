@@ -4,6 +4,16 @@
 use super::classify::{Completion, Culprits, OpContext, OpKind, RankEvidence, assign_culprits, classify};
 use super::*;
 
+/// Where a rank's kernel started against the op's reference (see
+/// [`CollectiveMatcher::stragglers`]), with its uncertainty.
+#[derive(Debug, Clone, Copy)]
+struct RankStart {
+    rank: u32,
+    start: i64,
+    enqueued: i64,
+    epsilon_ns: u64,
+}
+
 impl CollectiveMatcher {
     pub(super) fn stuck_deadline(&self, op: &OpState) -> u64 {
         let key = (op.key.comm(), op.op, size_bucket(op.count));
@@ -34,6 +44,109 @@ impl CollectiveMatcher {
             Some(&(done, at)) if done.checked_add(1) == Some(seq) => at.max(op.first_seen_ns),
             _ => op.first_seen_ns,
         }
+    }
+
+    /// Durations of completed ops feed the stuck deadline: kernel start to end on each
+    /// rank's own clock (never across clocks), the longest rank.
+    pub(super) fn learn_duration(&mut self, op: &OpState) {
+        let comm = op.key.comm();
+        let d = op
+            .observed()
+            .filter(|o| o.started_node_ns > 0 && o.completed_node_ns > o.started_node_ns)
+            .map(|o| o.completed_node_ns.saturating_sub(o.started_node_ns))
+            .max();
+        if let Some(d) = d {
+            let w = self.durations.entry((comm, op.op, size_bucket(op.count))).or_default();
+            if w.len() >= self.config.duration_window {
+                w.remove(0);
+            }
+            w.push(d);
+        }
+    }
+
+    /// Straggler tags of a final op every rank completed (3 of a rank's last 5 lagging
+    /// beyond the bound).
+    pub(super) fn stragglers(&mut self, op: &OpState, rs: &[RankEvidence]) -> BTreeMap<u32, VerdictTag> {
+        let comm = op.key.comm();
+        let mut stragglers: BTreeMap<u32, VerdictTag> = BTreeMap::new();
+        // Where each rank's kernel started, relative to a common reference, with the
+        // reference's uncertainty. A strong collective ends at one moment on every
+        // rank (its last step needs everyone), so its own end is the reference: a
+        // rank's start measured back from its end on its own clock, no cross-node
+        // clock in it (ε 0: under a CPU hog the heartbeat estimate's ε grew past a
+        // 200 ms lag, and a GPU-side straggler went untagged). Other collectives:
+        // kernel starts on one cluster clock, each node's residual correction
+        // (learned from strong collectives' completions) applied, ± ε.
+        let same_clock = strong(op.op);
+        let per_rank: Vec<RankStart> = rs
+            .iter()
+            .filter_map(|r| {
+                let o = op.slot(r.rank).and_then(|i| op.ranks.get(i))?;
+                if same_clock {
+                    if o.completed.is_none() || o.started_node_ns == 0 || o.completed_node_ns < o.started_node_ns {
+                        return None;
+                    }
+                    let start =
+                        i64::try_from(o.completed_node_ns.saturating_sub(o.started_node_ns)).ok()?.saturating_neg();
+                    let host_gap = if o.enqueued_cluster_ns != 0 {
+                        o.enqueued_cluster_ns.saturating_sub(o.started_cluster_ns)
+                    } else {
+                        0
+                    };
+                    return Some(RankStart {
+                        rank: r.rank,
+                        start,
+                        enqueued: start.saturating_add(host_gap),
+                        epsilon_ns: 0,
+                    });
+                }
+                if o.started_cluster_ns == 0 {
+                    return None;
+                }
+                let c = o.node.map_or(0, |n| self.correction_ns(n));
+                let eps = r.node.map_or(u64::MAX / 8, |n| self.epsilon_ns(n));
+                Some(RankStart {
+                    rank: r.rank,
+                    start: o.started_cluster_ns.saturating_sub(c),
+                    enqueued: o.enqueued_cluster_ns.saturating_sub(c),
+                    epsilon_ns: eps,
+                })
+            })
+            .collect();
+        let mut starts: Vec<i64> = per_rank.iter().map(|x| x.start).collect();
+        if starts.len() >= 3 {
+            starts.sort_unstable();
+            let median = starts[starts.len() / 2];
+            let eps_max = per_rank.iter().map(|x| x.epsilon_ns).max();
+            for &RankStart { rank, start, enqueued, epsilon_ns: eps_a } in &per_rank {
+                let bound = self.config.straggler_threshold_ns.max(
+                    3u64.saturating_mul(eps_a.min(u64::MAX / 8).saturating_add(eps_max.unwrap_or(0).min(u64::MAX / 8))),
+                );
+                let lag = start.saturating_sub(median);
+                let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
+                // Host-side when the rank's own enqueue was already late by most of
+                // the lag (the GPU started as soon as the host let it).
+                let host = enqueued.saturating_sub(median) > lag / 2;
+                let h = self.lag_history.entry(RankKey { comm, rank }).or_default();
+                if h.len() >= 5 {
+                    h.remove(0);
+                }
+                h.push(Lag { lagging, host });
+                let lagging_count = h.iter().filter(|x| x.lagging).count();
+                if lagging && lagging_count >= 3 {
+                    let host_count = h.iter().filter(|x| x.lagging && x.host).count();
+                    stragglers.insert(
+                        rank,
+                        VerdictTag::Straggler {
+                            lag_ns: lag,
+                            bound_ns: bound,
+                            host: host_count.saturating_mul(2) >= lagging_count,
+                        },
+                    );
+                }
+            }
+        }
+        stragglers
     }
 
     /// Observe: what the matcher's maps say about each participant of `op`.
@@ -254,97 +367,14 @@ impl CollectiveMatcher {
             && settled(self)
             && (all_completed || resolved || past_stuck || decisive || blocked_root.is_some());
 
-        // Durations of completed ops feed the stuck deadline: kernel start to end on
-        // each rank's own clock (never across clocks), the longest rank.
         if all_completed && is_coll {
-            let d = op
-                .observed()
-                .filter(|o| o.started_node_ns > 0 && o.completed_node_ns > o.started_node_ns)
-                .map(|o| o.completed_node_ns.saturating_sub(o.started_node_ns))
-                .max();
-            if let Some(d) = d {
-                let w = self.durations.entry((comm, op.op, size_bucket(op.count))).or_default();
-                if w.len() >= self.config.duration_window {
-                    w.remove(0);
-                }
-                w.push(d);
-            }
+            self.learn_duration(&op);
         }
-
         // Stragglers: once per op, when it is final and every rank completed.
-        let mut stragglers: BTreeMap<u32, VerdictTag> = BTreeMap::new();
         if is_final && all_completed && is_coll && strong(op.op) {
             self.learn_residuals(&op);
         }
-        if is_final && all_completed && is_coll {
-            // Where each rank's kernel started, relative to a common reference, with the
-            // reference's uncertainty. A strong collective ends at one moment on every
-            // rank (its last step needs everyone), so its own end is the reference: a
-            // rank's start measured back from its end on its own clock, no cross-node
-            // clock in it (ε 0: under a CPU hog the heartbeat estimate's ε grew past a
-            // 200 ms lag, and a GPU-side straggler went untagged). Other collectives:
-            // kernel starts on one cluster clock, each node's residual correction
-            // (learned from strong collectives' completions) applied, ± ε.
-            let same_clock = strong(op.op);
-            let per_rank: Vec<(u32, i64, i64, u64)> = rs
-                .iter()
-                .filter_map(|r| {
-                    let o = op.slot(r.rank).and_then(|i| op.ranks.get(i))?;
-                    if same_clock {
-                        if o.completed.is_none() || o.started_node_ns == 0 || o.completed_node_ns < o.started_node_ns {
-                            return None;
-                        }
-                        let start =
-                            i64::try_from(o.completed_node_ns.saturating_sub(o.started_node_ns)).ok()?.saturating_neg();
-                        let host_gap = if o.enqueued_cluster_ns != 0 {
-                            o.enqueued_cluster_ns.saturating_sub(o.started_cluster_ns)
-                        } else {
-                            0
-                        };
-                        return Some((r.rank, start, start.saturating_add(host_gap), 0));
-                    }
-                    if o.started_cluster_ns == 0 {
-                        return None;
-                    }
-                    let c = o.node.map_or(0, |n| self.correction_ns(n));
-                    let eps = r.node.map_or(u64::MAX / 8, |n| self.epsilon_ns(n));
-                    Some((r.rank, o.started_cluster_ns.saturating_sub(c), o.enqueued_cluster_ns.saturating_sub(c), eps))
-                })
-                .collect();
-            let mut starts: Vec<i64> = per_rank.iter().map(|x| x.1).collect();
-            if starts.len() >= 3 {
-                starts.sort_unstable();
-                let median = starts[starts.len() / 2];
-                let eps_max = per_rank.iter().map(|x| x.3).max();
-                for &(rank, start, enqueued, eps_a) in &per_rank {
-                    let bound = self.config.straggler_threshold_ns.max(3u64.saturating_mul(
-                        eps_a.min(u64::MAX / 8).saturating_add(eps_max.unwrap_or(0).min(u64::MAX / 8)),
-                    ));
-                    let lag = start.saturating_sub(median);
-                    let lagging = lag > i64::try_from(bound).unwrap_or(i64::MAX);
-                    // Host-side when the rank's own enqueue was already late by most of
-                    // the lag (the GPU started as soon as the host let it).
-                    let host = enqueued.saturating_sub(median) > lag / 2;
-                    let h = self.lag_history.entry(RankKey { comm, rank }).or_default();
-                    if h.len() >= 5 {
-                        h.remove(0);
-                    }
-                    h.push((lagging, host));
-                    let lagging_count = h.iter().filter(|x| x.0).count();
-                    if lagging && lagging_count >= 3 {
-                        let host_count = h.iter().filter(|x| x.0 && x.1).count();
-                        stragglers.insert(
-                            rank,
-                            VerdictTag::Straggler {
-                                lag_ns: lag,
-                                bound_ns: bound,
-                                host: host_count.saturating_mul(2) >= lagging_count,
-                            },
-                        );
-                    }
-                }
-            }
-        }
+        let stragglers = if is_final && all_completed && is_coll { self.stragglers(&op, &rs) } else { BTreeMap::new() };
 
         // Emit changes.
         let reference = op.observed().find(|x| x.op == op.op).cloned();
@@ -453,13 +483,13 @@ impl CollectiveMatcher {
                 let f = self.gpu_flags.entry((node, gpu_uuid)).or_default();
                 let gpu_straggler = tags.iter().any(|t| matches!(t, VerdictTag::Straggler { host: false, .. }));
                 match o {
-                    Outcome::Stuck if is_final => f.0 = now,
-                    _ if is_final && gpu_straggler => f.0 = now,
-                    Outcome::NotJoined | Outcome::NotJoinedExited if is_final => f.1 = now,
-                    Outcome::WaitingOn(None) if is_final => f.1 = now,
+                    Outcome::Stuck if is_final => f.degraded_at_ns = now,
+                    _ if is_final && gpu_straggler => f.degraded_at_ns = now,
+                    Outcome::NotJoined | Outcome::NotJoinedExited if is_final => f.suspect_at_ns = now,
+                    Outcome::WaitingOn(None) if is_final => f.suspect_at_ns = now,
                     // Only a final inference: one revised to `completed` when the late frame
                     // arrived was no loss after all.
-                    Outcome::CompletedInferred if is_final && !tags.is_empty() => f.2 = now,
+                    Outcome::CompletedInferred if is_final && !tags.is_empty() => f.lossy_at_ns = now,
                     _ => {}
                 }
             }

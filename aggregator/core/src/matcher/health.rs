@@ -13,6 +13,24 @@ pub enum Health {
     Unreachable,
 }
 
+/// A GPU's latest health evidence (aggregator times; 0: none): what its health is
+/// computed from.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct GpuEvidence {
+    /// A final `stuck`, or a GPU-side straggler (degraded until `degraded_clear_ns` after).
+    pub(super) degraded_at_ns: u64,
+    /// A final `not_joined` or hung-without-culprit verdict (suspect).
+    pub(super) suspect_at_ns: u64,
+    /// A final completion inferred around telemetry loss (healthy, lossy).
+    pub(super) lossy_at_ns: u64,
+}
+
+impl GpuEvidence {
+    pub(super) fn latest(&self) -> u64 {
+        self.degraded_at_ns.max(self.suspect_at_ns).max(self.lossy_at_ns)
+    }
+}
+
 impl CollectiveMatcher {
     /// Health of every GPU seen, `(node, gpu_uuid) → health`, at `now`: a pure function
     /// of the verdicts so far and liveness. `degraded` clears
@@ -21,7 +39,8 @@ impl CollectiveMatcher {
     pub fn health(&self, now: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
         let degraded_clear_ns = self.config.degraded_clear_ns;
         let mut out = BTreeMap::new();
-        for ((node, rank_uuid), &(degraded_at, suspect_at, lossy_at)) in &self.gpu_flags {
+        for ((node, rank_uuid), f) in &self.gpu_flags {
+            let (degraded_at, suspect_at, lossy_at) = (f.degraded_at_ns, f.suspect_at_ns, f.lossy_at_ns);
             let live = self.nodes.get(node).and_then(|n| n.liveness);
             let h = match live {
                 Some(LivenessState::Unreachable) => Health::Unreachable,

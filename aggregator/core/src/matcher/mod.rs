@@ -189,6 +189,7 @@ mod evaluate;
 mod health;
 mod state;
 
+use health::GpuEvidence;
 pub use health::Health;
 pub use state::Homes;
 use state::*;
@@ -256,9 +257,9 @@ pub struct CollectiveMatcher {
     final_recent: FxSet<OpRef>,
     final_order: Vec<OpRef>,
     /// (comm, rank) → the last 5 instances: (lagging beyond the bound, host-side).
-    lag_history: FxMap<RankKey, Vec<(bool, bool)>>,
+    lag_history: FxMap<RankKey, Vec<Lag>>,
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
-    gpu_flags: BTreeMap<(NodeId, [u8; 16]), (u64, u64, u64)>,
+    gpu_flags: BTreeMap<(NodeId, [u8; 16]), GpuEvidence>,
     stats: MatcherStats,
     out: crate::outbox::Outbox<MatcherEvent>,
 }
@@ -684,7 +685,7 @@ impl CollectiveMatcher {
         });
         if u.stuck {
             if let Some(f) = self.gpu_flags.get_mut(&(node, u.gpu_uuid)) {
-                f.0 = f.0.max(now);
+                f.degraded_at_ns = f.degraded_at_ns.max(now);
             }
             if let Some(s) = self.final_stuck.get_mut(&key) {
                 s.remove(&rank);

@@ -295,3 +295,12 @@ pub(super) fn size_bucket(count: u64) -> u8 {
 pub(super) fn snapshot_at(p: &ProgressView) -> u64 {
     u64::try_from(p.snapshot_cluster_ns).ok().filter(|&t| t > 0).unwrap_or(p.received_at_ns)
 }
+
+/// One instance of a rank's straggler history.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Lag {
+    /// It lagged beyond the bound.
+    pub(super) lagging: bool,
+    /// Host-side: its own enqueue was already late by most of the lag.
+    pub(super) host: bool,
+}

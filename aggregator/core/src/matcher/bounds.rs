@@ -118,8 +118,8 @@ impl CollectiveMatcher {
         });
         for d in dropped {
             self.deadlines.remove(&d);
-            self.dirty.remove(&d.1);
         }
+        self.dirty.retain(|k| !gone(&k.comm()));
         if evicting {
             let n = before.saturating_sub(self.ops.len());
             self.stats.ops_evicted = self.stats.ops_evicted.saturating_add(count(n));

@@ -203,6 +203,7 @@ impl CollectiveMatcher {
     pub(super) fn evaluate(&mut self, now: u64, key: OpRef) {
         // Taken out while evaluated (no clone); put back unless final.
         let Some(mut op) = self.ops.remove(&key) else { return };
+        op.dirty = false;
         let seq = match key {
             OpRef::Coll { seq, .. } => seq,
             OpRef::P2p { .. } | OpRef::Graph { .. } => 0,
@@ -533,7 +534,9 @@ impl CollectiveMatcher {
             if unresolved && let OpRef::Coll { comm, .. } = key {
                 self.unresolved.entry(comm).or_insert((key, decided_at));
                 if let Some(open) = self.open_by_comm.get(&comm) {
-                    self.dirty.extend(open.iter().map(|&seq| OpRef::Coll { comm, seq }));
+                    for &seq in open {
+                        mark(&mut self.ops, &mut self.dirty, OpRef::Coll { comm, seq });
+                    }
                 }
             }
             if !stuck.is_empty() {
@@ -591,7 +594,7 @@ impl CollectiveMatcher {
                 if seq > e.0 {
                     *e = (seq, decided_at);
                 }
-                self.dirty.insert(OpRef::Coll { comm, seq: seq.saturating_add(1) });
+                mark(&mut self.ops, &mut self.dirty, OpRef::Coll { comm, seq: seq.saturating_add(1) });
             }
         } else {
             let mut o = op;

@@ -217,7 +217,8 @@ pub struct CollectiveMatcher {
     ops: FxMap<OpRef, OpState>,
     /// comm → the comm_op_seqs of its open collectives.
     open_by_comm: FxMap<Comm, BTreeSet<u64>>,
-    dirty: FxSet<OpRef>,
+    /// Ops to evaluate at the next `handle_timeout` (each once: `OpState::dirty`).
+    dirty: Vec<OpRef>,
     /// (due, op) re-evaluations at deadlines.
     deadlines: BTreeSet<(u64, OpRef)>,
     /// (comm, op code, size bucket) → recent durations (ns).
@@ -264,6 +265,17 @@ pub struct CollectiveMatcher {
     out: crate::outbox::Outbox<MatcherEvent>,
 }
 
+/// Marks `key` for evaluation at the next `handle_timeout` (once, and only an op that
+/// exists: a key with no op has nothing to evaluate).
+fn mark(ops: &mut FxMap<OpRef, OpState>, dirty: &mut Vec<OpRef>, key: OpRef) {
+    if let Some(o) = ops.get_mut(&key)
+        && !o.dirty
+    {
+        o.dirty = true;
+        dirty.push(key);
+    }
+}
+
 impl CollectiveMatcher {
     /// A matcher with no state.
     #[must_use]
@@ -278,7 +290,7 @@ impl CollectiveMatcher {
             next_sweep_ns: 0,
             ops: FxMap::default(),
             open_by_comm: FxMap::default(),
-            dirty: FxSet::default(),
+            dirty: Vec::new(),
             deadlines: BTreeSet::new(),
             durations: BTreeMap::new(),
             comm_done: BTreeMap::new(),
@@ -390,7 +402,9 @@ impl CollectiveMatcher {
                 // Ops of this communicator up to what the entry proves may change.
                 let hi = p.last_enqueued_op.max(p.last_completed_op).saturating_add(1);
                 if let Some(open) = self.open_by_comm.get(&p.comm) {
-                    self.dirty.extend(open.range(..=hi).map(|&seq| OpRef::Coll { comm: p.comm, seq }));
+                    for &seq in open.range(..=hi) {
+                        mark(&mut self.ops, &mut self.dirty, OpRef::Coll { comm: p.comm, seq });
+                    }
                 }
             }
             Record::Watermark(w) if w.class == 0 => {
@@ -433,11 +447,13 @@ impl CollectiveMatcher {
             if let Some(o) = self.ops.get_mut(&op) {
                 o.due_ns = 0;
             }
-            self.dirty.insert(op);
+            mark(&mut self.ops, &mut self.dirty, op);
         }
         // Sorted, so evaluation (and so event) order does not depend on hashing.
-        let mut dirty: Vec<OpRef> = self.dirty.drain().collect();
+        let mut dirty = std::mem::take(&mut self.dirty);
         dirty.sort_unstable();
+        // An op evicted while listed and created again can be listed twice.
+        dirty.dedup();
         for op in dirty {
             self.evaluate(now, op);
         }
@@ -458,8 +474,12 @@ impl CollectiveMatcher {
     /// each evaluation's view of its ranks — PROGRESS included) is evaluated again: that
     /// node's watermark or liveness may decide it.
     fn mark_node_dirty(&mut self, node: NodeId) {
-        let keys: Vec<OpRef> = self.ops.iter().filter(|(_, o)| o.nodes.contains(&node)).map(|(k, _)| *k).collect();
-        self.dirty.extend(keys);
+        for (k, o) in &mut self.ops {
+            if !o.dirty && o.nodes.contains(&node) {
+                o.dirty = true;
+                self.dirty.push(*k);
+            }
+        }
     }
 
     fn on_lifecycle(&mut self, now: u64, l: &crate::records::Lifecycle) {
@@ -608,6 +628,11 @@ impl CollectiveMatcher {
         }
         let completed = obs.completed.is_some();
         let started = obs.started.is_some();
+        // Only a change of what the rank proved makes the op worth evaluating again.
+        if (!was_present || completed != was_completed || started != was_started) && !op.dirty {
+            op.dirty = true;
+            self.dirty.push(key);
+        }
         let group_done = completed && !was_completed && l.group_id != 0;
         if let OpRef::Coll { comm, seq } = key
             && completed
@@ -637,15 +662,13 @@ impl CollectiveMatcher {
                 self.stats.groups_forgotten.inc();
             }
             // Its fused siblings may now be complete.
-            let keys: Vec<OpRef> = self
-                .ops
-                .iter()
-                .filter(|(_, o)| {
-                    o.observed().any(|x| x.group_id == l.group_id && x.pid == l.pid && x.node == Some(node))
-                })
-                .map(|(k, _)| *k)
-                .collect();
-            self.dirty.extend(keys);
+            for (k, o) in &mut self.ops {
+                if !o.dirty && o.observed().any(|x| x.group_id == l.group_id && x.pid == l.pid && x.node == Some(node))
+                {
+                    o.dirty = true;
+                    self.dirty.push(*k);
+                }
+            }
         }
         if !was_present {
             // Who speaks for this rank: another process means two communicators share a key.
@@ -656,10 +679,6 @@ impl CollectiveMatcher {
                 }
                 Claim::Refused => self.stats.homes_refused.inc(),
             }
-        }
-        // Only a change of what the rank proved makes the op worth evaluating again.
-        if !was_present || completed != was_completed || started != was_started {
-            self.dirty.insert(key);
         }
         if created && self.ops.len() > self.config.max_ops {
             self.evict_oldest(key);
@@ -701,7 +720,9 @@ impl CollectiveMatcher {
             {
                 self.unresolved.remove(&comm);
                 if let Some(open) = self.open_by_comm.get(&comm) {
-                    self.dirty.extend(open.iter().map(|&seq| OpRef::Coll { comm, seq }));
+                    for &seq in open {
+                        mark(&mut self.ops, &mut self.dirty, OpRef::Coll { comm, seq });
+                    }
                 }
             }
         }
@@ -744,9 +765,10 @@ impl CollectiveMatcher {
             op.nodes = self.homes.get(&comm).into_iter().flat_map(Homes::iter).map(|h| h.0).collect();
             op.nodes.sort_unstable();
             op.nodes.dedup();
+            op.dirty = true;
             self.ops.insert(key, op);
             self.open_by_comm.entry(comm).or_default().insert(k);
-            self.dirty.insert(key);
+            self.dirty.push(key);
             self.stats.ops_created.inc();
             self.stats.ops_inferred_from_seq_gap.inc();
         }

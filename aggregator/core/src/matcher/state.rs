@@ -63,6 +63,8 @@ pub(super) struct OpState {
     pub(super) key_collision: bool,
     /// Its entry in `deadlines` (0: none), so an op holds at most one.
     pub(super) due_ns: u64,
+    /// It is in the matcher's `dirty` list (at most once).
+    pub(super) dirty: bool,
 }
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Default)]
@@ -247,6 +249,7 @@ impl OpState {
             is_final: false,
             key_collision: false,
             due_ns: 0,
+            dirty: false,
         }
     }
 

@@ -99,6 +99,14 @@ fn command() -> Command {
                         .value_parser(value_parser!(u64).range(1..=1_048_576))
                         .help("the verdict store's size cap (estimated); the least recently updated ops go first past it"),
                 )
+                .arg(
+                    Arg::new("final-memory-s")
+                        .long("final-memory-s")
+                        .value_name("SECONDS")
+                        .default_value("600")
+                        .value_parser(value_parser!(u64).range(1..=86_400))
+                        .help("how long a final op is remembered, so a late frame for it is counted and ignored (at most 65,536 ops)"),
+                )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
                 .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
                 .arg(
@@ -181,6 +189,9 @@ fn main() -> ExitCode {
             }
             if let Some(&mb) = r.get_one::<u64>("verdict-store-mb") {
                 cfg.store.max_bytes = mb.saturating_mul(1 << 20);
+            }
+            if let Some(&s) = r.get_one::<u64>("final-memory-s") {
+                cfg.matcher.final_memory_ns = s.saturating_mul(1_000_000_000);
             }
             if let Some(&n) = r.get_one::<u32>("expect-nodes") {
                 cfg.matcher.expected_nodes = n;

@@ -35,7 +35,8 @@ impl CollectiveMatcher {
             MapSize::new("matcher.rank_ops", self.rank_ops.len(), c.max_procs),
             MapSize::new("matcher.rank_ops_entries", rank_ops, c.max_procs.saturating_mul(RANK_OPS_CAP)),
             MapSize::new("matcher.groups_done", self.groups_done.len(), GROUPS_CAP),
-            MapSize::new("matcher.final_recent", self.final_recent.len(), FINAL_MEMORY.saturating_mul(2)),
+            MapSize::new("matcher.final_recent", self.final_recent.len(), FINAL_MEMORY),
+            MapSize::new("matcher.final_order", self.final_order.len(), FINAL_MEMORY.saturating_mul(2)),
             MapSize::new("matcher.final_stuck", self.final_stuck.len(), RECOVERABLE_CAP),
             MapSize::new("matcher.recoverable", self.recoverable.len(), RECOVERABLE_CAP),
             MapSize::new("matcher.recoverable_ranks", self.recoverable_ranks, RECOVERABLE_RANKS_CAP),
@@ -135,6 +136,28 @@ impl CollectiveMatcher {
         self.homes.retain(|c, _| !gone(c));
         self.collided.retain(|c| !gone(c));
         self.unresolved.retain(|c, _| !gone(c));
+    }
+
+    /// Remembers a final op for late frames: the last `final_memory_ns` of them, at most
+    /// [`FINAL_MEMORY`] (oldest forgotten first).
+    pub(super) fn remember_final(&mut self, now: u64, key: OpRef) {
+        self.final_recent.insert(key);
+        self.final_order.push((now, key));
+        let cutoff = now.saturating_sub(self.config.final_memory_ns);
+        let mut head = self.final_head;
+        while let Some(&(at, old)) = self.final_order.get(head) {
+            let held = self.final_order.len().saturating_sub(head);
+            if held <= FINAL_MEMORY && (now < self.config.final_memory_ns || at >= cutoff) {
+                break;
+            }
+            self.final_recent.remove(&old);
+            head = head.saturating_add(1);
+        }
+        if head > self.final_order.len() / 2 {
+            self.final_order.drain(..head);
+            head = 0;
+        }
+        self.final_head = head;
     }
 
     /// Forgets the least recently active eighth of the rank processes, counted.

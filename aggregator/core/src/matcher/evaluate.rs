@@ -514,13 +514,7 @@ impl CollectiveMatcher {
         if is_final {
             self.deadlines.remove(&(op.due_ns, key));
             self.stats.ops_final.inc();
-            self.final_recent.insert(key);
-            self.final_order.push(key);
-            if self.final_order.len() > 2 * FINAL_MEMORY {
-                for old in self.final_order.drain(..FINAL_MEMORY) {
-                    self.final_recent.remove(&old);
-                }
-            }
+            self.remember_final(now, key);
             let stuck: BTreeMap<u32, u64> = rs
                 .iter()
                 .zip(outcomes.iter())

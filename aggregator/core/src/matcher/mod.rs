@@ -109,6 +109,10 @@ pub struct MatcherConfig {
     /// unreachable node (else the one with the oldest watermark) is forgotten
     /// (`nodes_evicted`). Ingest's own node cap keeps this from being reached.
     pub max_nodes: usize,
+    /// How long a final op is remembered so that a late frame for it is counted
+    /// (`late_frames_after_final`) and ignored, never the seed of a new op (at most
+    /// 65,536 ops, oldest forgotten first).
+    pub final_memory_ns: u64,
 }
 
 impl Default for MatcherConfig {
@@ -128,6 +132,7 @@ impl Default for MatcherConfig {
             max_procs: 16_384,
             max_gpus: 65_536,
             max_nodes: 4096,
+            final_memory_ns: 600_000_000_000,
         }
     }
 }
@@ -256,7 +261,9 @@ pub struct CollectiveMatcher {
     /// for one is counted and ignored, never the seed of a new op that could be judged
     /// not joined.
     final_recent: FxSet<OpRef>,
-    final_order: Vec<OpRef>,
+    /// (when final, op), oldest first from `final_head`.
+    final_order: Vec<(u64, OpRef)>,
+    final_head: usize,
     /// (comm, rank) → the last 5 instances: (lagging beyond the bound, host-side).
     lag_history: FxMap<RankKey, Vec<Lag>>,
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
@@ -300,6 +307,7 @@ impl CollectiveMatcher {
             lag_history: FxMap::default(),
             final_recent: FxSet::default(),
             final_order: Vec::new(),
+            final_head: 0,
             groups_done: FxSet::default(),
             collided: BTreeSet::new(),
             final_stuck: BTreeMap::new(),

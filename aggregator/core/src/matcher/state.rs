@@ -124,7 +124,7 @@ pub(super) struct RankKey {
     pub(super) rank: u32,
 }
 
-/// Final ops remembered for late frames (between this and twice this many).
+/// Final ops remembered for late frames, at most (see `MatcherConfig::final_memory_ns`).
 pub(super) const FINAL_MEMORY: usize = 65_536;
 
 /// Where each rank of a communicator spoke from: `(node, pid)`. Dense below

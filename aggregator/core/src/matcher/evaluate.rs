@@ -432,16 +432,14 @@ impl CollectiveMatcher {
                 }
             }
             let slot = op.slot(r.rank).unwrap_or(0);
-            let prev = new_verdicts.get(slot).cloned().flatten();
-            let changed = prev.as_ref().is_none_or(|p| p.outcome != *o || p.tags != tags || (!p.is_final && is_final));
+            // What the rank's verdict was (borrowed, not cloned: most ranks do not change).
+            let prev = new_verdicts.get(slot).and_then(Option::as_ref);
+            let changed = prev.is_none_or(|p| p.outcome != *o || p.tags != tags || (!p.is_final && is_final));
             if !changed {
                 continue;
             }
-            // Kept in state, emitted only when it says something: final verdicts, and
-            // non-final ones that are neither in flight nor a plain completion.
-            let emit = is_final || !matches!(o, Outcome::InFlight | Outcome::Completed);
-            let mut revision = prev.as_ref().map_or(0, |p| p.revision);
-            if let Some(p) = &prev
+            let mut revision = prev.map_or(0, |p| p.revision);
+            if let Some(p) = prev
                 && p.outcome != *o
             {
                 if p.is_final {
@@ -453,10 +451,36 @@ impl CollectiveMatcher {
                     self.stats.revisions_before_final.inc();
                 }
             }
+            // Kept in state, emitted only when it says something: final verdicts, and
+            // non-final ones that are neither in flight nor a plain completion.
+            let emit = is_final || !matches!(o, Outcome::InFlight | Outcome::Completed);
+            let gpu_uuid = r.progress.map_or([0; 16], |p| p.gpu_uuid);
+            if let Some(node) = r.node {
+                // Every GPU with a verdict is in the health book; final verdicts date its
+                // evidence.
+                let f = self.gpu_flags.entry((node, gpu_uuid)).or_default();
+                let gpu_straggler = tags.iter().any(|t| matches!(t, VerdictTag::Straggler { host: false, .. }));
+                match o {
+                    Outcome::Stuck if is_final => f.degraded_at_ns = now,
+                    _ if is_final && gpu_straggler => f.degraded_at_ns = now,
+                    Outcome::NotJoined | Outcome::NotJoinedExited if is_final => f.suspect_at_ns = now,
+                    Outcome::WaitingOn(None) if is_final => f.suspect_at_ns = now,
+                    // Only a final inference: one revised to `completed` when the late frame
+                    // arrived was no loss after all.
+                    Outcome::CompletedInferred if is_final && !tags.is_empty() => f.lossy_at_ns = now,
+                    _ => {}
+                }
+            }
+            if !emit {
+                if let Some(v) = new_verdicts.get_mut(slot) {
+                    *v = Some(RankVerdict { outcome: *o, tags, is_final, revision });
+                }
+                continue;
+            }
             if let Some(v) = new_verdicts.get_mut(slot) {
                 *v = Some(RankVerdict { outcome: *o, tags: tags.clone(), is_final, revision });
             }
-            let gpu_uuid = r.progress.map_or([0; 16], |p| p.gpu_uuid);
+            // The evidence, built only for what is emitted.
             let mut evidence = Evidence::default();
             if let Some(obs) = op.slot(r.rank).and_then(|i| op.ranks.get(i)).filter(|o| o.present) {
                 evidence.frames.extend([obs.entered, obs.started, obs.completed].into_iter().flatten());
@@ -480,23 +504,6 @@ impl CollectiveMatcher {
                 evidence.watermarks.push(n);
             }
             evidence.rule = rule_for(o);
-            if let Some(node) = r.node {
-                let f = self.gpu_flags.entry((node, gpu_uuid)).or_default();
-                let gpu_straggler = tags.iter().any(|t| matches!(t, VerdictTag::Straggler { host: false, .. }));
-                match o {
-                    Outcome::Stuck if is_final => f.degraded_at_ns = now,
-                    _ if is_final && gpu_straggler => f.degraded_at_ns = now,
-                    Outcome::NotJoined | Outcome::NotJoinedExited if is_final => f.suspect_at_ns = now,
-                    Outcome::WaitingOn(None) if is_final => f.suspect_at_ns = now,
-                    // Only a final inference: one revised to `completed` when the late frame
-                    // arrived was no loss after all.
-                    Outcome::CompletedInferred if is_final && !tags.is_empty() => f.lossy_at_ns = now,
-                    _ => {}
-                }
-            }
-            if !emit {
-                continue;
-            }
             events.push(MatcherEvent::Verdict(Verdict {
                 op: key,
                 rank: r.rank,

@@ -305,6 +305,8 @@ async fn timers(shared: Arc<Shared>) {
             }
             core.handle_timeout(now);
             shared.drain_events(&mut core);
+            // The store's retention runs on the timer too (not only when verdicts come).
+            shared.store().expire(now);
             core.poll_timeout()
         };
         shared.progress(&shared.tasks.timers);

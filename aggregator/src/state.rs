@@ -313,12 +313,10 @@ impl Shared {
         while let Some(e) = core.poll_event() {
             events.push(e);
         }
-        let now = self.now();
-        let mut store = self.store();
         if events.is_empty() {
-            store.expire(now);
-        } else {
-            store.apply(now, events);
+            return;
         }
+        let now = self.now();
+        self.store().apply(now, events);
     }
 }

@@ -192,7 +192,8 @@ fn stored_bytes(s: &Stored) -> u64 {
 }
 
 fn entry_bytes(e: &Entry) -> u64 {
-    let base = u64::try_from(size_of::<(OpRef, OpEntry)>() + size_of::<(u64, OpRef)>()).unwrap_or(u64::MAX);
+    let base =
+        u64::try_from(size_of::<(OpRef, OpEntry)>().saturating_add(size_of::<(u64, OpRef)>())).unwrap_or(u64::MAX);
     let body = match e {
         Entry::Full(m) => m.values().map(stored_bytes).fold(0u64, u64::saturating_add),
         Entry::Completed { ranks, .. } => {
@@ -287,7 +288,7 @@ impl VerdictStore {
         let max_bytes = usize::try_from(self.config.max_bytes).unwrap_or(usize::MAX);
         vec![
             crate::MapSize::new("store.bytes", usize::try_from(self.bytes).unwrap_or(usize::MAX), max_bytes),
-            crate::MapSize::new("store.ops", self.ops.len(), max_bytes / min_op),
+            crate::MapSize::new("store.ops", self.ops.len(), max_bytes.checked_div(min_op).unwrap_or(max_bytes)),
         ]
     }
 

@@ -33,7 +33,11 @@ impl CollectiveMatcher {
             MapSize::new("matcher.collided", self.collided.len(), comms),
             MapSize::new("matcher.unresolved", self.unresolved.len(), comms),
             MapSize::new("matcher.rank_ops", self.rank_ops.len(), c.max_procs),
-            MapSize::new("matcher.rank_ops_entries", rank_ops, c.max_procs.saturating_mul(RANK_OPS_CAP)),
+            MapSize::new(
+                "matcher.rank_ops_entries",
+                rank_ops,
+                c.max_procs.saturating_mul(RANK_OPS_CAP.saturating_mul(2)),
+            ),
             MapSize::new("matcher.groups_done", self.groups_done.len(), GROUPS_CAP),
             MapSize::new("matcher.final_recent", self.final_recent.len(), FINAL_MEMORY),
             MapSize::new("matcher.final_order", self.final_order.len(), FINAL_MEMORY.saturating_mul(2)),

@@ -638,10 +638,12 @@ impl CollectiveMatcher {
     pub(super) fn blocked_by(&self, node: Option<NodeId>, pid: u32, local_op_seq: u64, me: OpRef) -> Option<OpRef> {
         let proc_ops = self.rank_ops.get(&ProcKey { node: node?, pid })?;
         proc_ops
-            .ops
-            .range(..local_op_seq)
-            .find(|(_, (k, done))| !done && *k != me && (self.ops.contains_key(k) || self.final_stuck.contains_key(k)))
-            .map(|(_, (k, _))| *k)
+            .before(local_op_seq)
+            .iter()
+            .find(|o| {
+                !o.completed && o.op != me && (self.ops.contains_key(&o.op) || self.final_stuck.contains_key(&o.op))
+            })
+            .map(|o| o.op)
     }
 }
 

@@ -653,10 +653,7 @@ impl CollectiveMatcher {
         if !graph && (!was_present || completed != was_completed) {
             let proc_ops = self.rank_ops.entry(ProcKey { node, pid: l.pid }).or_default();
             proc_ops.active_ns = now;
-            proc_ops.ops.insert(l.local_op_seq, (key, completed));
-            while proc_ops.ops.len() > RANK_OPS_CAP {
-                proc_ops.ops.pop_first();
-            }
+            proc_ops.note(l.local_op_seq, key, completed);
             if self.rank_ops.len() > self.config.max_procs {
                 self.evict_procs();
             }

@@ -219,8 +219,48 @@ pub(super) const RECOVERABLE_RANKS_CAP: usize = 262_144;
 pub(super) struct ProcOps {
     /// Aggregator time of its last op.
     pub(super) active_ns: u64,
-    /// local_op_seq → (op, completed); the last [`RANK_OPS_CAP`].
-    pub(super) ops: BTreeMap<u64, (OpRef, bool)>,
+    /// Its last ops by local_op_seq, ascending (ops arrive almost in order: an append,
+    /// rarely an insert), at most 2 × [`RANK_OPS_CAP`] (trimmed to the newest
+    /// [`RANK_OPS_CAP`] when past it).
+    pub(super) ops: Vec<RankOp>,
+}
+
+/// One op of a rank process.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RankOp {
+    pub(super) local_op_seq: u64,
+    pub(super) op: OpRef,
+    pub(super) completed: bool,
+}
+
+impl ProcOps {
+    /// Records `op` as the rank's `local_op_seq`-th, completed or not.
+    pub(super) fn note(&mut self, local_op_seq: u64, op: OpRef, completed: bool) {
+        let entry = RankOp { local_op_seq, op, completed };
+        match self.ops.last() {
+            Some(last) if last.local_op_seq < local_op_seq => self.ops.push(entry),
+            None => self.ops.push(entry),
+            Some(_) => match self.ops.binary_search_by_key(&local_op_seq, |o| o.local_op_seq) {
+                Ok(i) => {
+                    if let Some(o) = self.ops.get_mut(i) {
+                        *o = entry;
+                    }
+                }
+                Err(i) => self.ops.insert(i, entry),
+            },
+        }
+        if self.ops.len() > RANK_OPS_CAP.saturating_mul(2) {
+            let drop = self.ops.len().saturating_sub(RANK_OPS_CAP);
+            self.ops.drain(..drop);
+        }
+    }
+
+    /// Its ops before `local_op_seq` among the newest [`RANK_OPS_CAP`], oldest first.
+    pub(super) fn before(&self, local_op_seq: u64) -> &[RankOp] {
+        let start = self.ops.len().saturating_sub(RANK_OPS_CAP);
+        let end = self.ops.partition_point(|o| o.local_op_seq < local_op_seq);
+        self.ops.get(start..end.max(start)).unwrap_or(&[])
+    }
 }
 
 /// A rank process.

@@ -609,6 +609,25 @@ impl CollectiveMatcher {
             o.verdicts = new_verdicts;
             o.decided_at_ns = decided_at;
             o.decided_now_ns = decided_now;
+            // The lowest watermark that could change this evaluation: a deadline not yet
+            // passed, or (decided) the finality threshold; a rank settled by every node's
+            // watermark (`quiet`) depends on nodes beyond the gating ones: always.
+            o.wake_w = if outcomes.iter().any(quiet) {
+                i64::MIN
+            } else {
+                let at = |t: u64| i64::try_from(t).unwrap_or(i64::MAX);
+                let mut wake = i64::MAX;
+                if !past_stuck {
+                    wake = wake.min(at(stuck_at));
+                }
+                if !past_join {
+                    wake = wake.min(at(join_at));
+                }
+                if terminal {
+                    wake = wake.min(need);
+                }
+                wake
+            };
             let due = if past_stuck {
                 now.saturating_add(self.config.reorder_timeout_ns)
             } else {

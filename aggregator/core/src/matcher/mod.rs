@@ -419,7 +419,8 @@ impl CollectiveMatcher {
                 let n = self.node_view(w.node);
                 n.w_p0_cluster_ns = n.w_p0_cluster_ns.max(w.cluster_ns);
                 n.epsilon_ns = w.epsilon_ns;
-                self.mark_node_dirty(w.node);
+                let wm = n.w_p0_cluster_ns;
+                self.mark_node_watermark(w.node, wm);
             }
             Record::Liveness(l) => {
                 self.node_view(l.node).liveness = Some(l.state);
@@ -484,6 +485,17 @@ impl CollectiveMatcher {
     fn mark_node_dirty(&mut self, node: NodeId) {
         for (k, o) in &mut self.ops {
             if !o.dirty && o.nodes.contains(&node) {
+                o.dirty = true;
+                self.dirty.push(*k);
+            }
+        }
+    }
+
+    /// A P0 watermark of `node` moved to `w`: its open ops whose evaluation it can change
+    /// (`OpState::wake_w`) are evaluated again.
+    fn mark_node_watermark(&mut self, node: NodeId, w: i64) {
+        for (k, o) in &mut self.ops {
+            if !o.dirty && w >= o.wake_w && o.nodes.contains(&node) {
                 o.dirty = true;
                 self.dirty.push(*k);
             }

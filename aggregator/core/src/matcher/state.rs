@@ -65,6 +65,9 @@ pub(super) struct OpState {
     pub(super) due_ns: u64,
     /// It is in the matcher's `dirty` list (at most once).
     pub(super) dirty: bool,
+    /// A P0 watermark of one of its nodes below this cannot change its evaluation (see
+    /// `evaluate`); a watermark record wakes it only from here on.
+    pub(super) wake_w: i64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Default)]
@@ -290,6 +293,7 @@ impl OpState {
             key_collision: false,
             due_ns: 0,
             dirty: false,
+            wake_w: i64::MIN,
         }
     }
 

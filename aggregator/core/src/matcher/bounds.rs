@@ -9,7 +9,7 @@ impl CollectiveMatcher {
         use crate::MapSize;
         let c = &self.config;
         let comms = c.max_comms;
-        let rank_ops: usize = self.rank_ops.values().map(|p| p.ops.len()).sum();
+        let rank_ops: usize = self.rank_ops.values().map(ProcOps::len).sum();
         let homes: usize = self.homes.values().map(Homes::len).sum();
         vec![
             MapSize::new("matcher.ops", self.ops.len(), c.max_ops),

@@ -659,10 +659,10 @@ impl CollectiveMatcher {
         proc_ops
             .before(local_op_seq)
             .iter()
-            .find(|o| {
-                !o.completed && o.op != me && (self.ops.contains_key(&o.op) || self.final_stuck.contains_key(&o.op))
+            .find(|(op, completed)| {
+                !completed && *op != me && (self.ops.contains_key(op) || self.final_stuck.contains_key(op))
             })
-            .map(|o| o.op)
+            .map(|(op, _)| *op)
     }
 }
 

@@ -222,47 +222,52 @@ pub(super) const RECOVERABLE_RANKS_CAP: usize = 262_144;
 pub(super) struct ProcOps {
     /// Aggregator time of its last op.
     pub(super) active_ns: u64,
-    /// Its last ops by local_op_seq, ascending (ops arrive almost in order: an append,
+    /// Its last ops' local_op_seqs, ascending (ops arrive almost in order: an append,
     /// rarely an insert), at most 2 × [`RANK_OPS_CAP`] (trimmed to the newest
-    /// [`RANK_OPS_CAP`] when past it).
-    pub(super) ops: Vec<RankOp>,
-}
-
-/// One op of a rank process.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct RankOp {
-    pub(super) local_op_seq: u64,
-    pub(super) op: OpRef,
-    pub(super) completed: bool,
+    /// [`RANK_OPS_CAP`] when past it); searched apart from `ops`, so a lookup touches
+    /// 8 bytes an entry.
+    pub(super) seqs: Vec<u64>,
+    /// The op at the same index, and whether the rank completed it.
+    pub(super) ops: Vec<(OpRef, bool)>,
 }
 
 impl ProcOps {
     /// Records `op` as the rank's `local_op_seq`-th, completed or not.
     pub(super) fn note(&mut self, local_op_seq: u64, op: OpRef, completed: bool) {
-        let entry = RankOp { local_op_seq, op, completed };
-        match self.ops.last() {
-            Some(last) if last.local_op_seq < local_op_seq => self.ops.push(entry),
-            None => self.ops.push(entry),
-            Some(_) => match self.ops.binary_search_by_key(&local_op_seq, |o| o.local_op_seq) {
+        match self.seqs.last() {
+            Some(&last) if last >= local_op_seq => match self.seqs.binary_search(&local_op_seq) {
                 Ok(i) => {
                     if let Some(o) = self.ops.get_mut(i) {
-                        *o = entry;
+                        *o = (op, completed);
                     }
                 }
-                Err(i) => self.ops.insert(i, entry),
+                Err(i) => {
+                    self.seqs.insert(i, local_op_seq);
+                    self.ops.insert(i, (op, completed));
+                }
             },
+            _ => {
+                self.seqs.push(local_op_seq);
+                self.ops.push((op, completed));
+            }
         }
-        if self.ops.len() > RANK_OPS_CAP.saturating_mul(2) {
-            let drop = self.ops.len().saturating_sub(RANK_OPS_CAP);
+        if self.seqs.len() > RANK_OPS_CAP.saturating_mul(2) {
+            let drop = self.seqs.len().saturating_sub(RANK_OPS_CAP);
+            self.seqs.drain(..drop);
             self.ops.drain(..drop);
         }
     }
 
     /// Its ops before `local_op_seq` among the newest [`RANK_OPS_CAP`], oldest first.
-    pub(super) fn before(&self, local_op_seq: u64) -> &[RankOp] {
-        let start = self.ops.len().saturating_sub(RANK_OPS_CAP);
-        let end = self.ops.partition_point(|o| o.local_op_seq < local_op_seq);
+    pub(super) fn before(&self, local_op_seq: u64) -> &[(OpRef, bool)] {
+        let start = self.seqs.len().saturating_sub(RANK_OPS_CAP);
+        let end = self.seqs.partition_point(|&s| s < local_op_seq);
         self.ops.get(start..end.max(start)).unwrap_or(&[])
+    }
+
+    /// Ops held.
+    pub(super) fn len(&self) -> usize {
+        self.seqs.len()
     }
 }
 

@@ -107,6 +107,14 @@ fn command() -> Command {
                         .value_parser(value_parser!(u64).range(1..=86_400))
                         .help("how long a final op is remembered, so a late frame for it is counted and ignored (at most 65,536 ops)"),
                 )
+                .arg(
+                    Arg::new("dead-after-s")
+                        .long("dead-after-s")
+                        .value_name("SECONDS")
+                        .default_value("300")
+                        .value_parser(value_parser!(u64).range(0..=86_400))
+                        .help("how long an unreachable node still gates finality: its ranks' unknown_silent verdicts are final once it is back and its watermark passes, or after this (presumed dead)"),
+                )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
                 .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
                 .arg(
@@ -192,6 +200,9 @@ fn main() -> ExitCode {
             }
             if let Some(&s) = r.get_one::<u64>("final-memory-s") {
                 cfg.matcher.final_memory_ns = s.saturating_mul(1_000_000_000);
+            }
+            if let Some(&s) = r.get_one::<u64>("dead-after-s") {
+                cfg.matcher.dead_after_ns = s.saturating_mul(1_000_000_000);
             }
             if let Some(&n) = r.get_one::<u32>("expect-nodes") {
                 cfg.matcher.expected_nodes = n;

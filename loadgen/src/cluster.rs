@@ -146,6 +146,12 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
         reorder_timeout_ns: reorder_ns,
         straggler_threshold_ns: straggler_threshold_ns(s),
         expected_nodes: s.cluster.nodes,
+        // loadgen's network faults (loss, delay and reordering through the proxy) never
+        // cut a live node off for long: a node unreachable here is one of the scenario's
+        // dead nodes (or a connection that closed for a moment and comes back in
+        // seconds), presumed dead after the stuck deadline instead of the default 300 s,
+        // which would hold every dead-node scenario's finality for 300 s of its time.
+        dead_after_ns: s.timers.stuck_deadline_ms.saturating_mul(1_000_000),
         ..MatcherConfig::default()
     };
     cfg.ingest = IngestConfig {
@@ -340,8 +346,13 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     // verdict that finality allows is final. However long this machine takes today, up
     // to a generous limit, after which the run is scored as it is (and says so).
     let settle_started = Instant::now();
-    let reorder_ns = aggregator_config(&set, &scenario, spec.time_scale).ingest.reorder_timeout_ns;
-    let beyond_ns = reorder_ns.saturating_add(scenario.timers.heartbeat_ms.saturating_mul(3_000_000));
+    let agg_config = aggregator_config(&set, &scenario, spec.time_scale);
+    let reorder_ns = agg_config.ingest.reorder_timeout_ns;
+    let mut beyond_ns = reorder_ns.saturating_add(scenario.timers.heartbeat_ms.saturating_mul(3_000_000));
+    // An unreachable dead node gates finality until it is presumed dead.
+    if truth.nodes.iter().any(|t| t.dead_at_ms.is_some()) {
+        beyond_ns = beyond_ns.saturating_add(agg_config.matcher.dead_after_ns);
+    }
     let mut targets: Option<Vec<(String, u64)>> = None;
     loop {
         let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;

@@ -791,7 +791,11 @@ impl Pair {
         let sim = Simulation::new(s, cfg.options).expect("the scenario validates");
         let nodes = s.cluster.nodes;
         let set = aggregator::certs::CertSet::at(std::path::Path::new("/nonexistent-pair-harness"));
-        let agg = loadgen::cluster::aggregator_config(&set, s, 1.0);
+        let mut agg = loadgen::cluster::aggregator_config(&set, s, 1.0);
+        // loadgen presumes an unreachable node dead after the stuck deadline (its network
+        // never cuts a live node off for long); this harness partitions live nodes past
+        // the idle timeout, so it runs the production default.
+        agg.matcher.dead_after_ns = ringwatch_core::MatcherConfig::default().dead_after_ns;
         let core = Core::new(agg.ingest, agg.matcher, 0);
         let reorder_ms = agg.ingest.reorder_timeout_ns / MS;
         let dead_at: Vec<u64> = sim.model().dead_at.clone();

@@ -22,6 +22,7 @@ use std::fmt::Write as _;
 
 use loadgen_sim::scenario::{Fault, HangMode, RingKind};
 use loadgen_sim::{Scenario, SimOptions, builtin};
+use ringwatch_core::MatcherConfig;
 use ringwatch_tests::pair::{NetConfig, NetFault, Pair, PairConfig, Report};
 
 const S: u64 = 1_000_000_000;
@@ -93,9 +94,10 @@ fn config(duration_ms: u64, faults: Vec<NetFault>) -> PairConfig {
         options,
         net: NetConfig { seed: 7, ..NetConfig::default() },
         faults,
-        // Longer than the unreachable timer and many stuck deadlines: whatever can be
-        // final by then is.
-        settle_ns: 90 * S,
+        // Longer than the unreachable timer plus the time an unreachable node still
+        // gates finality (`dead_after_ns`, 300 s), and many stuck deadlines: whatever can
+        // be final by then is (node 7 dies near the end).
+        settle_ns: 90 * S + MatcherConfig::default().dead_after_ns,
         poll_ns: 1_000_000,
         map_check_ns: MIN,
     }

@@ -487,11 +487,85 @@ fn ras_missing_rank_is_silent_not_stuck() {
     assert!(c.verdicts.values().all(|v| !v.is_final));
     c.liveness(4, ringwatch_core::records::LivenessState::Unreachable);
     c.tick(S);
+    // Unreachable is not dead (a partition past the idle timeout looks the same): it
+    // still gates finality, until it has been unreachable for `dead_after_ns`.
+    assert_eq!(c.outcome(k, 1, 3), (Outcome::UnknownSilent, false));
+    assert!(c.verdicts.values().all(|v| !v.is_final));
+    let dead_after = MatcherConfig::default().dead_after_ns;
+    c.watermarks(&[1, 2, 3]);
+    c.tick(dead_after - 2 * S);
+    assert!(c.verdicts.values().all(|v| !v.is_final), "final before the node is presumed dead");
+    c.watermarks(&[1, 2, 3]);
+    c.tick(2 * S);
     assert_eq!(c.outcome(k, 1, 3), (Outcome::UnknownSilent, true));
     for rank in 0..3 {
         assert_eq!(c.outcome(k, 1, rank), (Outcome::WaitingOn(Some(3)), true));
     }
+    assert_eq!(c.m.stats().nodes_presumed_dead, 1);
     assert!(c.m.node_health(c.now).values().all(|h| *h != ringwatch_core::Health::Degraded));
+}
+
+/// Ranks 0–2 of a 4-rank all-reduce complete; rank 3's node (4) started it, then its
+/// connection dropped (a partition): unreachable.
+fn op_whose_last_node_is_cut_off() -> (Case, Comm) {
+    let mut c = Case::new();
+    let k = comm(1);
+    for rank in 0..4u32 {
+        let node = u64::from(rank) + 1;
+        c.frame(node, 10 + rank, k, 1, rank, 4, Phase::EnqueueStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 4, Phase::KernelStart, None, 1);
+    }
+    c.watermarks(&[1, 2, 3, 4]);
+    c.tick(S);
+    for rank in 0..3u32 {
+        c.frame(u64::from(rank) + 1, 10 + rank, k, 1, rank, 4, Phase::KernelEnd, None, 1);
+    }
+    c.liveness(4, ringwatch_core::records::LivenessState::Unreachable);
+    // Past the stuck deadline on every reachable node's watermark.
+    for _ in 0..60 {
+        c.watermarks(&[1, 2, 3]);
+        c.tick(S);
+    }
+    (c, k)
+}
+
+#[test]
+fn a_partitioned_node_back_before_dead_after_is_judged_on_its_spooled_frames() {
+    // sim_pair, partitions of 20 s and 70 s (past the connection's idle timeout): the cut
+    // node's ranks went final `unknown_silent` while its shipper spooled the completions,
+    // which then arrived as late frames — 76 wrong final verdicts in a simulated hour.
+    let (mut c, k) = op_whose_last_node_is_cut_off();
+    assert_eq!(c.outcome(k, 1, 3), (Outcome::UnknownSilent, false), "not final while it may come back");
+    assert!(c.verdicts.values().all(|v| !v.is_final));
+    // Back: its spooled completion, then its watermark past it.
+    c.frame(4, 13, k, 1, 3, 4, Phase::KernelEnd, None, 1);
+    c.liveness(4, ringwatch_core::records::LivenessState::Fresh);
+    c.tick(S);
+    c.watermarks(&[1, 2, 3, 4]);
+    c.tick(S);
+    for rank in 0..4 {
+        assert_eq!(c.outcome(k, 1, rank), (Outcome::Completed, true), "rank {rank}");
+    }
+    // Its presumed-death timer was dropped with its unreachability.
+    c.tick(MatcherConfig::default().dead_after_ns);
+    assert_eq!(c.m.stats().nodes_presumed_dead, 0);
+}
+
+#[test]
+fn a_node_back_after_dead_after_recovers_its_unknown_silent_ranks() {
+    let (mut c, k) = op_whose_last_node_is_cut_off();
+    c.tick(MatcherConfig::default().dead_after_ns);
+    assert_eq!(c.outcome(k, 1, 3), (Outcome::UnknownSilent, true), "presumed dead: final");
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
+    // It was not dead after all: its completion is a recovery, not a silent late frame.
+    c.frame(4, 13, k, 1, 3, 4, Phase::KernelEnd, None, 1);
+    c.tick(S);
+    assert!(
+        c.events.iter().any(|e| matches!(e, MatcherEvent::Recovered { rank: 3, node: Some(NodeId(4)), .. })),
+        "{:?}",
+        c.events
+    );
+    assert_eq!(c.m.stats().recovered, 1);
 }
 
 #[test]

@@ -45,6 +45,7 @@ impl CollectiveMatcher {
             MapSize::new("matcher.recoverable", self.recoverable.len(), RECOVERABLE_CAP),
             MapSize::new("matcher.recoverable_ranks", self.recoverable_ranks, RECOVERABLE_RANKS_CAP),
             MapSize::new("matcher.gpu_flags", self.gpu_flags.len(), c.max_gpus),
+            MapSize::new("matcher.dead_due", self.dead_due.len(), c.max_nodes),
         ]
     }
 
@@ -77,7 +78,9 @@ impl CollectiveMatcher {
                 .min_by_key(|(_, v)| (v.liveness != Some(LivenessState::Unreachable), v.w_p0_cluster_ns))
                 .map(|(k, _)| *k);
             if let Some(v) = victim {
-                self.nodes.remove(&v);
+                if let Some(view) = self.nodes.remove(&v) {
+                    self.dead_due.remove(&(view.dead_at_ns, v));
+                }
                 self.stats.nodes_evicted.inc();
             }
         }

@@ -360,7 +360,10 @@ impl CollectiveMatcher {
         } else {
             decided_now
         };
-        let gating: Vec<NodeId> = rs.iter().filter(|r| gates(r.live)).filter_map(|r| r.node).collect();
+        // Finality waits for an unreachable node until it is presumed dead (its
+        // deadlines did not: `horizon` above).
+        let gating: Vec<NodeId> =
+            rs.iter().filter_map(|r| r.node).filter(|n| gates_finality(self.nodes.get(n), now)).collect();
         let need = i64::try_from(decided_at.saturating_add(self.config.reorder_timeout_ns)).unwrap_or(i64::MAX);
         let settled = |m: &Self| gating.iter().all(|n| m.nodes.get(n).is_some_and(|v| v.w_p0_cluster_ns >= need));
         let terminal = all_completed || outcomes.iter().all(|o| !matches!(o, Outcome::InFlight));
@@ -551,7 +554,14 @@ impl CollectiveMatcher {
                 .iter()
                 .zip(outcomes.iter())
                 .filter(|(_, o)| {
-                    matches!(o, Outcome::Stuck | Outcome::WaitingOn(_) | Outcome::BlockedBy(_) | Outcome::NotJoined)
+                    matches!(
+                        o,
+                        Outcome::Stuck
+                            | Outcome::WaitingOn(_)
+                            | Outcome::BlockedBy(_)
+                            | Outcome::NotJoined
+                            | Outcome::UnknownSilent
+                    )
                 })
                 .map(|(r, o)| {
                     let gpu_uuid = r.progress.map_or([0; 16], |p| p.gpu_uuid);

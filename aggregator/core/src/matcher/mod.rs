@@ -25,8 +25,9 @@
 //!   `stuck`/`not_joined` before them;
 //! - C3 culprit classes in order: (a) not entered while instrumented and fresh; (b) an
 //!   earlier unresolved op of the same rank (`blocked_by`); (c) on a silent or
-//!   unreachable node (`unknown_silent`; a silent node's watermark still gates, so such a
-//!   verdict is final only once the node is unreachable); (e) the only GPU that never
+//!   unreachable node (`unknown_silent`; a silent node's watermark still gates, and an
+//!   unreachable one gates finality until it is back or presumed dead —
+//!   `MatcherConfig::dead_after_ns` — so such a verdict is final only then); (e) the only GPU that never
 //!   started k while every peer's did → `stuck`. Culprits on one node → the others
 //!   `waiting_on(culprit)`; on none or several → `waiting_on(unknown)` (hung, culprit
 //!   unknown);
@@ -113,6 +114,13 @@ pub struct MatcherConfig {
     /// (`late_frames_after_final`) and ignored, never the seed of a new op (at most
     /// 65,536 ops, oldest forgotten first).
     pub final_memory_ns: u64,
+    /// How long an unreachable node still gates finality (aggregator time, from when it
+    /// became unreachable). Its ranks are `unknown_silent` at once, but final only when
+    /// it comes back and its watermark passes, or once it has been unreachable this
+    /// long (presumed dead): a live node cut off by a partition longer than the
+    /// connection's idle timeout resends its spooled P0 frames when it is back, and its
+    /// ranks' `unknown_silent` must not be final before then.
+    pub dead_after_ns: u64,
 }
 
 impl Default for MatcherConfig {
@@ -133,6 +141,7 @@ impl Default for MatcherConfig {
             max_gpus: 65_536,
             max_nodes: 4096,
             final_memory_ns: 600_000_000_000,
+            dead_after_ns: 300_000_000_000,
         }
     }
 }
@@ -151,9 +160,12 @@ pub struct MatcherStats {
     pub revisions_before_final: u64,
     /// Changes caused by data stamped at or before `decided_at` of a final verdict: a bug.
     pub revisions_after_final: u64,
-    /// Final unresolved ranks (stuck, waiting, blocked, not joined) whose completion
-    /// arrived after all: a `Recovered` event each.
+    /// Final unresolved ranks (stuck, waiting, blocked, not joined, unknown_silent) whose
+    /// completion arrived after all: a `Recovered` event each.
     pub recovered: u64,
+    /// Nodes unreachable for `dead_after_ns`: presumed dead, they stopped gating
+    /// finality (counted each time).
+    pub nodes_presumed_dead: u64,
     /// Final ops still waiting for recovery forgotten at the caps (4,096 ops, 262,144
     /// ranks; oldest first, a communicator's blocking root last).
     pub recoverable_evicted: u64,
@@ -226,6 +238,9 @@ pub struct CollectiveMatcher {
     dirty: Vec<OpRef>,
     /// (due, op) re-evaluations at deadlines.
     deadlines: BTreeSet<(u64, OpRef)>,
+    /// (when presumed dead, node) of unreachable nodes (one each: `NodeView::dead_at_ns`);
+    /// at most `max_nodes` plus views evicted within `dead_after_ns`.
+    dead_due: BTreeSet<(u64, NodeId)>,
     /// (comm, op code, size bucket) → recent durations (ns).
     durations: BTreeMap<(Comm, u8, u8), Vec<u64>>,
     /// Communicator → (last final comm_op_seq, when it became final): the next op's
@@ -299,6 +314,7 @@ impl CollectiveMatcher {
             open_by_comm: FxMap::default(),
             dirty: Vec::new(),
             deadlines: BTreeSet::new(),
+            dead_due: BTreeSet::new(),
             durations: BTreeMap::new(),
             comm_done: BTreeMap::new(),
             seen_through: FxMap::default(),
@@ -360,7 +376,12 @@ impl CollectiveMatcher {
         }
         // The idle sweep is not a timer of its own: it runs in whichever `handle_timeout`
         // finds it due (a core with nothing due grows nothing to forget).
-        self.deadlines.iter().next().map(|d| d.0)
+        let op = self.deadlines.iter().next().map(|d| d.0);
+        let node = self.dead_due.iter().next().map(|d| d.0);
+        match (op, node) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     // ---------------------------------------------------------------- inputs
@@ -423,7 +444,23 @@ impl CollectiveMatcher {
                 self.mark_node_watermark(w.node, wm);
             }
             Record::Liveness(l) => {
-                self.node_view(l.node).liveness = Some(l.state);
+                let dead_after = self.config.dead_after_ns;
+                let n = self.node_view(l.node);
+                let was = n.liveness;
+                n.liveness = Some(l.state);
+                let old_due = n.dead_at_ns;
+                if l.state != LivenessState::Unreachable {
+                    n.dead_at_ns = 0;
+                } else if was != Some(LivenessState::Unreachable) {
+                    n.dead_at_ns = now.saturating_add(dead_after).max(1);
+                }
+                let new_due = n.dead_at_ns;
+                if old_due != new_due {
+                    self.dead_due.remove(&(old_due, l.node));
+                    if new_due != 0 {
+                        self.dead_due.insert((new_due, l.node));
+                    }
+                }
                 self.mark_node_dirty(l.node);
             }
             Record::Loss(l) if l.stream.stream_id >> 24 == 0 => {
@@ -448,6 +485,17 @@ impl CollectiveMatcher {
 
     /// Evaluates dirty ops and ops whose deadlines passed.
     pub fn handle_timeout(&mut self, now: u64) {
+        // Unreachable nodes presumed dead stop gating finality: their ops look again.
+        while let Some(&(due, node)) = self.dead_due.iter().next() {
+            if due > now {
+                break;
+            }
+            self.dead_due.remove(&(due, node));
+            if self.nodes.get(&node).is_some_and(|v| v.dead_at_ns == due) {
+                self.stats.nodes_presumed_dead.inc();
+                self.mark_node_dirty(node);
+            }
+        }
         while let Some(&(due, op)) = self.deadlines.iter().next() {
             if due > now {
                 break;

@@ -99,6 +99,9 @@ pub(super) struct NodeView {
     pub(super) correction_ns: i64,
     pub(super) residual_spread_ns: u64,
     pub(super) liveness: Option<LivenessState>,
+    /// When this node, unreachable, is presumed dead and stops gating finality
+    /// (aggregator time; 0: reachable).
+    pub(super) dead_at_ns: u64,
     /// `(interval id, from, to)` of P0 losses, node time; the last 256.
     pub(super) p0_losses: Vec<(u64, u64, u64)>,
     pub(super) knowledge_gaps: Vec<(u64, u64)>,
@@ -320,10 +323,18 @@ impl OpState {
 /// its connection is open and its data may be queued on either side (under a CPU hog a
 /// live node's heartbeats were processed seconds late, and a hung op of its own went
 /// final as `unknown_silent` for it). Only an `unreachable` node — connection closed, or
-/// unheard for the unreachable timeout — stops gating; its ranks' verdicts can then be
-/// final as `unknown_silent`.
+/// unheard for the unreachable timeout — stops gating deadlines; finality it gates until
+/// it is presumed dead ([`gates_finality`]).
 pub(super) fn gates(live: LivenessState) -> bool {
     live != LivenessState::Unreachable
+}
+
+/// Whether a node's watermark gates finality at `now`: every node does, an unreachable
+/// one until it is presumed dead (`MatcherConfig::dead_after_ns`) — a partition past the
+/// connection's idle timeout makes a live node unreachable, and its spooled frames
+/// arrive when it is back.
+pub(super) fn gates_finality(view: Option<&NodeView>, now: u64) -> bool {
+    view.is_none_or(|v| v.liveness != Some(LivenessState::Unreachable) || v.dead_at_ns > now)
 }
 
 pub(super) fn strong(op: u8) -> bool {

@@ -16,7 +16,7 @@ use proto_flat::frames::{FixedFrame, LossRecordFrame};
 use proto_flat::header::StreamId;
 use proto_flat::sections::{SessionStreamEntry, StreamEntry};
 use rand::{Rng, SeedableRng};
-use ringwatch_core::{Ingest, IngestConfig, NodeId, Record};
+use ringwatch_core::{Ingest, IngestConfig, MatcherConfig, NodeId, Record};
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromZeros, IntoBytes};
 
@@ -284,7 +284,10 @@ pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restart
     model.now_ns += 2 * (net.max_delay_ms + 10) * 1_000_000 + 1_000_000_000;
     let dead: Vec<bool> = sim.model().dead_at.iter().map(|&d| d != u64::MAX).collect();
     let last_death = sim.model().dead_at.iter().copied().filter(|&d| d != u64::MAX).max();
-    let until = last_death.map_or(0, |d| d + IngestConfig::default().unreachable_ns + 2_000_000_000);
+    // Unreachable, a dead node still gates finality until it is presumed dead.
+    let until = last_death.map_or(0, |d| {
+        d + IngestConfig::default().unreachable_ns + MatcherConfig::default().dead_after_ns + 2_000_000_000
+    });
     loop {
         for node in 0..scenario.cluster.nodes {
             if !dead[node as usize] {

@@ -147,8 +147,9 @@ impl Aggregator {
             }
             None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), VerdictStore::new(cfg.store), instance, 1, hold),
         };
-        // The clear time is configuration, not state: a restored core takes this run's.
+        // Timers and caps are configuration, not state: a restored core takes this run's.
         if let Ok(mut core) = shared.core() {
+            core.reconfigure(cfg.ingest, cfg.matcher);
             core.set_degraded_clear_ns(cfg.degraded_clear_ns);
         }
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };

@@ -203,7 +203,7 @@ async fn net_aggregator_sigkill_and_restart_from_snapshot() {
         expected_duplicates += sent_on
             .iter()
             .filter(|(_, conns)| conns.len() > 1)
-            .filter(|(seq, _)| restored.core.ingest.dedup().is_settled(node, r.shipper_session, **seq))
+            .filter(|(seq, _)| restored.core.ingest().dedup().is_settled(node, r.shipper_session, **seq))
             .count() as u64;
     }
     println!("duplicates: counted {}, expected {expected_duplicates}", ingest.batches_duplicate);

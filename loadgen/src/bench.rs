@@ -268,7 +268,7 @@ fn end_to_end(secs: f64, rate: f64) -> Result<EndToEnd, String> {
     std::thread::sleep(Duration::from_secs_f64(secs));
     let (c1r, c1s, c1a) = (thread_cpu("ring-reader"), thread_cpu("shp-rt"), thread_cpu("agg-rt"));
     let elapsed = t0.elapsed().as_secs_f64();
-    let frames = agg.shared.core().map_or(0, |c| c.ingest.stats().frames);
+    let frames = agg.shared.core().map_or(0, |c| c.ingest().stats().frames);
     stop.store(true, Ordering::Relaxed);
     let _ = tx.send(());
     let _ = shp_rt.block_on(task);

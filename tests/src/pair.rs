@@ -1279,7 +1279,7 @@ impl Pair {
                     return NodeFate::Alive;
                 }
                 let id = NodeId(proto_flat::node_id_of(&aggregator::certs::node_name(node)));
-                let heard = core.ingest.trackers(id).any(|t| t.counts().received > 0 || t.counts().prior_instance > 0);
+                let heard = core.trackers(id).any(|t| t.counts().received > 0 || t.counts().prior_instance > 0);
                 if heard { NodeFate::Died } else { NodeFate::DiedUnheard }
             };
             judge.on_event(&e, &fate);
@@ -1525,12 +1525,7 @@ impl Pair {
                         prior_instance: 0,
                         p0_frames_lost: 0,
                         p0_frames_attempted: 0,
-                        streams: self
-                            .core
-                            .ingest
-                            .trackers(sh.id)
-                            .map(aggregator::api::dto::StreamDto::from_tracker)
-                            .collect(),
+                        streams: self.core.trackers(sh.id).map(aggregator::api::dto::StreamDto::from_tracker).collect(),
                     }
                 })
                 .collect(),
@@ -1565,8 +1560,8 @@ impl Pair {
             map_violations: self.map_violations.clone(),
             conservation,
             shippers,
-            ingest: *self.core.ingest.stats(),
-            matcher: *self.core.matcher.stats(),
+            ingest: *self.core.ingest().stats(),
+            matcher: *self.core.matcher().stats(),
             records: self.core.records(),
             net: self.net,
             timer_turns: self.timer_turns,

@@ -311,6 +311,12 @@ impl Ingest {
         &self.stats
     }
 
+    /// Takes another configuration's timers and caps (a restored ingest, this run's
+    /// flags); the tracker limits and the dedup window stay (they shape state held).
+    pub fn reconfigure(&mut self, config: IngestConfig) {
+        self.config = IngestConfig { tracker: self.config.tracker, dedup: self.config.dedup, ..config };
+    }
+
     /// Its maps, with their sizes and caps (see [`crate::bounds`]).
     #[must_use]
     pub fn map_sizes(&self) -> Vec<crate::MapSize> {

@@ -3,7 +3,8 @@
 //! Call order: `handle_batch` / `handle_connection_closed` as input arrives,
 //! `handle_timeout` when `poll_timeout` says, `poll_event` until `None` after each.
 //! Records flow from ingest to the matcher inside; the seam stays visible
-//! (`Core::ingest`, `Core::matcher`) for a distributed log between them later.
+//! (`Core::ingest`, `Core::matcher`: read-only views, every change goes through `Core`)
+//! for a distributed log between them later.
 
 use proto_flat::batch::BatchView;
 use rkyv::{Archive, Deserialize, Serialize};
@@ -20,8 +21,8 @@ use crate::verdict::MatcherEvent;
 /// The pure core.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Core {
-    pub ingest: Ingest,
-    pub matcher: CollectiveMatcher,
+    ingest: Ingest,
+    matcher: CollectiveMatcher,
     records: u64,
 }
 
@@ -59,6 +60,51 @@ impl Core {
     #[must_use]
     pub fn new(ingest: IngestConfig, matcher: MatcherConfig, now: u64) -> Self {
         Self { ingest: Ingest::new(ingest, now), matcher: CollectiveMatcher::new(matcher), records: 0 }
+    }
+
+    /// Ingest's state, to read (stats, node states, stream trackers).
+    #[must_use]
+    pub fn ingest(&self) -> &Ingest {
+        &self.ingest
+    }
+
+    /// The matcher's state, to read (stats, knowledge gaps).
+    #[must_use]
+    pub fn matcher(&self) -> &CollectiveMatcher {
+        &self.matcher
+    }
+
+    /// Every counter: ingest's, the matcher's and the batch dedup's.
+    #[must_use]
+    pub fn stats(&self) -> (crate::IngestStats, crate::matcher::MatcherStats, crate::dedup::DedupStats) {
+        (*self.ingest.stats(), *self.matcher.stats(), *self.ingest.dedup().stats())
+    }
+
+    /// What ingest knows of a node (liveness, watermarks, clock), if anything.
+    #[must_use]
+    pub fn node_state(&self, node: NodeId) -> Option<&crate::ingest::NodeState> {
+        self.ingest.node(node)
+    }
+
+    /// A node's stream trackers, every epoch still held.
+    pub fn trackers(&self, node: NodeId) -> impl Iterator<Item = &crate::loss::SeqTracker> {
+        self.ingest.trackers(node)
+    }
+
+    /// The aggregator's own knowledge gaps about a node (see
+    /// [`CollectiveMatcher::knowledge_gaps`]).
+    #[must_use]
+    pub fn knowledge_gaps(&self, node: NodeId) -> &[(u64, u64)] {
+        self.matcher.knowledge_gaps(node)
+    }
+
+    /// Takes this run's configuration: timers and caps are configuration, not state, so a
+    /// core restored from a snapshot runs with the service's flags, not the snapshot's.
+    /// Ingest's tracker limits and dedup window stay the snapshot's: they shape state
+    /// already held (a window narrowed under held batches would forget them).
+    pub fn reconfigure(&mut self, ingest: IngestConfig, matcher: MatcherConfig) {
+        self.ingest.reconfigure(ingest);
+        self.matcher.reconfigure(matcher);
     }
 
     /// Every map the core keeps, with its size now and its cap (see [`crate::bounds`]).

@@ -105,12 +105,12 @@ fn refused(core: &mut Core, bytes: &[u8], field: &str) {
     }
     let mut after = core.clone();
     // Only the count moved: nothing of the batch was applied (not even its dedup mark).
-    assert_eq!(after.ingest.stats().implausible_batches, before.ingest.stats().implausible_batches + 1);
+    assert_eq!(after.ingest().stats().implausible_batches, before.ingest().stats().implausible_batches + 1);
     let mut before = before;
     run_timers(&mut after, 3_000_000_000);
     run_timers(&mut before, 3_000_000_000);
-    assert_eq!(after.ingest.trackers(NODE).collect::<Vec<_>>(), before.ingest.trackers(NODE).collect::<Vec<_>>());
-    assert_eq!(after.ingest.dedup().stats(), before.ingest.dedup().stats());
+    assert_eq!(after.ingest().trackers(NODE).collect::<Vec<_>>(), before.ingest().trackers(NODE).collect::<Vec<_>>());
+    assert_eq!(after.ingest().dedup().stats(), before.ingest().dedup().stats());
 }
 
 /// The heartbeat that stopped every verdict: `attempted`, `held_from` (spooled through)
@@ -214,7 +214,7 @@ fn the_largest_plausible_counters_settle_without_overflow() {
     run_timers(&mut core, 400_000_000_000);
     let (lost, seen) = core.p0_loss(NODE);
     assert!(seen >= MAX_SEQ && lost > 0, "{lost} {seen}");
-    for t in core.ingest.trackers(NODE).filter(|t| StreamId(t.key.stream_id).class_code() == Class::P0.code()) {
+    for t in core.ingest().trackers(NODE).filter(|t| StreamId(t.key.stream_id).class_code() == Class::P0.code()) {
         let c = t.counts();
         // Every seq of the stream accounted for, exactly (the sums fit: each < 2^62).
         assert_eq!(c.received + c.lost_total() + c.prior_instance + t.pending() + t.in_transit(), MAX_SEQ, "{t:?}");
@@ -272,9 +272,9 @@ fn an_implausible_resume_is_refused_and_changes_nothing() {
         let r = core.handle_resume(1_000_000_000, NODE, 5, 1, next, (sent, 0), &held, &floors);
         assert_eq!(r.map_err(|e| e.field), Err(field));
     }
-    assert_eq!(core.ingest.stats().implausible_resumes, 4);
-    assert_eq!(core.ingest.trackers(NODE).collect::<Vec<_>>(), before.ingest.trackers(NODE).collect::<Vec<_>>());
-    assert_eq!(core.ingest.dedup().stats(), before.ingest.dedup().stats());
+    assert_eq!(core.ingest().stats().implausible_resumes, 4);
+    assert_eq!(core.ingest().trackers(NODE).collect::<Vec<_>>(), before.ingest().trackers(NODE).collect::<Vec<_>>());
+    assert_eq!(core.ingest().dedup().stats(), before.ingest().dedup().stats());
 }
 
 /// The `hostile` fuzz target's generator, on stable with overflow checks: seeded byte

@@ -304,7 +304,7 @@ fn snapshot_restore_continue_equals_no_snapshot() {
     assert!(compared * 4 >= fa.len() * 3, "most verdicts compared: {compared} of {}", fa.len());
     for node in 0..4 {
         let (ta, tb): (Vec<_>, Vec<_>) =
-            (a.ingest.trackers(node_id(node)).collect(), b.ingest.trackers(node_id(node)).collect());
+            (a.ingest().trackers(node_id(node)).collect(), b.ingest().trackers(node_id(node)).collect());
         assert!(ta == tb, "trackers differ for node {node}");
     }
     // A damaged snapshot is an error, never a panic.
@@ -384,8 +384,8 @@ fn resent_batches_are_applied_once_across_a_snapshot() {
     }
     assert_eq!(ea, eb, "duplicates changed nothing the matcher saw");
     assert_eq!(once.records(), b.records());
-    assert_eq!(b.ingest.dedup().stats().duplicates, sent.len() as u64 - 1);
-    assert_eq!(b.ingest.dedup().stats().new, sent.len() as u64);
+    assert_eq!(b.ingest().dedup().stats().duplicates, sent.len() as u64 - 1);
+    assert_eq!(b.ingest().dedup().stats().new, sent.len() as u64);
     // The restored core remembers what was applied before its snapshot.
     let mut restored = twice.unwrap();
     for i in 0..=half {
@@ -450,12 +450,12 @@ fn loss_reports_for_applied_batches_do_not_count_delivered_frames_lost() {
     // would be a duplicate, never applied over frames already counted lost.
     assert_eq!(core.receive_batch(4, node_id(node), 0, &BatchView::parse(&never_arrived).unwrap()), Receipt::Duplicate);
     let per_stream: Vec<(u64, u64)> =
-        core.ingest.trackers(node_id(node)).map(|t| (t.counts().received, t.counts().lost_total())).collect();
+        core.ingest().trackers(node_id(node)).map(|t| (t.counts().received, t.counts().lost_total())).collect();
     // The shipper's own stream: 4 loss records. Each data stream: 19 delivered, 10 lost
     // (batch 2); seq 5 still pending for the kernel's counts, not blamed on the spool by
     // the report for batch 1.
     assert_eq!(per_stream, [(4, 0), (19, 10), (19, 10)]);
-    assert_eq!(core.ingest.dedup().stats().lost_but_applied, 2, "both reports for the applied batch ignored");
+    assert_eq!(core.ingest().dedup().stats().lost_but_applied, 2, "both reports for the applied batch ignored");
 }
 
 /// A node whose P0 stream lost frames is `healthy_lossy` (node and every GPU) whatever
@@ -492,7 +492,7 @@ fn p0_telemetry_loss_makes_an_otherwise_healthy_node_healthy_lossy() {
         while core.poll_event().is_some() {}
     }
     assert_eq!(core.p0_loss(node_id(0)), (5, 5));
-    assert_eq!(core.matcher.node_health(end).get(&node_id(0)), Some(&Health::Healthy));
+    assert_eq!(core.matcher().node_health(end).get(&node_id(0)), Some(&Health::Healthy));
     assert_eq!(core.node_health(end).get(&node_id(0)), Some(&Health::HealthyLossy));
 }
 
@@ -594,8 +594,8 @@ fn a_node_restarting_1000_times_keeps_its_new_streams_and_its_watermark() {
             while core.poll_event().is_some() {}
         }
         now = until;
-        let n = core.ingest.node(node).expect("the node is known");
-        assert_eq!(core.ingest.stats().streams_refused_frames, 0, "epoch {epoch}: its streams were accepted");
+        let n = core.ingest().node(node).expect("the node is known");
+        assert_eq!(core.ingest().stats().streams_refused_frames, 0, "epoch {epoch}: its streams were accepted");
         assert!(
             n.watermark_ns[0] >= ts,
             "epoch {epoch}: P0 watermark {} moved to the epoch's frames ({ts})",
@@ -606,8 +606,8 @@ fn a_node_restarting_1000_times_keeps_its_new_streams_and_its_watermark() {
             assert!(size.within(), "{size:?}");
         }
     }
-    let n = core.ingest.node(node).expect("the node is known");
-    let stats = core.ingest.stats();
+    let n = core.ingest().node(node).expect("the node is known");
+    let stats = core.ingest().stats();
     println!(
         "{RESTARTS} restarts: trackers held at most {highest_trackers}, retired {} ({} epochs), received {}",
         stats.trackers_retired, n.retired.epochs, n.retired.received
@@ -619,4 +619,25 @@ fn a_node_restarting_1000_times_keeps_its_new_streams_and_its_watermark() {
     // Conservation over every epoch: all P0 frames received, none lost, retired or not.
     let (lost, known) = core.p0_loss(node);
     assert_eq!((lost, known), (0, RESTARTS * u64::from(STREAMS) * FRAMES));
+}
+
+#[test]
+fn a_restored_core_runs_with_this_runs_timers_and_caps_not_the_snapshots() {
+    use ringwatch_core::IngestConfig;
+    let old = ringwatch_core::Core::new(IngestConfig::default(), ringwatch_core::MatcherConfig::default(), 0);
+    let bytes = ringwatch_core::snapshot::write(&old).unwrap();
+    let mut restored = ringwatch_core::snapshot::read(&bytes, 0).unwrap();
+    let ingest = IngestConfig { silent_ns: 7_000_000_000, max_nodes: 12, ..IngestConfig::default() };
+    let matcher = ringwatch_core::MatcherConfig { dead_after_ns: 42_000_000_000, max_comms: 99, ..Default::default() };
+    restored.reconfigure(ingest, matcher);
+    assert_eq!(restored.matcher().config(), &matcher);
+    let got = restored.ingest().config();
+    assert_eq!((got.silent_ns, got.max_nodes), (7_000_000_000, 12));
+    // The dedup window and tracker limits shape state already held: the snapshot's stay.
+    let narrow = IngestConfig {
+        dedup: ringwatch_core::DedupConfig { window: 3, ..IngestConfig::default().dedup },
+        ..IngestConfig::default()
+    };
+    restored.reconfigure(narrow, matcher);
+    assert_eq!(restored.ingest().config().dedup, IngestConfig::default().dedup);
 }

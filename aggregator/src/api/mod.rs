@@ -172,7 +172,10 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Response {
             Ok(c) => c,
             Err(e) => return unavailable(e),
         };
-        (*core.ingest.stats(), *core.matcher.stats(), *core.ingest.dedup().stats(), core.evictions())
+        {
+            let (ingest, matcher, dedup) = core.stats();
+            (ingest, matcher, dedup, core.evictions())
+        }
     };
     let (store, store_stats) = {
         let st = s.store();
@@ -254,7 +257,7 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
     let mut out: Vec<NodeDto> = registry
         .into_iter()
         .map(|(id, name, connected, connections)| {
-            let state = core.ingest.node(id);
+            let state = core.node_state(id);
             let p0 = core.p0_loss(id);
             NodeDto {
                 name,
@@ -268,7 +271,6 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                 clock_offset_ns: state.and_then(|n| n.clock.offset_ns()),
                 clock_epsilon_ns: state.and_then(|n| n.clock.epsilon_ns(now)),
                 knowledge_gaps: core
-                    .matcher
                     .knowledge_gaps(id)
                     .iter()
                     .filter(|(from, to)| to > from)
@@ -282,10 +284,10 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                     })
                     .collect(),
                 awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
-                prior_instance: core.ingest.trackers(id).fold(0u64, |a, t| a.saturating_add(t.counts().prior_instance)),
+                prior_instance: core.trackers(id).fold(0u64, |a, t| a.saturating_add(t.counts().prior_instance)),
                 p0_frames_lost: p0.0,
                 p0_frames_attempted: p0.1,
-                streams: core.ingest.trackers(id).map(StreamDto::from_tracker).collect(),
+                streams: core.trackers(id).map(StreamDto::from_tracker).collect(),
             }
         })
         .collect();

@@ -202,7 +202,9 @@ pub struct MatcherStats {
 mod bounds;
 mod classify;
 mod clock;
+mod emit;
 mod evaluate;
+mod finality;
 mod health;
 mod state;
 
@@ -353,6 +355,19 @@ impl CollectiveMatcher {
     /// See [`MatcherConfig::degraded_clear_ns`].
     pub fn set_degraded_clear_ns(&mut self, ns: u64) {
         self.config.degraded_clear_ns = ns;
+    }
+
+    /// Its configuration.
+    #[must_use]
+    pub fn config(&self) -> &MatcherConfig {
+        &self.config
+    }
+
+    /// Takes another configuration (a restored matcher, this run's flags): timers and caps
+    /// apply from the next record or timeout; maps past a lowered cap shrink at the next
+    /// sweep, counted. An unreachable node's presumed death stays where it was set.
+    pub fn reconfigure(&mut self, config: MatcherConfig) {
+        self.config = config;
     }
 
     /// Ops not yet final.

@@ -554,7 +554,7 @@ pub fn run(core: &mut Core, now: &mut u64, honest: &mut Honest, script: &Script)
     let _ = core.gpu_health(*now);
     for n in 0..4 {
         let _ = core.p0_loss(node(n));
-        for t in core.ingest.trackers(node(n)) {
+        for t in core.ingest().trackers(node(n)) {
             let _ = (t.generated(), t.in_transit(), t.counts().lost_total());
         }
     }

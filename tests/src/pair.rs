@@ -1140,8 +1140,7 @@ impl Pair {
     /// output handed to its core, then the core's timers.
     fn poll_sources(&mut self) {
         let now = self.now;
-        // Only forward: the simulator announces its first epochs on every step while
-        // its clock reads 0, so it is never stepped to 0.
+        // Only forward (a step that does not move time has nothing to give).
         if !self.sim.is_done() && now > self.sim.now_ns() {
             self.sim.step(now, &mut self.collect);
         }

@@ -168,6 +168,8 @@ pub struct Simulation {
     pending: Vec<(u32, Vec<u8>)>,
     stream_scratch: Vec<StreamEntry>,
     progress_scratch: Vec<ProgressEntry>,
+    /// The first epochs were announced (by the first `step`, whatever its horizon).
+    started: bool,
     done: bool,
 }
 
@@ -322,6 +324,7 @@ impl Simulation {
             pending: Vec::new(),
             stream_scratch: Vec::new(),
             progress_scratch: Vec::new(),
+            started: false,
             done: false,
         })
     }
@@ -380,7 +383,10 @@ impl Simulation {
         if self.done {
             return;
         }
-        if self.now == 0 {
+        // Once: `step(0)` (or any step that does not move time) must not announce the
+        // first epochs again.
+        if !self.started {
+            self.started = true;
             for node in 0..self.nodes.len() {
                 self.announce_epoch(node, 0, sink);
             }

@@ -354,3 +354,25 @@ mode = "after_contributing"
     assert!(table.ranks().count() > 0);
     assert!(t.gpus.iter().all(|g| g.health == "healthy"), "{:?}", t.gpus);
 }
+
+#[test]
+fn steps_that_do_not_move_time_announce_the_first_epochs_once() {
+    // The pair harness found `step(0)` announcing every node's first epoch again on each
+    // call (a sink would take it as a restart).
+    struct Epochs(Vec<(u32, u64)>);
+    impl loadgen_sim::sim::Sink for Epochs {
+        fn frame(&mut self, _: u32, _: &[u8]) {}
+        fn snapshot(&mut self, _: u32, _: &loadgen_sim::sim::Snapshot<'_>) {}
+        fn epoch(&mut self, node: u32, info: &loadgen_sim::sim::EpochInfo) {
+            self.0.push((node, info.epoch));
+        }
+    }
+    let s = scenario("seed-case");
+    let mut sim = loadgen_sim::Simulation::new(&s, loadgen_sim::SimOptions::default()).expect("valid");
+    let mut sink = Epochs(Vec::new());
+    for _ in 0..3 {
+        sim.step(0, &mut sink);
+    }
+    sim.step(1_000_000, &mut sink);
+    assert_eq!(sink.0.len(), s.cluster.nodes as usize, "{:?}", sink.0);
+}

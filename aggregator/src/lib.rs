@@ -59,13 +59,7 @@ pub struct AggregatorConfig {
     /// Aggregator time per real time (1 in production; `loadgen --time-scale` compresses
     /// simulated runs, whose node clocks run as fast).
     pub time_scale: f64,
-    /// How long a degraded verdict keeps its GPU degraded without new evidence
-    /// (aggregator time; 300 s).
-    pub degraded_clear_ns: u64,
 }
-
-/// How long a degraded verdict keeps its GPU degraded without new evidence, by default.
-pub const DEGRADED_CLEAR_NS: u64 = 300_000_000_000;
 
 impl AggregatorConfig {
     /// Defaults around a certificate set, listening on ephemeral loopback ports.
@@ -86,7 +80,6 @@ impl AggregatorConfig {
             snapshot_path: None,
             snapshot_interval_ms: 10_000,
             time_scale: 1.0,
-            degraded_clear_ns: DEGRADED_CLEAR_NS,
         }
     }
 }
@@ -150,7 +143,6 @@ impl Aggregator {
         // Timers and caps are configuration, not state: a restored core takes this run's.
         if let Ok(mut core) = shared.core() {
             core.reconfigure(cfg.ingest, cfg.matcher);
-            core.set_degraded_clear_ns(cfg.degraded_clear_ns);
         }
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
         let shared = Arc::new(shared);

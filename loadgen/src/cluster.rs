@@ -167,9 +167,11 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ns")]
     let settle_ns = (SETTLE_LIMIT.as_nanos() as f64 * time_scale.max(1.0)) as u64;
     // A scenario that says when degraded clears (a GPU pause that ends) gets exactly that.
-    cfg.degraded_clear_ns = match s.timers.degraded_clear_ms {
+    cfg.matcher.degraded_clear_ns = match s.timers.degraded_clear_ms {
         Some(c) => c.saturating_mul(1_000_000),
-        None => cfg.degraded_clear_ns.max(s.duration_ms.saturating_mul(1_000_000).saturating_add(2 * settle_ns)),
+        None => {
+            cfg.matcher.degraded_clear_ns.max(s.duration_ms.saturating_mul(1_000_000).saturating_add(2 * settle_ns))
+        }
     };
     cfg
 }

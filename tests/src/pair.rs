@@ -48,7 +48,7 @@ use proto_flat::codes::{AckStatus, NackReason, WireEnum};
 use proto_flat::control::{ControlMessage, encode_ack, encode_hello, encode_nack, encode_resume, parse_control};
 use ringwatch_core::matcher::MatcherStats;
 use ringwatch_core::verdict::{MatcherEvent, OpRef, Verdict};
-use ringwatch_core::{Core, IngestStats, NodeId, Receipt};
+use ringwatch_core::{Core, Health, IngestStats, NodeId, Receipt};
 use ringwatch_transport::CONTROL_PREFACE;
 use zerocopy::FromBytes;
 
@@ -103,7 +103,50 @@ pub struct PairConfig {
     pub poll_ns: u64,
     /// How often [`Core::map_sizes`] is checked against the caps.
     pub map_check_ns: u64,
+    /// Keep the last verdict of every (op, rank) for [`Report::last_verdicts`] (short
+    /// runs that look at verdicts one by one; a long run judges and drops them).
+    pub keep_verdicts: bool,
 }
+
+impl PairConfig {
+    /// A short run of `scenario` for tests that look at its verdicts: the default
+    /// network, no faults, verdicts kept, and a settle time long enough for everything
+    /// owed to become final (a dead node gates finality until it is presumed dead:
+    /// the unreachable timer plus `MatcherConfig::dead_after_ns` after its death).
+    #[must_use]
+    pub fn verdicts_of(scenario: Scenario, bulk_scale: f64) -> Self {
+        let (last_death, horizon) = Simulation::new(&scenario, SimOptions { bulk_scale, seed: None })
+            .map_or((None, 0), |sim| {
+                (sim.model().dead_at.iter().copied().filter(|&d| d != u64::MAX).max(), sim.horizon_ns())
+            });
+        let settle_ns = 60_000 * MS
+            + last_death.map_or(0, |d| {
+                d.saturating_sub(horizon)
+                    + ringwatch_core::IngestConfig::default().unreachable_ns
+                    + ringwatch_core::MatcherConfig::default().dead_after_ns
+            });
+        Self {
+            scenario,
+            options: SimOptions { bulk_scale, seed: None },
+            net: NetConfig::default(),
+            faults: Vec::new(),
+            settle_ns,
+            poll_ns: MS,
+            map_check_ns: 60_000 * MS,
+            keep_verdicts: true,
+        }
+    }
+}
+
+/// The node id the harness gives simulated node `node` (its shipper's node name's id).
+#[must_use]
+pub fn node_id(node: u32) -> NodeId {
+    NodeId(proto_flat::node_id_of(&aggregator::certs::node_name(node)))
+}
+
+/// How long after the simulation's end [`Report::health_at_sim_end`] is read (the
+/// shippers are still heartbeating then; the last ops are still settling).
+pub const HEALTH_AFTER_SIM_NS: u64 = 2_000 * MS;
 
 /// One map's largest size seen, and its cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -207,6 +250,14 @@ pub struct Report {
     pub net: NetStats,
     /// Aggregator timer turns (`Core::handle_timeout` calls).
     pub timer_turns: u64,
+    /// The last verdict of every (op, rank), with [`PairConfig::keep_verdicts`].
+    pub last_verdicts: BTreeMap<(OpRef, u32), Verdict>,
+    /// `Core::node_health` [`HEALTH_AFTER_SIM_NS`] after the simulation's end.
+    pub health_at_sim_end: BTreeMap<NodeId, Health>,
+    /// The aggregator's core as the run left it.
+    pub core: Core,
+    /// The simulator's truth (its collectives only with [`PairConfig::keep_verdicts`]).
+    pub truth: GroundTruth,
 }
 
 // ------------------------------------------------------------------ the simulator sink
@@ -769,6 +820,9 @@ pub struct Pair {
     scratch: SummaryCheck,
     dead_at: Vec<u64>,
     frames_from_sim: Vec<u64>,
+    last_verdicts: BTreeMap<(OpRef, u32), Verdict>,
+    health_at: u64,
+    health_at_sim_end: Option<BTreeMap<NodeId, Health>>,
 }
 
 /// splitmix64's finaliser: deterministic ids from the seed.
@@ -877,6 +931,9 @@ impl Pair {
             scratch: SummaryCheck::default(),
             frames_from_sim: vec![0; nodes as usize],
             dead_at,
+            last_verdicts: BTreeMap::new(),
+            health_at: sim.horizon_ns().saturating_add(HEALTH_AFTER_SIM_NS),
+            health_at_sim_end: None,
             sim,
             cfg,
         }
@@ -906,6 +963,9 @@ impl Pair {
     /// The earliest time something happens.
     fn next_event(&self) -> u64 {
         let mut t = self.next_poll.min(self.next_timer).min(self.next_map_check);
+        if self.health_at_sim_end.is_none() {
+            t = t.min(self.health_at);
+        }
         if let Some(Reverse(f)) = self.queue.peek() {
             t = t.min(f.at);
         }
@@ -959,6 +1019,9 @@ impl Pair {
         if now >= self.next_map_check {
             self.check_maps();
             self.next_map_check = now + self.cfg.map_check_ns;
+        }
+        if self.health_at_sim_end.is_none() && now >= self.health_at {
+            self.health_at_sim_end = Some(self.core.node_health(now));
         }
     }
 
@@ -1271,8 +1334,13 @@ impl Pair {
     // -------------------------------------------------------------- aggregator side
 
     fn drain_events(&mut self) {
-        let Self { core, judge, dead_at, .. } = self;
+        let Self { core, judge, dead_at, cfg, last_verdicts, .. } = self;
         while let Some(e) = core.poll_event() {
+            if cfg.keep_verdicts
+                && let MatcherEvent::Verdict(v) = &e
+            {
+                last_verdicts.insert((v.op, v.rank), v.clone());
+            }
             let fate = |node: u32| -> NodeFate {
                 if dead_at.get(node as usize).is_none_or(|&d| d == u64::MAX) {
                     return NodeFate::Alive;
@@ -1529,13 +1597,9 @@ impl Pair {
                 })
                 .collect(),
         };
-        let conservation_truth = GroundTruth {
-            collectives: Vec::new(),
-            streams: truth.streams.clone(),
-            nodes: truth.nodes.clone(),
-            ..truth
-        };
-        let conservation = loadgen::score::conservation(&conservation_truth, &nodes_dto);
+        let conservation = loadgen::score::conservation(&truth, &nodes_dto);
+        // A long run's collectives are many (and judged already): kept for short runs.
+        let truth = if self.cfg.keep_verdicts { truth } else { GroundTruth { collectives: Vec::new(), ..truth } };
 
         let shippers = self
             .shippers
@@ -1564,6 +1628,10 @@ impl Pair {
             records: self.core.records(),
             net: self.net,
             timer_turns: self.timer_turns,
+            last_verdicts: std::mem::take(&mut self.last_verdicts),
+            health_at_sim_end: self.health_at_sim_end.take().unwrap_or_else(|| self.core.node_health(end)),
+            core: self.core,
+            truth,
         }
     }
 }

@@ -100,6 +100,7 @@ fn config(duration_ms: u64, faults: Vec<NetFault>) -> PairConfig {
         settle_ns: 90 * S + MatcherConfig::default().dead_after_ns,
         poll_ns: 1_000_000,
         map_check_ns: MIN,
+        keep_verdicts: false,
     }
 }
 

@@ -115,12 +115,6 @@ impl Core {
         out
     }
 
-    /// How long a `degraded` GPU stays degraded without new evidence (configuration, not
-    /// state: a core restored from a snapshot takes the running service's).
-    pub fn set_degraded_clear_ns(&mut self, ns: u64) {
-        self.matcher.set_degraded_clear_ns(ns);
-    }
-
     /// What every cap and retention turned away, by name (the counters behind
     /// [`Self::map_sizes`]'s caps).
     #[must_use]

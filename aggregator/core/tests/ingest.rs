@@ -61,7 +61,7 @@ fn assert_exact(r: &Run) {
             continue;
         };
         let c = t.counts();
-        let shipper_lost = r.model.shipper_lost.get(&key).map_or(0, Vec::len) as u64;
+        let shipper_lost = r.feed.shipper_lost.get(&key).map_or(0, Vec::len) as u64;
         let closed_tail = if t.is_closed() { 0 } else { t.pending() };
         assert_eq!(closed_tail, 0, "pending left at the end: {st:?} {c:?}");
         assert_eq!(c.received + c.lost_total(), st.attempted, "received + lost = attempted: {st:?} {c:?}");
@@ -192,7 +192,7 @@ fn shipper_restart_same_epoch_loses_exactly_the_unshipped_tail() {
     assert_exact(&r);
     let restart_lost: u64 =
         r.ingest.trackers(node_id(1)).map(|t| t.counts().lost[LossCause::ShipperRestart.drop_slot().unwrap()]).sum();
-    let unshipped: usize = r.model.shipper_lost.iter().filter(|((n, _, _), _)| *n == 1).map(|(_, v)| v.len()).sum();
+    let unshipped: usize = r.feed.shipper_lost.iter().filter(|((n, _, _), _)| *n == 1).map(|(_, v)| v.len()).sum();
     assert!(unshipped > 0, "the restart must have dropped open batches");
     assert_eq!(restart_lost, unshipped as u64, "exactly the unshipped frames, as shipper_restart");
     let other_nodes_lost: u64 = (0..8)
@@ -248,7 +248,7 @@ fn snapshot_restore_continue_equals_no_snapshot() {
     // order; re-run with the same seed and capture the order by re-running deliver.
     let again = run(&s, None, 2e-5, Net { drop: 0.1, duplicate: 0.1, max_delay_ms: 50, seed: 7 }, &[]);
     assert!(full.records == again.records, "the harness is deterministic");
-    for (i, sent) in again.model.sent.iter().enumerate() {
+    for (i, sent) in again.feed.sent.iter().enumerate() {
         arrivals.push((sent.at_ns + 1_000_000, i));
     }
     arrivals.sort();
@@ -261,7 +261,7 @@ fn snapshot_restore_continue_equals_no_snapshot() {
             let bytes = ringwatch_core::snapshot::write(&b).unwrap();
             b = ringwatch_core::snapshot::read(&bytes, t).unwrap();
         }
-        let sent = &again.model.sent[i];
+        let sent = &again.feed.sent[i];
         let view = BatchView::parse(&sent.bytes).unwrap();
         for (c, out) in [(&mut a, &mut ra), (&mut b, &mut rb)] {
             c.handle_timeout(t);
@@ -353,7 +353,7 @@ fn resent_batches_are_applied_once_across_a_snapshot() {
     use ringwatch_core::{Core, Receipt};
     let s = scenario("mixed");
     let r = run(&s, None, 2e-5, Net { drop: 0.0, duplicate: 0.0, max_delay_ms: 0, seed: 3 }, &[]);
-    let sent = &r.model.sent;
+    let sent = &r.feed.sent;
     assert!(sent.len() > 20);
     let apply = |core: &mut Core, i: usize, t: u64| {
         let view = BatchView::parse(&sent[i].bytes).unwrap();

@@ -352,11 +352,6 @@ impl CollectiveMatcher {
         &self.stats
     }
 
-    /// See [`MatcherConfig::degraded_clear_ns`].
-    pub fn set_degraded_clear_ns(&mut self, ns: u64) {
-        self.config.degraded_clear_ns = ns;
-    }
-
     /// Its configuration.
     #[must_use]
     pub fn config(&self) -> &MatcherConfig {

@@ -1,7 +1,12 @@
-//! A shipper model for tests: turns the simulator's ring records and counter snapshots
-//! into proto-flat batches the way the shipper does (lanes by class, heartbeats from the
-//! snapshots, loss records for dropped batches, session_start after a restart), and a
-//! network model that drops, duplicates and delays them.
+//! A batch feed for the core's pure-logic tests (a fake, beside the real thing): turns
+//! the simulator's ring records and counter snapshots into proto-flat batches (lanes by
+//! class, heartbeats from the snapshots, loss records for batches it drops, a
+//! `session_start` after a restart it is told to make) and delivers them with drops,
+//! duplicates and delays at rates the test picks — patterns the real shipper over QUIC
+//! never produces but which ingest's accounting must survive exactly. It is not a model
+//! of the shipper: how the real `ShipperCore` and `Core` behave together is tested by the
+//! pair harness (`tests/src/pair.rs`; `tests/tests/matcher_scenarios.rs`,
+//! `tests/tests/sim_pair.rs`).
 
 #![allow(dead_code, unreachable_pub, reason = "shared by several test binaries")]
 
@@ -43,7 +48,7 @@ struct NodeShip {
     last_hb: Option<(Vec<StreamEntry>, Vec<proto_flat::sections::ProgressEntry>, u64)>,
 }
 
-/// What the model sent, with the sim time it was cut.
+/// What the feed sent, with the sim time it was cut.
 pub struct Sent {
     pub node: u32,
     pub at_ns: u64,
@@ -51,12 +56,12 @@ pub struct Sent {
     pub data: bool,
 }
 
-pub struct ShipperModel {
+pub struct BatchFeed {
     nodes: Vec<NodeShip>,
     pub now_ns: u64,
     pub batch_frames: usize,
     pub sent: Vec<Sent>,
-    /// Frames the model dropped (in dropped batches or at a restart), per (node, epoch,
+    /// Frames the feed dropped (in dropped batches or at a restart), per (node, epoch,
     /// stream) → seqs.
     pub shipper_lost: BTreeMap<(u32, u64, u32), Vec<u64>>,
     pub net: Net,
@@ -69,7 +74,7 @@ pub fn node_id(node: u32) -> NodeId {
     NodeId(0x5eed_0000 + u64::from(node))
 }
 
-impl ShipperModel {
+impl BatchFeed {
     pub fn new(nodes: u32, net: Net) -> Self {
         Self {
             nodes: (0..nodes).map(|_| NodeShip { session: 1, ..Default::default() }).collect(),
@@ -186,7 +191,7 @@ pub fn batch(node: u32, epoch: u64, session: u64, batch_seq: u64, lane: u8, fram
     w.finish(&RunningTotals::default()).to_vec()
 }
 
-impl Sink for ShipperModel {
+impl Sink for BatchFeed {
     fn frame(&mut self, node: u32, frame: &[u8]) {
         let h = proto_flat::decode::split_frame(frame, 0).unwrap().0;
         let lane = h.stream().class_code();
@@ -239,13 +244,13 @@ impl Sink for ShipperModel {
     }
 }
 
-/// Runs a scenario through the shipper model and the network into an ingest. Returns
-/// the records, the ingest, the simulation and the model.
+/// Runs a scenario through the feed into an ingest. Returns
+/// the records, the ingest, the simulation and the feed.
 pub struct Run {
     pub ingest: Ingest,
     pub records: Vec<Record>,
     pub sim: Simulation,
-    pub model: ShipperModel,
+    pub feed: BatchFeed,
     /// Seqs each stream delivered to ingest at least once.
     pub delivered: BTreeMap<(u32, u64, u32), Vec<u64>>,
     /// Every record with the aggregator time it was produced.
@@ -256,32 +261,32 @@ pub struct Run {
 
 pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restarts: &[(u32, u64)]) -> Run {
     let mut sim = Simulation::new(scenario, SimOptions { bulk_scale: scale, seed }).unwrap();
-    let mut model = ShipperModel::new(scenario.cluster.nodes, net);
-    model.restarts = restarts.to_vec();
+    let mut feed = BatchFeed::new(scenario.cluster.nodes, net);
+    feed.restarts = restarts.to_vec();
     let step = 10_000_000;
     let dead_at: Vec<u64> = sim.model().dead_at.clone();
     let mut flushed = vec![false; dead_at.len()];
     while !sim.is_done() {
-        model.now_ns += step;
-        sim.step(model.now_ns, &mut model);
+        feed.now_ns += step;
+        sim.step(feed.now_ns, &mut feed);
         // A dead node's shipper dies with it: what it had read goes out at the death.
         for (node, &d) in dead_at.iter().enumerate() {
-            if !flushed[node] && model.now_ns >= d {
+            if !flushed[node] && feed.now_ns >= d {
                 flushed[node] = true;
-                model.cut_all(u32::try_from(node).unwrap());
+                feed.cut_all(u32::try_from(node).unwrap());
             }
         }
     }
     for node in 0..scenario.cluster.nodes {
         if !flushed[node as usize] {
-            model.cut_all(node);
+            feed.cut_all(node);
         }
     }
     // Live shippers keep heartbeating after the run: one, after every delayed batch has
     // arrived, lets the last gaps settle; then one a second until a dead node is
     // unreachable (a silent node still gates its peers' verdicts), so live nodes stay
     // fresh meanwhile, as real shippers do.
-    model.now_ns += 2 * (net.max_delay_ms + 10) * 1_000_000 + 1_000_000_000;
+    feed.now_ns += 2 * (net.max_delay_ms + 10) * 1_000_000 + 1_000_000_000;
     let dead: Vec<bool> = sim.model().dead_at.iter().map(|&d| d != u64::MAX).collect();
     let last_death = sim.model().dead_at.iter().copied().filter(|&d| d != u64::MAX).max();
     // Unreachable, a dead node still gates finality until it is presumed dead.
@@ -291,21 +296,21 @@ pub fn run(scenario: &Scenario, seed: Option<u64>, scale: f64, net: Net, restart
     loop {
         for node in 0..scenario.cluster.nodes {
             if !dead[node as usize] {
-                model.heartbeat(node);
+                feed.heartbeat(node);
             }
         }
-        if model.now_ns >= until {
+        if feed.now_ns >= until {
             break;
         }
-        model.now_ns += 1_000_000_000;
+        feed.now_ns += 1_000_000_000;
     }
-    deliver(sim, model, net)
+    deliver(sim, feed, net)
 }
 
-fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
+fn deliver(sim: Simulation, feed: BatchFeed, net: Net) -> Run {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(net.seed ^ 0xdead);
     let mut arrivals: Vec<(u64, usize)> = Vec::new();
-    for (i, s) in model.sent.iter().enumerate() {
+    for (i, s) in feed.sent.iter().enumerate() {
         let delay = if net.max_delay_ms > 0 { rng.random_range(0..net.max_delay_ms) * 1_000_000 } else { 0 };
         arrivals.push((s.at_ns + 1_000_000 + delay, i));
         if s.data && rng.random::<f64>() < net.duplicate {
@@ -327,7 +332,7 @@ fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
                 records.push(r);
             }
         }
-        let s = &model.sent[i];
+        let s = &feed.sent[i];
         let view = BatchView::parse(&s.bytes).unwrap();
         view.validate(&mut scratch).unwrap();
         for h in view.headers() {
@@ -341,7 +346,7 @@ fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
         }
     }
     // Let every settlement fall due (but not past the liveness timers' interest).
-    let end = model.now_ns + 120_000_000_000;
+    let end = feed.now_ns + 120_000_000_000;
     while let Some(due) = ingest.poll_timeout().filter(|&d| d <= end) {
         ingest.handle_timeout(due);
         while let Some(r) = ingest.poll_record() {
@@ -349,5 +354,5 @@ fn deliver(sim: Simulation, model: ShipperModel, net: Net) -> Run {
             records.push(r);
         }
     }
-    Run { ingest, records, sim, model, delivered, timed, end_ns: end }
+    Run { ingest, records, sim, feed, delivered, timed, end_ns: end }
 }

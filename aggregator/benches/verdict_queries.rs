@@ -2,7 +2,9 @@
 //! on loopback, its store filled with synthetic ops (9 in 10 completed and compacted, 1
 //! in 10 `stuck` and kept whole, 8 ranks each), and 300 requests per query shape; prints
 //! p50/p99/max per size, the store's estimated bytes per rank verdict and the RSS it
-//! added. A table, not a criterion run: the figure is a latency distribution.
+//! added. A table, not a criterion run: the figure is a latency distribution. Then, per
+//! size, a snapshot taken 5 times (`snapshot_now`, as the snapshot task does): the file's
+//! size and how long the core's lock was held (the store is serialized under it).
 //!
 //! `cargo bench -p aggregator --bench verdict_queries` (SIZES=10000,100000 for others)
 
@@ -82,6 +84,8 @@ fn main() {
         );
         let base_rss = rss_kb();
         let mut ops_in = 0u64;
+        let snap_path = dir.join("bench.snap");
+        let mut snaps = Vec::new();
         for size in sizes {
             let ops = size / u64::from(RANKS);
             while ops_in < ops {
@@ -119,6 +123,28 @@ fn main() {
                     ms[ms.len() - 1]
                 );
             }
+            let mut hold_ms: Vec<f64> = Vec::new();
+            let mut total_ms: Vec<f64> = Vec::new();
+            for _ in 0..5 {
+                let t = Instant::now();
+                assert!(aggregator::snapshot_now(&agg.shared, &snap_path), "snapshot written");
+                total_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                hold_ms.push(
+                    agg.shared.counters.last_snapshot_hold_us.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e3,
+                );
+            }
+            hold_ms.sort_by(f64::total_cmp);
+            total_ms.sort_by(f64::total_cmp);
+            let file = std::fs::metadata(&snap_path).map_or(0, |m| m.len());
+            snaps.push((held, file, hold_ms[2], hold_ms[4], total_ms[2]));
+        }
+        println!();
+        println!(
+            "{:>10} {:>9} {:>12} {:>12} {:>12}",
+            "verdicts", "file_MB", "hold_p50_ms", "hold_max_ms", "total_p50_ms"
+        );
+        for (held, file, p50, max, total) in snaps {
+            println!("{held:>10} {:>9.1} {p50:>12.2} {max:>12.2} {total:>12.2}", file as f64 / 1048576.0);
         }
         agg.shutdown();
         let _ = std::fs::remove_dir_all(&dir);

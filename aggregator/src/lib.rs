@@ -253,21 +253,26 @@ async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
 }
 
 /// Takes one consistent snapshot and writes it: under the core's lock, pending verdict
-/// events are drained into the store, then the core and the store are cloned (one cut:
-/// no verdict can be in neither copy); the file is serialized and written after every
-/// lock is released. The lock hold time and the size go to the shell's counters.
+/// events are drained into the store, then the core and the store are serialized into
+/// the snapshot buffers (one cut: no verdict can be in neither); the file is written
+/// after every lock is released. The lock hold time and the size go to the shell's
+/// counters.
 pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
+    // One snapshot at a time (the periodic task and the final one share the buffers).
+    let mut buffers = shared.snapshot_buffers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let started = std::time::Instant::now();
-    let (core, store, now) = {
+    let now;
+    let captured = {
         // A failed core is never written: the last good snapshot is what a restart uses.
         let Ok(mut core) = shared.core() else { return false };
         shared.drain_events(&mut core);
-        let store = shared.store().clone();
-        (core.clone(), store, shared.now())
+        let store = shared.store();
+        now = shared.now();
+        buffers.capture(path, &core, &store, now, shared.epoch)
     };
     let hold_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-    match snapshots::save(path, &core, &store, now, shared.epoch) {
+    match captured.and_then(|()| snapshots::write_captured(path, &buffers)) {
         Ok(bytes) => {
             state::Counters::inc(&shared.counters.snapshots_written);
             shared.counters.last_snapshot_bytes.store(bytes as u64, Relaxed);

@@ -172,6 +172,8 @@ pub struct Shared {
     /// panics, holding the core's lock, at its next turn.
     pub test_panic_timer: AtomicBool,
     pub tasks: Tasks,
+    /// The snapshot task's buffers, kept from one snapshot to the next.
+    pub snapshot_buffers: std::sync::Mutex<crate::snapshots::Buffers>,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
     failure: tokio::sync::watch::Sender<Option<String>>,
 }
@@ -194,6 +196,7 @@ impl Shared {
             hold_acks_from_ns,
             test_panic_timer: AtomicBool::new(false),
             tasks: Tasks::default(),
+            snapshot_buffers: std::sync::Mutex::new(crate::snapshots::Buffers::default()),
             failure: tokio::sync::watch::Sender::new(None),
         }
     }

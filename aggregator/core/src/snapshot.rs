@@ -29,13 +29,33 @@ pub enum SnapshotError {
 
 /// Serializes the state.
 pub fn write(state: &Core) -> Result<Vec<u8>, SnapshotError> {
-    let archive = rkyv::to_bytes::<rkyv::rancor::Error>(state).map_err(|e| SnapshotError::Archive(e.to_string()))?;
+    let archive = archive_into(state, rkyv::util::AlignedVec::new())?;
     let mut out = Vec::with_capacity(archive.len().saturating_add(16));
-    out.extend_from_slice(&SNAPSHOT_MAGIC);
-    out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
-    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&header());
     out.extend_from_slice(&archive);
     Ok(out)
+}
+
+/// A snapshot's first 16 bytes (magic, version, reserved); [`archive_into`]'s bytes
+/// follow them.
+#[must_use]
+pub fn header() -> [u8; 16] {
+    let mut h = [0; 16];
+    h[..8].copy_from_slice(&SNAPSHOT_MAGIC);
+    h[8..12].copy_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
+    h
+}
+
+/// Serializes the state's archive into `buf` (cleared first, its capacity reused: a
+/// caller that keeps the buffer allocates nothing once it has grown to the state's
+/// size); `header()` then the returned bytes are what [`write`] returns.
+pub fn archive_into(
+    state: &Core,
+    mut buf: rkyv::util::AlignedVec<16>,
+) -> Result<rkyv::util::AlignedVec<16>, SnapshotError> {
+    buf.clear();
+    rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(state, buf)
+        .map_err(|e| SnapshotError::Archive(e.to_string()))
 }
 
 /// Restores a state written by [`write`], at aggregator time `now`: the aggregator's

@@ -93,6 +93,9 @@ pub struct IngestDto {
     /// What each cap and retention turned away, by `component.counter` (the core's, and
     /// the verdict store's as `store.*`).
     pub evictions: BTreeMap<String, u64>,
+    /// Every bounded map of the core and the verdict store, by `component.map`: its
+    /// entries now and its cap.
+    pub maps: BTreeMap<String, MapSizeDto>,
     pub verdict_store: VerdictStoreDto,
     /// The core's own counters (frames, duplicates, malformed frames, loss intervals).
     pub frames: u64,
@@ -121,6 +124,13 @@ pub struct IngestDto {
     /// (aggregator ms).
     pub last_snapshot_hold_us: u64,
     pub last_snapshot_at_ms: u64,
+}
+
+/// One bounded map's size against its cap (`/v1/ingest` `maps`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapSizeDto {
+    pub len: u64,
+    pub cap: u64,
 }
 
 /// `GET /v1/nodes`.

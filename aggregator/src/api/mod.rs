@@ -33,7 +33,7 @@ use futures_util::FutureExt;
 use ringwatch_core::NodeId;
 
 use self::dto::{
-    API_VERSION, ErrorDto, GapDto, GpuDto, HealthzDto, IngestDto, NodeDto, NodesDto, ReadyzDto, StreamDto,
+    API_VERSION, ErrorDto, GapDto, GpuDto, HealthzDto, IngestDto, MapSizeDto, NodeDto, NodesDto, ReadyzDto, StreamDto,
     TIMER_STALL_MS, TaskDto, VerdictDto, VerdictStoreDto, VerdictsDto, health_name, liveness_name,
 };
 use crate::state::{CoreFailed, Shared};
@@ -167,14 +167,14 @@ async fn readyz(State(s): State<Arc<Shared>>) -> Response {
 
 async fn ingest(State(s): State<Arc<Shared>>) -> Response {
     let c = &s.counters;
-    let (stats, matcher, dedup, evictions) = {
+    let (stats, matcher, dedup, evictions, mut maps) = {
         let core = match s.core() {
             Ok(c) => c,
             Err(e) => return unavailable(e),
         };
         {
             let (ingest, matcher, dedup) = core.stats();
-            (ingest, matcher, dedup, core.evictions())
+            (ingest, matcher, dedup, core.evictions(), core.map_sizes())
         }
     };
     let (store, store_stats) = {
@@ -189,8 +189,16 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Response {
             ops_compacted: st.stats().ops_compacted,
             recoveries: st.stats().recoveries,
         };
+        maps.extend(st.map_sizes());
         (dto, *st.stats())
     };
+    let maps: BTreeMap<String, MapSizeDto> = maps
+        .into_iter()
+        .map(|m| {
+            let n = |x: usize| u64::try_from(x).unwrap_or(u64::MAX);
+            (m.name.to_owned(), MapSizeDto { len: n(m.len), cap: n(m.cap) })
+        })
+        .collect();
     let mut evictions: BTreeMap<String, u64> = evictions.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
     for (k, v) in [
         ("store.ops_aged_out", store_stats.ops_aged_out),
@@ -222,6 +230,7 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Response {
         snapshot_failures: c.snapshot_failures.load(Relaxed),
         last_snapshot_bytes: c.last_snapshot_bytes.load(Relaxed),
         evictions,
+        maps,
         verdict_store: store,
         frames: stats.frames,
         duplicate_frames: stats.duplicate_frames,

@@ -171,6 +171,22 @@ impl BatchDedup {
         &self.stats
     }
 
+    /// Its maps with their sizes and caps (see [`crate::bounds`]), for `max_nodes` nodes:
+    /// sessions (per node), and the holes, loss marks and resumed ranges of all of them
+    /// (each at most `window` per session).
+    #[must_use]
+    pub fn map_sizes(&self, max_nodes: usize) -> Vec<crate::MapSize> {
+        let sessions_cap = max_nodes.saturating_mul(self.config.sessions_per_node as usize);
+        let per_session = sessions_cap.saturating_mul(self.config.window as usize);
+        let sum = |f: fn(&Session) -> usize| self.sessions.values().map(f).sum::<usize>();
+        vec![
+            crate::MapSize::new("dedup.sessions", self.sessions.len(), sessions_cap),
+            crate::MapSize::new("dedup.holes", sum(|s| s.holes.len()), per_session),
+            crate::MapSize::new("dedup.lost", sum(|s| s.lost.len()), per_session),
+            crate::MapSize::new("dedup.resumed", sum(|s| s.resumed.len()), per_session),
+        ]
+    }
+
     /// Whether the batch is settled (applied or reported lost).
     #[must_use]
     pub fn is_settled(&self, node: NodeId, session: u64, batch_seq: u64) -> bool {

@@ -325,7 +325,7 @@ impl Ingest {
         let per_node =
             self.config.max_streams_per_node.saturating_mul(self.config.closed_epochs_kept.saturating_add(1));
         let trackers_cap = self.config.max_nodes.saturating_mul(per_node);
-        vec![
+        let mut out = vec![
             crate::MapSize::new("ingest.nodes", self.nodes.len(), self.config.max_nodes),
             crate::MapSize::new("ingest.trackers", trackers, trackers_cap),
             crate::MapSize::new(
@@ -333,7 +333,9 @@ impl Ingest {
                 self.settles.len(),
                 MAX_PENDING_SETTLES.saturating_add(self.config.max_nodes),
             ),
-        ]
+        ];
+        out.extend(self.dedup.map_sizes(self.config.max_nodes));
+        out
     }
 
     /// The configuration.

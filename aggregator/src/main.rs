@@ -207,11 +207,10 @@ fn main() -> ExitCode {
             if let Some(&n) = r.get_one::<u32>("expect-nodes") {
                 cfg.matcher.expected_nodes = n;
             }
-            // The snapshot task serializes on a blocking thread every 10 s; with tokio's
-            // default 10 s keep-alive that thread often exited just before the next
-            // snapshot, and each new one built its serializer's scratch arena (and a malloc
-            // arena) again: the RSS stepped up by ~0.4 MB now and then while the live heap
-            // stayed flat. One long-lived blocking thread reuses both.
+            // The snapshot task serializes on a blocking thread every 10 s, with rkyv's
+            // thread-local scratch arena; tokio's default 10 s keep-alive can let that
+            // thread exit just before the next snapshot, and a new one builds the arena
+            // again. A long keep-alive keeps one thread (and its arena) between snapshots.
             let rt = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .thread_keep_alive(std::time::Duration::from_secs(3600))

@@ -54,7 +54,12 @@ pub struct AggregatorConfig {
     /// … or only from this long after start.
     pub hold_acks_after_ms: Option<u64>,
     /// Where the core is snapshotted, and restored from at start (none: no snapshots).
+    /// With a path, `hello` declares durability `snapshot` and P0/P1 batches are acked
+    /// `durable` once a snapshot on disk holds them; without, `none`.
     pub snapshot_path: Option<PathBuf>,
+    /// The newest control protocol to speak (the default: this build's; 2 stands in for
+    /// the previous release in tests).
+    pub max_control_version: u16,
     pub snapshot_interval_ms: u64,
     /// Aggregator time per real time (1 in production; `loadgen --time-scale` compresses
     /// simulated runs, whose node clocks run as fast).
@@ -78,6 +83,7 @@ impl AggregatorConfig {
             hold_acks: false,
             hold_acks_after_ms: None,
             snapshot_path: None,
+            max_control_version: proto_flat::control::CONTROL_VERSION,
             snapshot_interval_ms: 10_000,
             time_scale: 1.0,
         }
@@ -121,14 +127,35 @@ impl Aggregator {
             StartError::Transport(ringwatch_transport::TransportError::Socket { addr: cfg.listen, source })
         })?;
         let instance = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let mut skipped = None;
         let restored = match &cfg.snapshot_path {
-            Some(p) => snapshots::load(p)?,
+            Some(p) => match snapshots::load(p) {
+                Ok(r) => r,
+                // Another build's format (an upgrade, or a downgrade): never a crash loop.
+                // Start fresh in its place — epoch and aggregator time continued, every
+                // node's knowledge gap from the snapshot's time — and keep the file.
+                Err(snapshots::SnapshotFileError::Version { found, snapshot_ns, now_ns, epoch, .. }) => {
+                    let aside = snapshots::set_aside(p, found).map_err(StartError::Snapshot)?;
+                    tracing::warn!(
+                        found,
+                        expected = ringwatch_core::snapshot::SNAPSHOT_VERSION,
+                        kept_at = %aside.display(),
+                        "snapshot of another format version: starting fresh with a knowledge gap"
+                    );
+                    skipped = Some((found, aside.display().to_string(), snapshot_ns, now_ns, epoch));
+                    None
+                }
+                Err(e) => return Err(e.into()),
+            },
             None => None,
         };
         let hold = if cfg.hold_acks { Some(0) } else { cfg.hold_acks_after_ms.map(|ms| ms * 1_000_000) };
         let mut shared = match restored {
-            Some(r) => {
+            Some(mut r) => {
                 tracing::info!(epoch = r.epoch, snapshot_ns = r.snapshot_ns, "restored from snapshot");
+                // The downtime in aggregator time (runs `time_scale` times faster in a
+                // compressed loadgen run).
+                r.now_ns = scaled_downtime(r.snapshot_ns, r.now_ns, cfg.time_scale);
                 let hold = hold.map(|h| h.saturating_add(r.now_ns));
                 let mut store = r.store;
                 // Limits are configuration, not state: this run's apply.
@@ -138,8 +165,30 @@ impl Aggregator {
                 s.restored = true;
                 s
             }
-            None => Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), VerdictStore::new(cfg.store), instance, 1, hold),
+            None => match skipped {
+                Some((found, aside, snapshot_ns, now_ns, epoch)) => {
+                    let now_ns = scaled_downtime(snapshot_ns, now_ns, cfg.time_scale);
+                    let mut core = Core::new(cfg.ingest, cfg.matcher, now_ns);
+                    core.forget_since(snapshot_ns);
+                    let hold = hold.map(|h| h.saturating_add(now_ns));
+                    let mut s = Shared::new(core, VerdictStore::new(cfg.store), instance, epoch, hold);
+                    s.base_ns = now_ns;
+                    s.snapshot_skipped = Some((found, aside));
+                    s
+                }
+                None => {
+                    Shared::new(Core::new(cfg.ingest, cfg.matcher, 0), VerdictStore::new(cfg.store), instance, 1, hold)
+                }
+            },
         };
+        shared.durability = if cfg.snapshot_path.is_some() {
+            proto_flat::codes::Durability::Snapshot
+        } else {
+            proto_flat::codes::Durability::None
+        };
+        shared.max_control_version = cfg
+            .max_control_version
+            .clamp(proto_flat::control::MIN_CONTROL_VERSION, proto_flat::control::CONTROL_VERSION);
         // Timers and caps are configuration, not state: a restored core takes this run's.
         if let Ok(mut core) = shared.core() {
             core.reconfigure(cfg.ingest, cfg.matcher);
@@ -216,6 +265,12 @@ impl Aggregator {
     }
 }
 
+/// Aggregator time after a restart: the snapshot's, plus the downtime (`now_ns −
+/// snapshot_ns`, wall clock) at `time_scale`.
+fn scaled_downtime(snapshot_ns: u64, now_ns: u64, time_scale: f64) -> u64 {
+    snapshot_ns.saturating_add(state::scale_ns(now_ns.saturating_sub(snapshot_ns), time_scale))
+}
+
 /// Serves the API on (a clone of) the listener until it fails.
 async fn serve_http(listener: std::io::Result<std::net::TcpListener>, router: axum::Router) {
     let listener = match listener.and_then(tokio::net::TcpListener::from_std) {
@@ -256,7 +311,9 @@ async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
 /// events are drained into the store, then the core and the store are serialized into
 /// the snapshot buffers (one cut: no verdict can be in neither); the file is written
 /// after every lock is released. The lock hold time and the size go to the shell's
-/// counters.
+/// counters. Once the file is on disk, every batch applied before the cut is durable:
+/// connections send `ack durable` for their P0/P1 batches (`capture_gen`,
+/// `durable_gen`).
 pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
     // One snapshot at a time (the periodic task and the final one share the buffers).
@@ -269,11 +326,18 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
         shared.drain_events(&mut core);
         let store = shared.store();
         now = shared.now();
-        buffers.capture(path, &core, &store, now, shared.epoch)
+        // Under the core's lock: every batch applied before this line saw a lower number.
+        let generation = shared.capture_gen.fetch_add(1, Relaxed).saturating_add(1);
+        buffers.capture(path, &core, &store, now, shared.epoch).map(|()| generation)
     };
     let hold_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-    match captured.and_then(|()| snapshots::write_captured(path, &buffers)) {
-        Ok(bytes) => {
+    match captured.and_then(|g| snapshots::write_captured(path, &buffers).map(|b| (g, b))) {
+        Ok((generation, bytes)) => {
+            shared.durable_gen.send_if_modified(|d| {
+                let newer = generation > *d;
+                *d = (*d).max(generation);
+                newer
+            });
             state::Counters::inc(&shared.counters.snapshots_written);
             shared.counters.last_snapshot_bytes.store(bytes as u64, Relaxed);
             shared.counters.last_snapshot_hold_us.store(hold_us, Relaxed);

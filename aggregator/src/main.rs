@@ -61,7 +61,7 @@ fn command() -> Command {
                         .long("snapshot")
                         .value_name("FILE")
                         .value_parser(value_parser!(PathBuf))
-                        .help("snapshot the core here periodically, and restore from it at start"),
+                        .help("snapshot the core here periodically, and restore from it at start; P0/P1 batches are then acked durable once a snapshot holds them (hello: durability snapshot), and shippers keep them until then"),
                 )
                 .arg(
                     Arg::new("snapshot-interval-ms")
@@ -117,6 +117,13 @@ fn command() -> Command {
                 )
                 .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
                 .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
+                .arg(
+                    // Tests: 2 stands in for the previous release (refuses protocol 3).
+                    Arg::new("test-max-control-version")
+                        .long("test-max-control-version")
+                        .value_parser(value_parser!(u16).range(2..=3))
+                        .hide(true),
+                )
                 .arg(
                     Arg::new("test-hold-acks-after-ms")
                         .long("test-hold-acks-after-ms")
@@ -188,6 +195,9 @@ fn main() -> ExitCode {
             cfg.hold_acks = r.get_flag("test-hold-acks");
             cfg.hold_acks_after_ms = r.get_one::<u64>("test-hold-acks-after-ms").copied();
             cfg.snapshot_path = r.get_one::<PathBuf>("snapshot").cloned();
+            if let Some(&v) = r.get_one::<u16>("test-max-control-version") {
+                cfg.max_control_version = v;
+            }
             cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
             if let Some(&w) = r.get_one::<u32>("dedup-window") {
                 cfg.ingest.dedup.window = w;

@@ -36,6 +36,10 @@ pub enum SnapshotFileError {
     Core { path: String, source: ringwatch_core::snapshot::SnapshotError },
     #[error("{path}: verdicts: {msg}")]
     Verdicts { path: String, msg: String },
+    /// A readable snapshot of another format version (the header says so; the rest is
+    /// not read). The caller starts fresh in its place: these are the header's facts.
+    #[error("{path}: snapshot format version {found}, this build reads {}", ringwatch_core::snapshot::SNAPSHOT_VERSION)]
+    Version { path: String, found: u32, snapshot_ns: u64, now_ns: u64, epoch: u64 },
 }
 
 /// What a snapshot file gave back.
@@ -158,14 +162,41 @@ pub fn load(path: &Path) -> Result<Option<Restored>, SnapshotFileError> {
     };
     let core_end = HEAD.checked_add(usize::try_from(core_len).map_err(|_| bad())?).ok_or_else(bad)?;
     let core_bytes = bytes.get(HEAD..core_end).ok_or_else(bad)?;
-    let core = ringwatch_core::snapshot::read(core_bytes, snapshot_ns)
-        .map_err(|source| SnapshotFileError::Core { path: p.clone(), source })?;
+    let now_ns = snapshot_ns.saturating_add(realtime_ns().saturating_sub(then_real));
+    let core = ringwatch_core::snapshot::read(core_bytes, snapshot_ns).map_err(|source| match source {
+        ringwatch_core::snapshot::SnapshotError::UnsupportedVersion { got } => SnapshotFileError::Version {
+            path: p.clone(),
+            found: got,
+            snapshot_ns,
+            now_ns,
+            epoch: epoch.saturating_add(1),
+        },
+        source => SnapshotFileError::Core { path: p.clone(), source },
+    })?;
     let mut aligned = rkyv::util::AlignedVec::<16>::new();
     aligned.extend_from_slice(bytes.get(core_end..).unwrap_or(&[]));
     let store = rkyv::from_bytes::<VerdictStore, rkyv::rancor::Error>(&aligned)
         .map_err(|e| SnapshotFileError::Verdicts { path: p.clone(), msg: e.to_string() })?;
-    let now_ns = snapshot_ns.saturating_add(realtime_ns().saturating_sub(then_real));
     Ok(Some(Restored { core, store, snapshot_ns, now_ns, epoch: epoch.saturating_add(1) }))
+}
+
+/// Moves a snapshot this build cannot read to `PATH.v<found>` (numbered further if that
+/// exists), so the next snapshot does not overwrite it and an operator can still take it
+/// to a build that reads it. Returns where it went.
+///
+/// # Errors
+/// The rename failed.
+pub fn set_aside(path: &Path, found: u32) -> Result<std::path::PathBuf, SnapshotFileError> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut aside = path.with_file_name(format!("{name}.v{found}"));
+    let mut n = 1u32;
+    while aside.exists() {
+        aside = path.with_file_name(format!("{name}.v{found}.{n}"));
+        n = n.saturating_add(1);
+    }
+    std::fs::rename(path, &aside)
+        .map_err(|source| SnapshotFileError::Io { path: path.display().to_string(), source })?;
+    Ok(aside)
 }
 
 #[cfg(test)]

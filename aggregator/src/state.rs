@@ -44,6 +44,17 @@ pub struct Counters {
     /// How long the last snapshot held the core's lock (µs), and when it was taken.
     pub last_snapshot_hold_us: AtomicU64,
     pub last_snapshot_at_ms: AtomicU64,
+    /// P0/P1 batches acked `durable` (a snapshot on disk holds them).
+    pub batches_durable: AtomicU64,
+    /// P0/P1 batches a connection could not remember for a durable ack (its list of
+    /// 65,536 was full): their shipper keeps them until the next connection, or until
+    /// its spool needs the room.
+    pub durable_untracked: AtomicU64,
+    /// Connections that spoke control protocol 2 (a shipper one version behind: its acks
+    /// all mean applied).
+    pub connections_protocol_2: AtomicU64,
+    /// Connections refused for a control protocol this aggregator does not speak.
+    pub protocol_refused: AtomicU64,
 }
 
 impl Counters {
@@ -139,6 +150,22 @@ impl Tasks {
 #[error("the core failed; the aggregator is exiting to restart from its snapshot")]
 pub struct CoreFailed;
 
+/// Real ns in aggregator time at `time_scale` (1, or ≤ 0: unchanged).
+#[must_use]
+pub fn scale_ns(ns: u64, time_scale: f64) -> u64 {
+    if time_scale <= 0.0 || (time_scale - 1.0).abs() < f64::EPSILON {
+        return ns;
+    }
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "ns of a run"
+    )]
+    let scaled = (ns as f64 * time_scale) as u64;
+    scaled
+}
+
 /// One node as the registry knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeEntry {
@@ -159,6 +186,21 @@ pub struct Shared {
     pub time_scale: f64,
     /// Whether the state was restored from a snapshot.
     pub restored: bool,
+    /// A snapshot found at start that this build cannot read (another format version):
+    /// the aggregator started fresh in its place, with every node's knowledge gap from
+    /// its time; the file was moved aside to this path.
+    pub snapshot_skipped: Option<(u32, String)>,
+    /// What an ack promises (`hello`): `snapshot` when snapshots are configured.
+    pub durability: proto_flat::codes::Durability,
+    /// The newest control protocol this aggregator speaks (tests set 2 to stand in for
+    /// the previous release).
+    pub max_control_version: u16,
+    /// Snapshots captured so far: a batch applied while it was `g` is in every snapshot
+    /// captured after, so durable once one numbered above `g` is on disk. Written under
+    /// the core's lock.
+    pub capture_gen: AtomicU64,
+    /// The capture number of the newest snapshot written to disk.
+    pub durable_gen: tokio::sync::watch::Sender<u64>,
     core: Mutex<Core>,
     store: Mutex<VerdictStore>,
     pub nodes: DashMap<NodeId, NodeEntry>,
@@ -187,6 +229,11 @@ impl Shared {
             base_ns: 0,
             time_scale: 1.0,
             restored: false,
+            snapshot_skipped: None,
+            durability: proto_flat::codes::Durability::None,
+            max_control_version: proto_flat::control::CONTROL_VERSION,
+            capture_gen: AtomicU64::new(0),
+            durable_gen: tokio::sync::watch::Sender::new(0),
             core: Mutex::new(core),
             store: Mutex::new(store),
             nodes: DashMap::new(),
@@ -262,18 +309,7 @@ impl Shared {
     /// runs `time_scale` times faster in compressed test runs.
     #[must_use]
     pub fn aggregator_ns(&self, real: std::time::Duration) -> u64 {
-        let ns = u64::try_from(real.as_nanos()).unwrap_or(u64::MAX);
-        if (self.time_scale - 1.0).abs() < f64::EPSILON {
-            return ns;
-        }
-        #[allow(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            clippy::cast_precision_loss,
-            reason = "ns of a run"
-        )]
-        let scaled = (ns as f64 * self.time_scale) as u64;
-        scaled
+        scale_ns(u64::try_from(real.as_nanos()).unwrap_or(u64::MAX), self.time_scale)
     }
 
     /// The core, locked.

@@ -31,7 +31,7 @@ use node_shipper::core::{CoreConfig, EpochStart, ShipperCore, SourceCounters};
 use node_shipper::driver::{self, RunOptions};
 use node_shipper::source::{Source, SourceEvent, SourceState};
 use proto_flat::batch::{BatchMeta, BatchView, BatchWriter, RunningTotals, SummaryCheck};
-use proto_flat::codes::{Class, WireEnum};
+use proto_flat::codes::{AckStatus, Class, WireEnum};
 use proto_flat::header::StreamId;
 use proto_flat::sample;
 use ringwatch_core::{Core, IngestConfig, MatcherConfig, NodeId};
@@ -99,7 +99,7 @@ fn shipper_core_ns() -> f64 {
         while let Some((_, seq, _)) = core.poll_transmit() {
             last = seq;
         }
-        core.handle_ack(&[(1, last)], r);
+        core.handle_ack(&[(1, last)], AckStatus::Applied, r);
     }
     #[allow(clippy::cast_precision_loss, reason = "ns")]
     let ns = t.elapsed().as_nanos() as f64 / n as f64;
@@ -783,7 +783,7 @@ mod kernel {
                 while let Some((_, s, _)) = core.poll_transmit() {
                     seqs.push((s, s));
                 }
-                core.handle_ack(&seqs, tick);
+                core.handle_ack(&seqs, proto_flat::codes::AckStatus::Applied, tick);
             }
         });
         drop(p);

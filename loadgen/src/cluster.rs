@@ -2,6 +2,14 @@
 //! per node (the simulator as its source), real QUIC with mutual TLS on loopback (a dev
 //! certificate set in a temporary directory), verdicts read back through the HTTP DTOs.
 //!
+//! Restarts: the scenario's `shipper_restart` and `aggregator_restart` faults are applied
+//! by one restart driver ([`run`]): a shipper session stops as on SIGTERM (it flushes, or
+//! reports what it cannot) and a new one takes the node's simulated kernel side over
+//! after `down_ms` (same epoch, a new session: the simulator lives in this process, so a
+//! SIGKILL would take it along — the eBPF kernel tests cover a shipper SIGKILL); the
+//! embedded aggregator stops with its final snapshot, or (`kill = true`) without one, and
+//! starts again on the same addresses from its snapshot file.
+//!
 //! Time: the simulator runs in real time, or `time_scale` times faster with the
 //! aggregator's clock and the shippers' timers scaled alike (everything the evidence
 //! rules see stays consistent). Network and processing delays look `time_scale` times
@@ -126,9 +134,117 @@ pub struct RunResult {
     pub spec: RunSpec,
     /// The embedded aggregator, still serving (dropped: stopped); none with an external one.
     pub aggregator: Option<Aggregator>,
+    /// Reports of shipper sessions that a `shipper_restart` ended (`reports` holds each
+    /// node's last session).
+    pub earlier_sessions: Vec<Report>,
+    /// The restarts the driver applied, in order.
+    pub restarts: Vec<AppliedRestart>,
     /// Where the verdicts were read.
     pub http_addr: SocketAddr,
     pub certs: TempDir,
+}
+
+/// A restart the driver applied.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AppliedRestart {
+    /// `shipper_restart` or `aggregator_restart`.
+    pub kind: &'static str,
+    pub node: Option<u32>,
+    /// Real ms from the run's start when it was applied, and the downtime (real ms).
+    pub at_real_ms: u64,
+    pub down_real_ms: u64,
+    /// An aggregator stopped without its final snapshot (SIGKILL-like).
+    pub kill: bool,
+    /// Why it could not be applied, if it could not.
+    pub error: Option<String>,
+}
+
+/// What a node's runner is told.
+#[derive(Debug)]
+pub(crate) enum NodeCmd {
+    /// Stop this session (SIGTERM) and start the next one after this long.
+    Restart(Duration),
+    /// Stop for good.
+    Stop,
+}
+
+/// Runs node shippers session after session until told to stop (or the node dies):
+/// every session's report, oldest first.
+pub(crate) fn spawn_node(
+    cfg: ShipperConfig,
+    opts: RunOptions,
+    source: Box<dyn node_shipper::source::Source>,
+    mut cmds: tokio::sync::mpsc::Receiver<NodeCmd>,
+) -> tokio::task::JoinHandle<Result<Vec<Report>, driver::ShipperError>> {
+    tokio::spawn(async move {
+        let mut reports = Vec::new();
+        let mut source = Some(source);
+        while let Some(src) = source.take() {
+            let next = std::sync::Mutex::new(None);
+            let stop = async {
+                let cmd = cmds.recv().await.unwrap_or(NodeCmd::Stop);
+                *next.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cmd);
+            };
+            let (report, back) = driver::run_and_return_source(&cfg, opts.clone(), src, stop).await?;
+            let ended = report.ended;
+            reports.push(report);
+            let cmd = next.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match (cmd, back) {
+                (Some(NodeCmd::Restart(down)), Some(mut src)) if ended == driver::Ended::Shutdown => {
+                    if !src.next_session() {
+                        break;
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(down) => {}
+                        cmd = cmds.recv() => {
+                            if !matches!(cmd, Some(NodeCmd::Restart(_))) {
+                                break;
+                            }
+                        }
+                    }
+                    source = Some(src);
+                }
+                // Told to stop, or the node died: this was the last session.
+                _ => break,
+            }
+        }
+        Ok(reports)
+    })
+}
+
+/// Stops the embedded aggregator (with its final snapshot, or without: `kill`) and starts
+/// it again after `down` on the same addresses (`cfg.listen`, `cfg.http`), from its
+/// snapshot file; the old sockets close once their last connection is gone, so binding is
+/// retried for up to 10 s.
+async fn restart_aggregator(
+    slot: &tokio::sync::Mutex<Option<Aggregator>>,
+    cfg: &AggregatorConfig,
+    down: Duration,
+    kill: bool,
+) -> Result<(), String> {
+    let old = slot.lock().await.take();
+    if let Some(a) = old {
+        if kill {
+            a.shutdown();
+        } else {
+            a.shutdown_with_snapshot().await;
+        }
+        drop(a);
+    }
+    tokio::time::sleep(down).await;
+    let by = Instant::now() + Duration::from_secs(10);
+    loop {
+        match Aggregator::start(cfg.clone()).await {
+            Ok(a) => {
+                *slot.lock().await = Some(a);
+                return Ok(());
+            }
+            Err(aggregator::StartError::Transport(_) | aggregator::StartError::Http { .. }) if Instant::now() < by => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
 
 /// The matcher and ingest configured with the scenario's timers (the simulator judges
@@ -266,6 +382,11 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     let options = SimOptions { bulk_scale: spec.scale, seed: spec.seed };
     let truth = crate::truth(&scenario, options).map_err(|e| RunError::Scenario(e.to_string()))?;
     let mut dir = TempDir::new("loadgen")?;
+    let restarts_aggregator = scenario.faults.iter().any(|f| matches!(f, loadgen_sim::Fault::AggregatorRestart { .. }));
+    if restarts_aggregator && spec.external.is_some() {
+        return Err(RunError::Usage("aggregator_restart needs the embedded aggregator (loadgen restarts it)".into()));
+    }
+    let mut agg_cfg: Option<AggregatorConfig> = None;
     let (set, agg, quic, http) = match &spec.external {
         Some(x) => {
             if (spec.time_scale - 1.0).abs() > f64::EPSILON {
@@ -289,11 +410,20 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         None => {
             let names: Vec<String> = (0..scenario.cluster.nodes).map(certs::node_name).collect();
             let set = certs::init(&dir.path, &names)?;
-            let agg = Aggregator::start(aggregator_config(&set, &scenario, spec.time_scale)).await?;
+            let mut cfg = aggregator_config(&set, &scenario, spec.time_scale);
+            if restarts_aggregator {
+                // Restarts restore from here; a snapshot every second of real time.
+                cfg.snapshot_path = Some(dir.path.join("aggregator.snap"));
+                cfg.snapshot_interval_ms = 1000;
+            }
+            let agg = Aggregator::start(cfg.clone()).await?;
             let (q, h) = (agg.quic_addr, agg.http_addr);
+            (cfg.listen, cfg.http) = (q, h);
+            agg_cfg = Some(cfg);
             (set, Some(agg), q, h)
         }
     };
+    let agg = Arc::new(tokio::sync::Mutex::new(agg));
     let proxy = match spec.net_faults {
         Some(f) => {
             let p = ringwatch_faultproxy::FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], 0)), quic, scenario.seed)
@@ -314,15 +444,64 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
             .with_speed(spec.time_scale);
         let cfg = shipper_config(&set, ship_to, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
         let opts = RunOptions { frames_in: Some(Arc::clone(&live[node as usize])), ..RunOptions::default() };
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            driver::run(&cfg, opts, Box::new(source), async {
-                let _ = rx.await;
-            })
-            .await
-        });
-        shippers.push((tx, task));
+        let (tx, rx) = tokio::sync::mpsc::channel::<NodeCmd>(4);
+        shippers.push((tx, spawn_node(cfg, opts, Box::new(source), rx)));
     }
+    // The restart driver: each restart fault at its (scaled) time, in order.
+    let driver_task = {
+        let mut faults: Vec<loadgen_sim::Fault> = scenario.faults.iter().filter(|f| f.is_restart()).cloned().collect();
+        faults.sort_by_key(|f| match *f {
+            loadgen_sim::Fault::ShipperRestart { at_ms, .. } | loadgen_sim::Fault::AggregatorRestart { at_ms, .. } => {
+                at_ms
+            }
+            _ => u64::MAX,
+        });
+        let senders: Vec<tokio::sync::mpsc::Sender<NodeCmd>> = shippers.iter().map(|(tx, _)| tx.clone()).collect();
+        let (agg, agg_cfg, scale) = (Arc::clone(&agg), agg_cfg.clone(), spec.time_scale);
+        tokio::spawn(async move {
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                clippy::cast_precision_loss,
+                reason = "ms"
+            )]
+            let real = |ms: u64| Duration::from_millis((ms as f64 / scale) as u64);
+            let mut applied = Vec::new();
+            for f in faults {
+                let (at, down, node, kill) = match f {
+                    loadgen_sim::Fault::ShipperRestart { node, at_ms, down_ms } => (at_ms, down_ms, Some(node), false),
+                    loadgen_sim::Fault::AggregatorRestart { at_ms, down_ms, kill } => (at_ms, down_ms, None, kill),
+                    _ => continue,
+                };
+                tokio::time::sleep(real(at).saturating_sub(start.elapsed())).await;
+                let at_real_ms = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
+                let error = match (node, &agg_cfg) {
+                    (Some(n), _) => match senders.get(n as usize) {
+                        Some(tx) => tx
+                            .send(NodeCmd::Restart(real(down)))
+                            .await
+                            .err()
+                            .map(|_| "the node's shipper had ended".to_owned()),
+                        None => Some(format!("no node {n}")),
+                    },
+                    (None, Some(cfg)) => restart_aggregator(&agg, cfg, real(down), kill).await.err(),
+                    (None, None) => Some("no embedded aggregator".to_owned()),
+                };
+                if let Some(e) = &error {
+                    eprintln!("loadgen: {} at {at} ms not applied: {e}", f.kind());
+                }
+                applied.push(AppliedRestart {
+                    kind: f.kind(),
+                    node,
+                    at_real_ms,
+                    down_real_ms: u64::try_from(real(down).as_millis()).unwrap_or(u64::MAX),
+                    kill,
+                    error,
+                });
+            }
+            applied
+        })
+    };
 
     // The run, with a progress bar of simulated time and live rates.
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ms")]
@@ -340,6 +519,8 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         }
         tokio::time::sleep(Duration::from_millis(200).min(run_real - elapsed)).await;
     }
+    // Every restart is applied (one due after the simulated end comes late, not never).
+    let restarts = driver_task.await.unwrap_or_default();
     // The run ends on state, not on the clock: first every stream exact (everything the
     // generator made is received or accounted for; a dead node's announced seqs in an
     // explicit state) and every dead node unreachable, then every live node's P0 watermark past where it stood then by the
@@ -399,6 +580,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     }
     let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
     let verdicts: VerdictsDto = client::get_all_verdicts(http, "").await?;
+    let agg = agg.lock().await.take();
     let ended_at_ms = match &agg {
         Some(a) => a.shared.now() / 1_000_000,
         None => client::get_json::<aggregator::api::dto::HealthzDto>(http, "/healthz").await?.uptime_ms,
@@ -408,10 +590,14 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     let wall = start.elapsed();
     let proxy_stats = proxy.as_ref().map(ringwatch_faultproxy::FaultProxy::stats);
     let mut reports = Vec::new();
+    let mut earlier_sessions = Vec::new();
     for (tx, task) in shippers {
-        let _ = tx.send(());
-        if let Ok(Ok(r)) = task.await {
-            reports.push(r);
+        let _ = tx.send(NodeCmd::Stop).await;
+        if let Ok(Ok(mut sessions)) = task.await
+            && let Some(last) = sessions.pop()
+        {
+            earlier_sessions.extend(sessions);
+            reports.push(last);
         }
     }
     #[allow(clippy::cast_precision_loss, reason = "rates")]
@@ -429,6 +615,8 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         proxy: proxy_stats,
         spec,
         aggregator: agg,
+        earlier_sessions,
+        restarts,
         http_addr: http,
         certs: dir,
     })

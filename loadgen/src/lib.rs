@@ -16,6 +16,7 @@ pub mod demo;
 pub mod progress;
 pub mod score;
 pub mod size;
+pub mod soak;
 
 /// A simulation sink that keeps nothing (computing ground truth).
 #[derive(Debug)]

@@ -89,6 +89,43 @@ fn command() -> Command {
         )
         .subcommand(Command::new("list").about("list the built-in scenarios"))
         .subcommand(
+            Command::new("soak")
+                .about("run aggregator and shippers for a long while with restarts of either side; a line per minute (RSS, snapshot, accounting, verdicts)")
+                .arg(
+                    Arg::new("minutes")
+                        .long("minutes")
+                        .value_parser(value_parser!(u64).range(1..=10_080))
+                        .conflicts_with("seconds")
+                        .help("how long [default: 30]"),
+                )
+                .arg(
+                    Arg::new("seconds")
+                        .long("seconds")
+                        .value_parser(value_parser!(u64).range(10..=604_800))
+                        .help("how long, in seconds (short runs: CI)"),
+                )
+                .arg(
+                    Arg::new("restart-every-s")
+                        .long("restart-every-s")
+                        .default_value("60")
+                        .value_parser(value_parser!(u64).range(0..=86_400))
+                        .help("about how often the aggregator or a shipper restarts (±25 %); 0: never"),
+                )
+                .arg(
+                    Arg::new("aggregator-bin")
+                        .long("aggregator-bin")
+                        .value_parser(value_parser!(std::path::PathBuf))
+                        .help("the aggregator binary to run as its own process [default: the one beside loadgen; else embedded]"),
+                )
+                .arg(Arg::new("embedded").long("embedded").action(ArgAction::SetTrue).conflicts_with("aggregator-bin").help("run the aggregator inside loadgen"))
+                .arg(Arg::new("scale").long("scale").default_value("0.0001").value_parser(value_parser!(f64)).help("bulk rate, fraction of line rate"))
+                .arg(Arg::new("seed").long("seed").default_value("1").value_parser(value_parser!(u64)))
+                .arg(Arg::new("net-drop").long("net-drop").value_parser(value_parser!(f64)).help("fault proxy: drop this fraction of datagrams"))
+                .arg(Arg::new("net-delay-ms").long("net-delay-ms").value_parser(value_parser!(u64)).help("fault proxy: delay every datagram this long"))
+                .arg(Arg::new("net-jitter-ms").long("net-jitter-ms").value_parser(value_parser!(u64)).help("fault proxy: add up to this much random delay"))
+                .arg(Arg::new("json").long("json").action(ArgAction::SetTrue).help("print the result as JSON at the end")),
+        )
+        .subcommand(
             Command::new("size")
                 .about("ring, spool and aggregator sizing for a scenario (or `all`), from this machine's measured figures")
                 .arg(Arg::new("scenario").required(true).help("a built-in scenario, a scenario file, or `all`"))
@@ -257,6 +294,52 @@ async fn demo_cmd(m: &ArgMatches) -> Result<bool, String> {
     Ok(matching == rows.len() && sc.perfect())
 }
 
+async fn soak_cmd(m: &ArgMatches) -> ExitCode {
+    let secs = match (m.get_one::<u64>("minutes"), m.get_one::<u64>("seconds")) {
+        (Some(min), _) => min * 60,
+        (None, Some(&s)) => s,
+        (None, None) => 30 * 60,
+    };
+    let aggregator_bin = if m.get_flag("embedded") {
+        None
+    } else {
+        m.get_one::<std::path::PathBuf>("aggregator-bin").cloned().or_else(loadgen::soak::sibling_aggregator)
+    };
+    eprintln!(
+        "loadgen soak: {secs} s, aggregator {}",
+        aggregator_bin.as_ref().map_or_else(|| "embedded".to_owned(), |b| format!("process {}", b.display()))
+    );
+    let spec = loadgen::soak::SoakSpec {
+        duration: std::time::Duration::from_secs(secs),
+        restart_every: std::time::Duration::from_secs(m.get_one::<u64>("restart-every-s").copied().unwrap_or(60)),
+        aggregator_bin,
+        scale: m.get_one::<f64>("scale").copied().unwrap_or(1e-4),
+        seed: m.get_one::<u64>("seed").copied().unwrap_or(1),
+        net_faults: net_faults(m),
+        print: true,
+    };
+    match loadgen::soak::run(spec).await {
+        Ok(r) => {
+            print!("{}", r.table());
+            if m.get_flag("json") {
+                println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            }
+            if r.passed() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!(
+                    "loadgen soak: FAILED (unaccounted frames, a wrong final verdict, an inexact stream, or an RSS slope ≥ 1 MB/10 min)"
+                );
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("loadgen soak: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let m = command().get_matches();
     if let Some(("list", _)) = m.subcommand() {
@@ -314,6 +397,9 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Some(("soak", sub)) = m.subcommand() {
+        return rt.block_on(soak_cmd(sub));
+    }
     let (result, check) = match m.subcommand() {
         Some(("run", sub)) => (rt.block_on(run_cmd(sub)), sub.get_flag("check")),
         Some(("demo", sub)) => (rt.block_on(demo_cmd(sub)), false),

@@ -230,6 +230,20 @@ pub fn score(
     let by_key: BTreeMap<(String, String, u64, u32), &VerdictDto> =
         verdicts.verdicts.iter().map(|v| ((v.op.kind.clone(), v.op.comm.clone(), v.op.seq, v.rank), v)).collect();
     let dead: Vec<bool> = truth.nodes.iter().map(|n| n.dead_at_ms.is_some()).collect();
+    // An aggregator restart leaves every node a knowledge gap (snapshot → first batch after
+    // it); an op one of whose nodes has one may be `indeterminate(aggregator_gap)`: the
+    // aggregator says it cannot judge across what it forgot, which is right.
+    let gap: Vec<bool> = (0u32..)
+        .zip(&truth.nodes)
+        .map(|(i, _)| {
+            let name = aggregator::certs::node_name(i);
+            nodes.nodes.iter().any(|n| n.name == name && !n.knowledge_gaps.is_empty())
+        })
+        .collect();
+    let across_gap = |outcome: &str, c: &loadgen_sim::truth::CollectiveTruth| {
+        outcome == "indeterminate(aggregator_gap)"
+            && c.ranks.iter().any(|r| gap.get(r.node as usize).copied().unwrap_or(false))
+    };
     let fate: Vec<NodeFate> = (0u32..)
         .zip(&truth.nodes)
         .map(|(i, n)| {
@@ -269,7 +283,8 @@ pub fn score(
                 let v = by_key.get(&key).filter(|v| v.is_final);
                 if let Some(v) = v
                     && *right
-                    && !agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)
+                    && !(agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)
+                        || across_gap(&v.outcome, c))
                 {
                     *right = false;
                     s.final_right -= 1;
@@ -302,7 +317,11 @@ pub fn score(
                     s.final_verdicts += 1;
                     scored.insert(
                         key.clone(),
-                        (t.clone(), agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)),
+                        (
+                            t.clone(),
+                            (agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)
+                                || across_gap(&v.outcome, c)),
+                        ),
                     );
                     let got = base(&v.outcome).to_owned();
                     s.outcomes.entry(got.clone()).or_default().predicted += 1;
@@ -314,7 +333,9 @@ pub fn score(
                         s.recoveries_owed += 1;
                         s.recoveries_seen += u64::from(v.recovered_at_ms.is_some());
                     }
-                    if agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed) {
+                    if agrees_expected(&e, &v.outcome, r.lost_frames, node_fate, r.completed)
+                        || across_gap(&v.outcome, c)
+                    {
                         s.final_right += 1;
                         // Credit the truth's outcome (the equivalences map onto it).
                         s.outcomes.entry(t.clone()).or_default().correct += 1;

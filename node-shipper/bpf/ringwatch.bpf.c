@@ -71,6 +71,15 @@ struct {
 	__type(value, struct rw_epoch_meta);
 } rw_meta SEC(".maps");
 
+/* The layout of these pinned maps (RW_PIN_LAYOUT, written by the shipper that created
+ * them): a shipper of another layout ends the epoch instead of reading them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} rw_layout SEC(".maps");
+
 /* PROGRESS: one entry per (comm key, comm instance, rank); LRU, so a cluster's churn of
  * communicators cannot fill it (evictions = inserted - present, in rw_progress_stats). */
 struct {

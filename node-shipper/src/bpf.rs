@@ -35,7 +35,7 @@ use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
 use aya::programs::{TestRun, TestRunOptions, Xdp};
 use aya::{Ebpf, EbpfLoader};
 use proto_flat::kernel::{
-    EpochMeta, ProgressKey, ProgressStats, RING_BULK, RING_COUNT, RING_P0, RingCounters, SamplingControl,
+    EpochMeta, PIN_LAYOUT, ProgressKey, ProgressStats, RING_BULK, RING_COUNT, RING_P0, RingCounters, SamplingControl,
 };
 use proto_flat::sections::{ProgressEntry, SessionStreamEntry, StreamEntry};
 use proto_flat::{Class, StreamId};
@@ -61,9 +61,10 @@ const BULK_RING: &str = "rw_bulk_ring";
 const COUNTERS: &str = "rw_counters";
 const CONTROL: &str = "rw_control";
 const META: &str = "rw_meta";
+const LAYOUT: &str = "rw_layout";
 const PROGRESS: &str = "rw_progress";
 const PROGRESS_STATS: &str = "rw_progress_stats";
-const PINNED_MAPS: [&str; 7] = [P0_RING, BULK_RING, COUNTERS, CONTROL, META, PROGRESS, PROGRESS_STATS];
+const PINNED_MAPS: [&str; 8] = [P0_RING, BULK_RING, COUNTERS, CONTROL, META, LAYOUT, PROGRESS, PROGRESS_STATS];
 const BULK_PROG: &str = "rw_bulk_xdp";
 const P0_TEST_PROG: &str = "rw_p0_test_xdp";
 /// uprobe program → the shim's probe function it attaches to.
@@ -220,6 +221,8 @@ struct Loaded {
     /// The pins existed before this load (a restart).
     reopened: bool,
     ring_bytes: [u32; 2],
+    /// Pins of this other layout were found and removed (a new epoch starts).
+    replaced_layout: Option<u32>,
 }
 
 fn first_io_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a std::io::Error> {
@@ -369,6 +372,7 @@ fn load(cfg: &BpfConfig) -> Result<Loaded, LoadError> {
     if !is_bpffs(&cfg.pin_dir) {
         return Err(LoadError::NoBpfFs { dir: cfg.pin_dir.clone() });
     }
+    let replaced_layout = retire_other_layout(&cfg.pin_dir)?;
     let reopened = cfg.pin_dir.join(META).exists();
     let p0 = pinned_size(&cfg.pin_dir, P0_RING).unwrap_or(cfg.p0_ring_bytes);
     let bulk = pinned_size(&cfg.pin_dir, BULK_RING).unwrap_or(cfg.bulk_ring_bytes);
@@ -395,8 +399,64 @@ fn load(cfg: &BpfConfig) -> Result<Loaded, LoadError> {
         &aligned
     };
     let mut ebpf = loader.load(data).map_err(|e| classify(&e, &origin, cfg))?;
+    if !reopened {
+        // Whoever creates the pins (a shipper, or a producer in tests) says their layout.
+        let map =
+            ebpf.map_mut(LAYOUT).ok_or_else(|| LoadError::Kernel { what: LAYOUT.into(), detail: "missing".into() })?;
+        let mut layout = Array::<_, u32>::try_from(map)
+            .map_err(|e| LoadError::Kernel { what: LAYOUT.into(), detail: e.to_string() })?;
+        layout
+            .set(0, PIN_LAYOUT, 0)
+            .map_err(|e| LoadError::Kernel { what: "writing rw_layout".into(), detail: e.to_string() })?;
+    }
     load_programs(&mut ebpf, &origin)?;
-    Ok(Loaded { ebpf, reopened, ring_bytes: [p0, bulk] })
+    Ok(Loaded { ebpf, reopened, ring_bytes: [p0, bulk], replaced_layout })
+}
+
+/// The layout of the pins under `dir`: `rw_layout`'s value (written by whoever created
+/// them, right after; 0 if that one died first — then it is unknown, and treated as
+/// another layout), 1 for pins from before it existed, `None` when nothing is pinned.
+fn pinned_layout(dir: &Path) -> Option<u32> {
+    if !dir.join(META).exists() {
+        return None;
+    }
+    let Ok(data) = MapData::from_pin(dir.join(LAYOUT)) else { return Some(1) };
+    // A map that does not read as one u32 is some other layout too.
+    Some(
+        Array::<MapData, u32>::try_from(aya::maps::Map::Array(data))
+            .ok()
+            .and_then(|a| a.get(&0, 0).ok())
+            .unwrap_or(u32::MAX),
+    )
+}
+
+/// Pins of another layout than [`PIN_LAYOUT`] are never read: every ringwatch pin under
+/// `dir` (maps, programs, links) is removed, so this session creates its maps afresh and
+/// starts a new epoch — the aggregator closes the old one explicitly when the new
+/// `epoch_start` arrives. Returns the layout it found and retired.
+fn retire_other_layout(dir: &Path) -> Result<Option<u32>, LoadError> {
+    let found = match pinned_layout(dir) {
+        Some(l) if l != PIN_LAYOUT => l,
+        _ => return Ok(None),
+    };
+    tracing::warn!(
+        pin_dir = %dir.display(),
+        found,
+        expected = PIN_LAYOUT,
+        "pins of another layout: removing them; a new epoch starts (the old one ends here)"
+    );
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| LoadError::Kernel { what: format!("listing {}", dir.display()), detail: e.to_string() })?;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("rw_") || name.starts_with("link_") {
+            std::fs::remove_file(e.path()).map_err(|err| LoadError::Kernel {
+                what: format!("removing the old pin {}", e.path().display()),
+                detail: err.to_string(),
+            })?;
+        }
+    }
+    Ok(Some(found))
 }
 
 fn verifier_error(name: &str, e: &aya::programs::ProgramError) -> LoadError {
@@ -535,6 +595,8 @@ pub struct RingSource {
     epoch: EpochStart,
     sessions: u64,
     reopened: bool,
+    /// Pins of this other layout were found and removed: this session started a new epoch.
+    replaced_layout: Option<u32>,
     started: bool,
     takeover: Vec<SessionStreamEntry>,
     counters: SourceCounters,
@@ -558,7 +620,7 @@ impl RingSource {
     /// # Errors
     /// See [`LoadError`]: each variant names the fix.
     pub fn open(cfg: BpfConfig) -> Result<Self, LoadError> {
-        let Loaded { mut ebpf, reopened, ring_bytes } = load(&cfg)?;
+        let Loaded { mut ebpf, reopened, ring_bytes, replaced_layout } = load(&cfg)?;
         let kernel =
             |what: &str, e: &dyn std::error::Error| LoadError::Kernel { what: what.into(), detail: e.to_string() };
         // Programs: this session's replace the last one's pins.
@@ -633,6 +695,7 @@ impl RingSource {
             },
             sessions: meta.sessions.get(),
             reopened: reopened && !fresh,
+            replaced_layout,
             started: false,
             takeover,
             counters: SourceCounters { epoch: meta.epoch.get(), ..SourceCounters::default() },
@@ -653,6 +716,13 @@ impl RingSource {
                 .map_err(|e| kernel("the drain-gap histogram", &e))?,
             last_drain: None,
         })
+    }
+
+    /// The layout of pins found and removed instead of read (another build's): this
+    /// session started a new epoch.
+    #[must_use]
+    pub fn replaced_layout(&self) -> Option<u32> {
+        self.replaced_layout
     }
 
     /// Whether this session took over rings a previous shipper left pinned.

@@ -21,8 +21,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use proto_flat::control::{CONTROL_VERSION, MIN_CONTROL_VERSION, control_preface};
 use proto_flat::control::{ControlMessage, parse_control};
-use ringwatch_transport::{CONTROL_PREFACE, TlsFiles, Tuning, close, lane_priority};
+use ringwatch_transport::{TlsFiles, Tuning, close, lane_priority};
 use tokio::sync::{Notify, Semaphore, watch};
 
 use crate::config::ShipperConfig;
@@ -87,6 +88,19 @@ pub struct Report {
     pub latency_p0: LatencySummary,
     pub latency_p1: LatencySummary,
     pub latency_p2: LatencySummary,
+    /// The last aggregator's control protocol and durability (`none`, `snapshot`).
+    pub control_version: u16,
+    pub durability: String,
+    /// With durability `snapshot`: P0/P1 batches kept after their applied ack until a
+    /// durable ack, how many such acks came, the durable lag (first frame in → durable
+    /// ack), batches released before one (room was needed, or an aggregator without
+    /// durability answered), and batches still awaiting one at exit (applied: only an
+    /// aggregator crash before its next snapshot loses them).
+    pub batches_kept_for_durable: u64,
+    pub batches_durable: u64,
+    pub durable_lag: LatencySummary,
+    pub released_undurable: u64,
+    pub awaiting_durable_at_exit: u64,
     /// Every batch's fate, when [`RunOptions::batch_log`] was set.
     #[serde(skip)]
     pub batch_log: Vec<BatchEvent>,
@@ -120,6 +134,10 @@ pub struct RunOptions {
     pub poison_bulk_batch_from: Option<u64>,
     /// Keep every batch's fate ([`Report::batch_log`]); tests.
     pub batch_log: bool,
+    /// The newest control protocol to offer (default: this build's). Tests set 2 to
+    /// stand in for a shipper one release behind.
+    #[doc(hidden)]
+    pub max_control_version: Option<u16>,
 }
 
 /// What the reader thread is set up with.
@@ -147,6 +165,8 @@ struct Shared {
     net: NetCounters,
     /// The poison hook, cleared once used.
     poison_from: Mutex<Option<u64>>,
+    /// The newest control protocol to offer.
+    max_control_version: u16,
 }
 
 impl Shared {
@@ -201,6 +221,20 @@ pub async fn run(
     source: Box<dyn Source>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<Report, ShipperError> {
+    run_and_return_source(cfg, options, source, shutdown).await.map(|(r, _)| r)
+}
+
+/// [`run`], and the source back when the session ended (a simulated kernel side that a
+/// restarted shipper session takes over: [`Source::next_session`]).
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_and_return_source(
+    cfg: &ShipperConfig,
+    options: RunOptions,
+    source: Box<dyn Source>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(Report, Option<Box<dyn Source>>), ShipperError> {
     let tuning = options.tuning;
     let files = TlsFiles { ca: &cfg.ca, cert: &cfg.cert, key: &cfg.key };
     let client = ringwatch_transport::client_config(files, &tuning)?;
@@ -224,6 +258,10 @@ pub async fn run(
         start: Instant::now(),
         net: NetCounters::default(),
         poison_from: Mutex::new(options.poison_bulk_batch_from),
+        max_control_version: options
+            .max_control_version
+            .unwrap_or(CONTROL_VERSION)
+            .clamp(MIN_CONTROL_VERSION, CONTROL_VERSION),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
 
@@ -320,7 +358,7 @@ pub async fn run(
     let stats = *core.stats();
     let spool = *core.spool().counters();
     let slot = |c: proto_flat::LossCause| c.drop_slot().and_then(|s| stats.frames_lost.get(s).copied()).unwrap_or(0);
-    Ok(Report {
+    let report = Report {
         ended,
         node_name: cfg.node_name.clone(),
         shipper_session: session,
@@ -350,11 +388,19 @@ pub async fn run(
         latency_p0: core.latency().summary(proto_flat::Class::P0),
         latency_p1: core.latency().summary(proto_flat::Class::P1),
         latency_p2: core.latency().summary(proto_flat::Class::P2),
+        control_version: stats.control_version,
+        durability: proto_flat::codes::Durability::from_code_const(stats.durability).to_string(),
+        batches_kept_for_durable: spool.kept_for_durable,
+        batches_durable: stats.batches_durable,
+        durable_lag: core.latency().durable_summary(),
+        released_undurable: stats.released_undurable,
+        awaiting_durable_at_exit: core.spool().awaiting_durable() as u64,
         batch_log: core.batch_log().0.to_vec(),
         stats,
         spool,
         rings,
-    })
+    };
+    Ok((report, source))
 }
 
 /// How long the final `shipper_shutdown` loss records get to reach the aggregator after
@@ -472,6 +518,11 @@ async fn network(
 ) {
     let mut backoff = Backoff::new(100, 5_000);
     let mut rng_state = new_session_id();
+    // The control protocol to offer next: the newest, or — after an aggregator closed a
+    // connection before its hello for the protocol (one a release older answers so) —
+    // the one before, for the next attempt only, so an aggregator upgraded meanwhile gets
+    // the newest again.
+    let mut offer = shared.max_control_version;
     while !*stop.borrow() {
         let attempt = endpoint.connect(addr, &server_name);
         let conn = match attempt {
@@ -485,13 +536,30 @@ async fn network(
             Ok(conn) => {
                 backoff.reset();
                 shared.net.connections.fetch_add(1, Ordering::Relaxed);
-                shared.core_for_net().reconnected();
-                tracing::info!(%addr, "connected");
-                let why = connection(&conn, &shared, &mut stop).await;
+                let hellos = {
+                    let mut core = shared.core_for_net();
+                    core.reconnected();
+                    core.stats().hellos
+                };
+                tracing::info!(%addr, control_protocol = offer, "connected");
+                let why = connection(&conn, &shared, &mut stop, offer).await;
                 tracing::info!(%addr, reason = %why, "connection ended");
                 if *stop.borrow() {
                     return;
                 }
+                let answered = shared.core_for_net().stats().hellos > hellos;
+                let refused_protocol = matches!(
+                    conn.close_reason(),
+                    Some(quinn::ConnectionError::ApplicationClosed(ref c))
+                        if c.error_code == close::PROTOCOL.into() || c.error_code == close::VERSION.into()
+                );
+                offer = if !answered && refused_protocol && offer > MIN_CONTROL_VERSION {
+                    tracing::warn!(%addr, refused = offer, "the aggregator refused this control protocol: offering the one before");
+                    backoff.reset();
+                    offer - 1
+                } else {
+                    shared.max_control_version
+                };
             }
             Err(e) => tracing::warn!(%addr, error = %e, "connect failed"),
         }
@@ -510,7 +578,12 @@ async fn network(
 }
 
 /// Runs one connection until it fails or the shipper stops; returns why it ended.
-async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut watch::Receiver<bool>) -> String {
+async fn connection(
+    conn: &quinn::Connection,
+    shared: &Arc<Shared>,
+    stop: &mut watch::Receiver<bool>,
+    version: u16,
+) -> String {
     let (mut ctl_send, ctl_recv) = match conn.open_bi().await {
         Ok(s) => s,
         Err(e) => return e.to_string(),
@@ -518,7 +591,7 @@ async fn connection(conn: &quinn::Connection, shared: &Arc<Shared>, stop: &mut w
     let _ = ctl_send.set_priority(ringwatch_transport::CONTROL_PRIORITY);
     // The preface, then where the session stands (the aggregator applies it before any
     // batch of this connection).
-    let mut opening = CONTROL_PREFACE.to_vec();
+    let mut opening = control_preface(version).to_vec();
     let r = shared.core_for_net().resume();
     if let Err(e) = proto_flat::control::encode_resume(
         &mut opening,
@@ -637,14 +710,19 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
                     let now = shared.now();
                     let mut core = shared.core_for_net();
                     match msg {
-                        ControlMessage::Hello { aggregator_instance, aggregator_epoch } => {
-                            core.handle_hello(aggregator_instance, aggregator_epoch);
+                        ControlMessage::Hello {
+                            aggregator_instance,
+                            aggregator_epoch,
+                            control_version,
+                            durability,
+                        } => {
+                            core.handle_hello(aggregator_instance, aggregator_epoch, control_version, durability);
                         }
-                        ControlMessage::Ack { shipper_session, ranges: r, .. } => {
+                        ControlMessage::Ack { shipper_session, status, ranges: r } => {
                             if shipper_session == core.batcher().meta().shipper_session {
                                 ranges.clear();
                                 ranges.extend(r.iter().map(|x| (x.first.get(), x.last.get())));
-                                core.handle_ack(&ranges, now);
+                                core.handle_ack(&ranges, status, now);
                             }
                         }
                         ControlMessage::Nack { shipper_session, batch_seq, reason } => {

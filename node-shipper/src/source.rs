@@ -65,6 +65,13 @@ pub trait Source: Send {
         0
     }
 
+    /// The shipper session reading this source ended (orderly: it flushed or reported
+    /// what it read) and a new session takes it over, as a restarted shipper reopens its
+    /// pinned rings. False if this source cannot be handed on.
+    fn next_session(&mut self) -> bool {
+        false
+    }
+
     /// Sets the kernel's bulk sampling level; false if this source has no such control.
     fn set_sampling_level(&mut self, _level: u8) -> bool {
         false
@@ -322,6 +329,14 @@ mod sim {
         through_ns: u64,
         /// Simulated time per real time (1: real time).
         speed: f64,
+        /// The epoch in force (handed again to a later shipper session).
+        epoch: Option<EpochStart>,
+        /// Shipper sessions that took this simulated kernel side over before the current
+        /// one (the current session's own P1 stream index).
+        sessions: u16,
+        /// A new session took over: its first poll says the epoch again and where every
+        /// stream stood (`session_start`), as a reopened eBPF ring does.
+        takeover: Option<Vec<proto_flat::sections::SessionStreamEntry>>,
     }
 
     impl SimSource {
@@ -344,7 +359,32 @@ mod sim {
                 counters: SourceCounters::default(),
                 through_ns: 0,
                 speed: 1.0,
+                epoch: None,
+                sessions: 0,
+                takeover: None,
             })
+        }
+
+        /// The shipper session that read this source ended (SIGTERM: it flushed or
+        /// reported everything it read), and a new one takes the simulated kernel side
+        /// over — as a restarted shipper reopens pinned rings: same epoch, its own P1
+        /// stream, a `session_start` naming every stream's `attempted_seq` as the last
+        /// counters said. (A SIGKILLed shipper would take the in-process simulator with
+        /// it: simulated restarts are SIGTERMs; the eBPF kernel tests cover SIGKILL.)
+        fn take_over(&mut self) {
+            self.sessions = self.sessions.saturating_add(1);
+            let entries = self
+                .counters
+                .streams
+                .iter()
+                .map(|e| {
+                    let mut s = <proto_flat::sections::SessionStreamEntry as zerocopy::FromZeros>::new_zeroed();
+                    s.stream_id = e.stream_id;
+                    s.attempted_seq = e.attempted_seq;
+                    s
+                })
+                .collect();
+            self.takeover = Some(entries);
         }
 
         /// Runs simulated time `speed` times faster than real time (the aggregator's clock
@@ -376,6 +416,12 @@ mod sim {
 
     impl Source for SimSource {
         fn poll(&mut self, _budget: usize, out: &mut dyn FnMut(SourceEvent<'_>)) -> SourceState {
+            if let Some(entries) = self.takeover.take() {
+                if let Some(e) = self.epoch {
+                    out(SourceEvent::Epoch(e));
+                }
+                out(SourceEvent::SessionStart(&entries));
+            }
             let node = self.collect.node;
             let now = self.sim_now();
             let dead_at = self.sim.model().dead_at.get(node as usize).copied().unwrap_or(u64::MAX);
@@ -397,6 +443,7 @@ mod sim {
                             // shutdown before the new epoch's first snapshot would send).
                             self.counters =
                                 SourceCounters { epoch: e.epoch, mono_ns: e.mono_ns, ..SourceCounters::default() };
+                            self.epoch = Some(e);
                             out(SourceEvent::Epoch(e));
                         }
                         Kind::Counters => {
@@ -428,6 +475,15 @@ mod sim {
 
         fn describe(&self) -> String {
             format!("simulator {} node {}", self.sim.scenario().name, self.collect.node)
+        }
+
+        fn shipper_stream_index(&self) -> u16 {
+            self.sessions
+        }
+
+        fn next_session(&mut self) -> bool {
+            self.take_over();
+            true
         }
     }
 }

@@ -796,3 +796,43 @@ impl Drop for Memcg {
         }
     }
 }
+
+/// Issue 20: the pin directory carries its layout (`rw_layout`). A shipper reopens pins
+/// of its own layout (same epoch); pins of another layout — another build's maps — are
+/// never read: they are removed and a new epoch starts, whose `epoch_start` ends the old
+/// one explicitly at the aggregator.
+#[test]
+fn kernel_pins_of_another_layout_end_the_epoch_instead_of_being_read_issue_20() {
+    if kernel_unavailable("kernel_pins_of_another_layout_end_the_epoch_instead_of_being_read_issue_20").is_some() {
+        return;
+    }
+    let pins = Pins::new("layout");
+    let cfg = BpfConfig::new(pins.0.clone());
+    let first = RingSource::open(cfg.clone()).expect("fresh pins");
+    let (epoch, layout_pin) = (first.epoch(), pins.0.join("rw_layout"));
+    assert!(!first.reopened() && first.replaced_layout().is_none());
+    drop(first);
+    let read_layout = || {
+        let data = aya::maps::MapData::from_pin(&layout_pin).expect("rw_layout is pinned");
+        let a = aya::maps::Array::<_, u32>::try_from(aya::maps::Map::Array(data)).expect("an array of u32");
+        (a, 0u32)
+    };
+    let (a, key) = read_layout();
+    assert_eq!(a.get(&key, 0).expect("layout"), proto_flat::kernel::PIN_LAYOUT);
+    drop(a);
+    let same = RingSource::open(cfg.clone()).expect("same layout");
+    assert!(same.reopened() && same.replaced_layout().is_none());
+    assert_eq!(same.epoch(), epoch, "same layout: the epoch goes on");
+    drop(same);
+    // Another build's pins: layout 999.
+    let (mut a, key) = read_layout();
+    a.set(key, 999, 0).expect("write the layout");
+    drop(a);
+    let other = RingSource::open(cfg).expect("pins of another layout are replaced, not an error");
+    assert_eq!(other.replaced_layout(), Some(999));
+    assert!(!other.reopened(), "nothing of the old pins was read");
+    assert_ne!(other.epoch(), epoch, "a new epoch");
+    drop(other);
+    let (a, key) = read_layout();
+    assert_eq!(a.get(&key, 0).expect("layout"), proto_flat::kernel::PIN_LAYOUT, "the new pins carry this layout");
+}

@@ -104,6 +104,7 @@ enum rw_loss_cause {
 	RW_LOSS_CAUSE_REJECTED = 6,
 	RW_LOSS_CAUSE_PSI_SHED = 7,
 	RW_LOSS_CAUSE_UNKNOWN = 8,
+	RW_LOSS_CAUSE_AGGREGATOR_CRASH = 9, /* counted by the aggregator only: no drops[] slot */
 };
 
 enum rw_nack_reason {
@@ -124,6 +125,11 @@ enum rw_ack_status {
 	RW_ACK_STATUS_APPLIED = 1,
 	RW_ACK_STATUS_DUPLICATE = 2,
 	RW_ACK_STATUS_DURABLE = 3,
+};
+
+enum rw_durability {
+	RW_DURABILITY_NONE = 0,
+	RW_DURABILITY_SNAPSHOT = 1,
 };
 
 enum rw_control_type {
@@ -405,6 +411,12 @@ struct rw_hello_body { /* 16 B */
 	__u64 aggregator_epoch;
 };
 
+struct rw_hello_ext { /* 8 B, after rw_hello_body from control protocol 3 on */
+	__u16 control_version;
+	__u8 durability; /* enum rw_durability */
+	__u8 _reserved0[5];
+};
+
 struct rw_ack_head { /* 16 B, then range_count rw_ack_range */
 	__u64 shipper_session;
 	__u32 range_count;
@@ -447,6 +459,7 @@ struct rw_resume_stream { /* 16 B */
 #define RW_RING_BULK 1 /* ring index of the bulk ring */
 #define RW_RING_COUNT 2
 #define RW_MAX_SAMPLING_LEVEL 15 /* bulk keeps 1 in 2^level events; weight = 2^level */
+#define RW_PIN_LAYOUT 1          /* layout of the pinned maps (value of rw_layout, key 0) */
 
 struct rw_ring_counters { /* 96 B: PERCPU_ARRAY value, key = ring index */
 	__u64 seq;                  /* next seq = attempted_seq (exclusive) */
@@ -504,6 +517,7 @@ RW_ASSERT_SIZE(rw_stream_summary_entry, 40);
 RW_ASSERT_SIZE(rw_batch_header, 152);
 RW_ASSERT_SIZE(rw_control_header, 8);
 RW_ASSERT_SIZE(rw_hello_body, 16);
+RW_ASSERT_SIZE(rw_hello_ext, 8);
 RW_ASSERT_SIZE(rw_ack_head, 16);
 RW_ASSERT_SIZE(rw_ack_range, 16);
 RW_ASSERT_SIZE(rw_nack_body, 24);

@@ -230,6 +230,10 @@ wire_enum! {
         PsiShed = 7 => "psi_shed",
         /// A gap that nothing explained before the reorder timeout.
         Unknown = 8 => "unknown",
+        /// Applied and acked by an aggregator that crashed before a snapshot covered them
+        /// (bulk: acked when applied; P0/P1 wait for `ack durable` where the aggregator
+        /// declares durability). Counted by the restored aggregator; no kernel slot.
+        AggregatorCrash = 9 => "aggregator_crash",
     }
 }
 
@@ -244,27 +248,50 @@ pub const ALL_ENUMS: &[EnumTable] = &[
     <LossCause as WireEnum>::TABLE,
     <NackReason as WireEnum>::TABLE,
     <AckStatus as WireEnum>::TABLE,
+    <Durability as WireEnum>::TABLE,
     <ControlType as WireEnum>::TABLE,
     <SectionTag as WireEnum>::TABLE,
     <ShipperGapReason as WireEnum>::TABLE,
 ];
 
-/// Number of named `drops[]` slots in a heartbeat stream entry (one per known cause).
+/// Number of named `drops[]` slots in a heartbeat stream entry and in a batch's running
+/// totals (one per cause a node can count: codes 1–8). Frozen with the wire layout.
 pub const DROP_SLOTS: usize = 8;
 
+/// Number of causes the aggregator counts: the [`DROP_SLOTS`] causes and
+/// `aggregator_crash`, which only the aggregator can know.
+pub const LOSS_CAUSES: usize = 9;
+
 impl LossCause {
-    /// The `drops[]` / running-total slot of this cause, `None` for an unrecognised code.
+    /// The `drops[]` / running-total slot of this cause; `None` for an unrecognised code
+    /// and for causes no node counts (`aggregator_crash`).
     #[must_use]
     pub fn drop_slot(self) -> Option<usize> {
+        self.cause_slot().filter(|&s| s < DROP_SLOTS)
+    }
+
+    /// The cause counted in `drops[slot]`.
+    #[must_use]
+    pub fn from_drop_slot(slot: usize) -> Option<Self> {
+        if slot >= DROP_SLOTS {
+            return None;
+        }
+        Self::from_cause_slot(slot)
+    }
+
+    /// This cause's index in the aggregator's per-cause counts (`0..LOSS_CAUSES`);
+    /// `None` for an unrecognised code.
+    #[must_use]
+    pub fn cause_slot(self) -> Option<usize> {
         match self {
             Self::Unrecognized(_) => None,
             known => usize::from(known.code()).checked_sub(1),
         }
     }
 
-    /// The cause counted in `drops[slot]`.
+    /// The cause counted at index `slot` of the aggregator's per-cause counts.
     #[must_use]
-    pub fn from_drop_slot(slot: usize) -> Option<Self> {
+    pub fn from_cause_slot(slot: usize) -> Option<Self> {
         let code = u16::try_from(slot).ok()?.checked_add(1)?;
         match Self::from_code(code) {
             Self::Unrecognized(_) => None,
@@ -303,6 +330,17 @@ wire_enum! {
         Duplicate = 2 => "duplicate",
         /// Durably accepted (a log or snapshot holds it).
         Durable = 3 => "durable",
+    }
+}
+
+wire_enum! {
+    /// What an aggregator keeps across a crash (`hello`, protocol 3): with `none` an
+    /// applied ack is the last word (a restart is a knowledge gap); with `snapshot` it
+    /// sends `ack durable` for P0/P1 batches once a snapshot written to disk holds them,
+    /// and the shipper keeps those batches until then.
+    Durability: u8, "durability" {
+        None = 0 => "none",
+        Snapshot = 1 => "snapshot",
     }
 }
 
@@ -428,10 +466,11 @@ mod tests {
         round_trip::<LossCause>();
         round_trip::<NackReason>();
         round_trip::<AckStatus>();
+        round_trip::<Durability>();
         round_trip::<ControlType>();
         round_trip::<SectionTag>();
         round_trip::<ShipperGapReason>();
-        assert_eq!(ALL_ENUMS.len(), 12);
+        assert_eq!(ALL_ENUMS.len(), 13);
         assert_eq!(FrameKind::from_code(999), FrameKind::Unrecognized(999));
         assert_eq!(std::format!("{}", LossCause::from_code(77)), "unknown(77)");
         assert_eq!(std::format!("{}", LossCause::Unknown), "unknown");
@@ -439,13 +478,21 @@ mod tests {
     }
 
     #[test]
-    fn drop_slots_cover_every_cause_once() {
+    fn drop_slots_cover_every_node_cause_once_and_cause_slots_every_cause() {
         for (slot, cause) in LossCause::ALL.iter().enumerate() {
-            assert_eq!(cause.drop_slot(), Some(slot));
-            assert_eq!(LossCause::from_drop_slot(slot), Some(*cause));
+            assert_eq!(cause.cause_slot(), Some(slot));
+            assert_eq!(LossCause::from_cause_slot(slot), Some(*cause));
+            if slot < DROP_SLOTS {
+                assert_eq!(cause.drop_slot(), Some(slot));
+                assert_eq!(LossCause::from_drop_slot(slot), Some(*cause));
+            } else {
+                assert_eq!(cause.drop_slot(), None, "{cause} has no kernel slot");
+            }
         }
-        assert_eq!(LossCause::ALL.len(), DROP_SLOTS);
+        assert_eq!(LossCause::ALL.len(), LOSS_CAUSES);
+        assert_eq!(LossCause::AggregatorCrash.drop_slot(), None);
         assert_eq!(LossCause::from_drop_slot(DROP_SLOTS), None);
+        assert_eq!(LossCause::from_cause_slot(LOSS_CAUSES), None);
         assert_eq!(LossCause::Unrecognized(40).drop_slot(), None);
     }
 }

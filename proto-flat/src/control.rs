@@ -10,7 +10,7 @@
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
-use crate::codes::{AckStatus, ControlType, NackReason, WireEnum};
+use crate::codes::{AckStatus, ControlType, Durability, NackReason, WireEnum};
 use crate::error::DecodeError;
 
 /// The largest control message a reader accepts: a `resume` with
@@ -36,7 +36,34 @@ pub struct ControlHeader {
 }
 const _: () = assert!(size_of::<ControlHeader>() == 8);
 
-/// `hello` body: which aggregator instance the shipper is talking to (16 B).
+/// The control protocol this build speaks best (the digit of the preface `RWCTL3\0\0`):
+/// 3 adds the `hello` extension ([`HelloExt`]: the negotiated version and the
+/// aggregator's durability) and `ack durable`.
+pub const CONTROL_VERSION: u16 = 3;
+/// The oldest control protocol this build still speaks (one version back, so a rolling
+/// upgrade of either side keeps working): 2, whose `hello` is [`HelloBody`] alone and
+/// whose acks all mean applied.
+pub const MIN_CONTROL_VERSION: u16 = 2;
+
+/// The 8-byte control-stream preface of protocol `version` (`RWCTL<digit>\0\0`).
+#[must_use]
+pub fn control_preface(version: u16) -> [u8; 8] {
+    let digit = u8::try_from(version % 10).unwrap_or(0);
+    [b'R', b'W', b'C', b'T', b'L', b'0' + digit, 0, 0]
+}
+
+/// The control protocol a preface names, if it is one (any digit; the caller decides
+/// whether it speaks it).
+#[must_use]
+pub fn preface_version(preface: &[u8; 8]) -> Option<u16> {
+    match preface {
+        [b'R', b'W', b'C', b'T', b'L', d @ b'0'..=b'9', 0, 0] => Some(u16::from(d - b'0')),
+        _ => None,
+    }
+}
+
+/// `hello` body: which aggregator instance the shipper is talking to (16 B). From
+/// protocol 3 on, a [`HelloExt`] follows it; a protocol-2 reader reads the prefix.
 #[repr(C)]
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HelloBody {
@@ -46,6 +73,19 @@ pub struct HelloBody {
     pub aggregator_epoch: U64,
 }
 const _: () = assert!(size_of::<HelloBody>() == 16);
+
+/// Protocol 3's extension of `hello` (8 B): what the connection speaks and what an ack
+/// promises.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HelloExt {
+    /// The control protocol of this connection: the lower of the two sides' best.
+    pub control_version: U16,
+    /// [`Durability`] code: what the aggregator keeps across a crash.
+    pub durability: u8,
+    pub _reserved0: [u8; 5],
+}
+const _: () = assert!(size_of::<HelloExt>() == 8);
 
 /// `ack` head, followed by `range_count` [`AckRange`]s (16 B).
 #[repr(C)]
@@ -127,6 +167,10 @@ pub enum ControlMessage<'a> {
     Hello {
         aggregator_instance: u64,
         aggregator_epoch: u64,
+        /// The connection's control protocol (2 when the `hello` has no extension).
+        control_version: u16,
+        /// What the aggregator keeps across a crash (`none` for protocol 2).
+        durability: Durability,
     },
     Ack {
         shipper_session: u64,
@@ -183,10 +227,13 @@ pub fn parse_control(bytes: &[u8]) -> Result<Option<(ControlMessage<'_>, usize)>
     let payload = msg.get(size_of::<ControlHeader>()..).unwrap_or(&[]);
     let message = match ControlType::from_code(header.msg_type.get()) {
         ControlType::Hello => {
-            let (b, _) = body::<HelloBody>(payload, "hello")?;
+            let (b, used) = body::<HelloBody>(payload, "hello")?;
+            let ext = payload.get(used..).and_then(|rest| HelloExt::read_from_prefix(rest).ok()).map(|(e, _)| e);
             ControlMessage::Hello {
                 aggregator_instance: b.aggregator_instance.get(),
                 aggregator_epoch: b.aggregator_epoch.get(),
+                control_version: ext.map_or(MIN_CONTROL_VERSION, |e| e.control_version.get()),
+                durability: ext.map_or(Durability::None, |e| Durability::from_code(e.durability)),
             }
         }
         ControlType::Ack => {
@@ -255,14 +302,31 @@ mod encode {
         out.extend_from_slice(h.as_bytes());
     }
 
-    /// Appends a `hello`.
-    pub fn encode_hello(out: &mut Vec<u8>, aggregator_instance: u64, aggregator_epoch: u64) {
-        header(out, ControlType::Hello, size_of::<HelloBody>());
+    /// Appends a `hello` for a connection of control protocol `control_version`: the
+    /// protocol-2 body alone below 3, with the [`HelloExt`] from 3 on.
+    pub fn encode_hello(
+        out: &mut Vec<u8>,
+        aggregator_instance: u64,
+        aggregator_epoch: u64,
+        control_version: u16,
+        durability: Durability,
+    ) {
+        let ext = control_version >= 3;
+        let len = size_of::<HelloBody>() + if ext { size_of::<HelloExt>() } else { 0 };
+        header(out, ControlType::Hello, len);
         let b = HelloBody {
             aggregator_instance: U64::new(aggregator_instance),
             aggregator_epoch: U64::new(aggregator_epoch),
         };
         out.extend_from_slice(b.as_bytes());
+        if ext {
+            let e = HelloExt {
+                control_version: U16::new(control_version),
+                durability: durability.code(),
+                _reserved0: [0; 5],
+            };
+            out.extend_from_slice(e.as_bytes());
+        }
     }
 
     /// Appends an `ack` of inclusive `batch_seq` ranges.
@@ -364,7 +428,7 @@ mod tests {
     #[test]
     fn messages_round_trip_and_stream_in_pieces() {
         let mut out = Vec::new();
-        encode_hello(&mut out, 7, 3);
+        encode_hello(&mut out, 7, 3, CONTROL_VERSION, Durability::Snapshot);
         encode_ack(&mut out, 9, AckStatus::Applied, &[(1, 4), (6, 6)]).unwrap();
         encode_nack(&mut out, 9, 5, NackReason::ChecksumMismatch);
         // An unknown type in between is skipped by length.
@@ -382,7 +446,15 @@ mod tests {
             rest = &rest[used..];
         }
         assert!(rest.is_empty());
-        assert_eq!(got[0], ControlMessage::Hello { aggregator_instance: 7, aggregator_epoch: 3 });
+        assert_eq!(
+            got[0],
+            ControlMessage::Hello {
+                aggregator_instance: 7,
+                aggregator_epoch: 3,
+                control_version: 3,
+                durability: Durability::Snapshot
+            }
+        );
         match got[1] {
             ControlMessage::Ack { shipper_session: 9, status: AckStatus::Applied, ranges } => {
                 assert_eq!(ranges.len(), 2);
@@ -395,6 +467,35 @@ mod tests {
             ControlMessage::Nack { shipper_session: 9, batch_seq: 5, reason: NackReason::ChecksumMismatch }
         );
         assert_eq!(got[3], ControlMessage::Unknown { msg_type: 0x7fee, length: 16 });
+    }
+
+    /// A protocol-2 `hello` is the 16-byte body alone: read as protocol 2 without
+    /// durability; a protocol-3 one read by a protocol-2 reader is the same prefix.
+    #[test]
+    fn hello_of_protocol_2_reads_as_none_and_prefaces_round_trip() {
+        let mut v2 = Vec::new();
+        encode_hello(&mut v2, 7, 3, 2, Durability::Snapshot);
+        assert_eq!(v2.len(), 8 + 16);
+        let (msg, _) = parse_control(&v2).unwrap().unwrap();
+        assert_eq!(
+            msg,
+            ControlMessage::Hello {
+                aggregator_instance: 7,
+                aggregator_epoch: 3,
+                control_version: 2,
+                durability: Durability::None
+            }
+        );
+        let mut v3 = Vec::new();
+        encode_hello(&mut v3, 7, 3, 3, Durability::Snapshot);
+        assert_eq!(v3.len(), 8 + 24);
+        assert_eq!(&v3[8..24], &v2[8..24], "protocol 2's body is protocol 3's prefix");
+        for v in [2, 3] {
+            assert_eq!(preface_version(&control_preface(v)), Some(v));
+        }
+        assert_eq!(&control_preface(2), b"RWCTL2\0\0");
+        assert_eq!(preface_version(b"RWCTLx\0\0"), None);
+        assert_eq!(preface_version(b"GET / HT"), None);
     }
 
     #[test]

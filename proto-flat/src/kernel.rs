@@ -21,6 +21,12 @@ pub const RING_BULK: u8 = 1;
 pub const RING_COUNT: u8 = 2;
 /// Highest bulk sampling level: keep 1 in 2^15 events.
 pub const MAX_SAMPLING_LEVEL: u8 = 15;
+/// The layout of the maps pinned under the shipper's pin directory (their value
+/// structs, sizes and meaning), stored in the pinned `rw_layout` map. A shipper that
+/// finds pins of another layout removes them and starts a new epoch instead of reading
+/// them. Raise it whenever a pinned map's layout changes. (Pins from before `rw_layout`
+/// existed have layout 1.)
+pub const PIN_LAYOUT: u32 = 1;
 
 /// One (ring, CPU)'s counters (96 B). The program decides sampling first (a sampled-out
 /// event bumps `sampled_out` and takes no seq), then takes `seq`, then reserves ring

@@ -17,7 +17,7 @@ use std::process::Command;
 
 use proto_flat::batch::BatchHeader;
 use proto_flat::codes::{ALL_ENUMS, activation, flags};
-use proto_flat::control::{AckHead, AckRange, ControlHeader, HelloBody, NackBody, ResumeHead, ResumeStream};
+use proto_flat::control::{AckHead, AckRange, ControlHeader, HelloBody, HelloExt, NackBody, ResumeHead, ResumeStream};
 use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
 };
@@ -212,6 +212,7 @@ fn rust_layouts() -> Vec<Layout> {
         ),
         layout!(ControlHeader, "rw_control_header", [msg_type, _reserved0, length]),
         layout!(HelloBody, "rw_hello_body", [aggregator_instance, aggregator_epoch]),
+        layout!(HelloExt, "rw_hello_ext", [control_version, durability, _reserved0]),
         layout!(AckHead, "rw_ack_head", [shipper_session, range_count, status, _reserved0]),
         layout!(AckRange, "rw_ack_range", [first, last]),
         layout!(NackBody, "rw_nack_body", [shipper_session, batch_seq, reason, _reserved0]),
@@ -246,6 +247,7 @@ fn rust_consts() -> BTreeMap<String, u64> {
     out.insert("RW_RING_BULK".into(), u64::from(proto_flat::kernel::RING_BULK));
     out.insert("RW_RING_COUNT".into(), u64::from(proto_flat::kernel::RING_COUNT));
     out.insert("RW_MAX_SAMPLING_LEVEL".into(), u64::from(proto_flat::kernel::MAX_SAMPLING_LEVEL));
+    out.insert("RW_PIN_LAYOUT".into(), u64::from(proto_flat::kernel::PIN_LAYOUT));
     out
 }
 
@@ -472,6 +474,7 @@ fn c_header_btf_matches_rust_layout() {
             "RW_RING_BULK",
             "RW_RING_COUNT",
             "RW_MAX_SAMPLING_LEVEL",
+            "RW_PIN_LAYOUT",
         ]
         .contains(&name.as_str())
         {

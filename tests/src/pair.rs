@@ -44,8 +44,10 @@ use node_shipper::core::{
     EpochStart, SamplingConfig, SamplingPolicy, ShipperCore, ShipperStats, SourceCounters, Unflushed,
 };
 use proto_flat::batch::{BatchHeader, BatchView, SummaryCheck};
-use proto_flat::codes::{AckStatus, NackReason, WireEnum};
-use proto_flat::control::{ControlMessage, encode_ack, encode_hello, encode_nack, encode_resume, parse_control};
+use proto_flat::codes::{AckStatus, Durability, NackReason, WireEnum};
+use proto_flat::control::{
+    CONTROL_VERSION, ControlMessage, encode_ack, encode_hello, encode_nack, encode_resume, parse_control,
+};
 use ringwatch_core::matcher::MatcherStats;
 use ringwatch_core::verdict::{MatcherEvent, OpRef, Verdict};
 use ringwatch_core::{Core, Health, IngestStats, NodeId, Receipt};
@@ -842,6 +844,13 @@ impl Pair {
     #[must_use]
     pub fn new(cfg: PairConfig) -> Self {
         let s = &cfg.scenario;
+        // Restarts are `loadgen run`'s (real time, real QUIC); this harness does not model
+        // them (module docs), so a scenario naming them must not run here as if it did.
+        let restarts: Vec<&str> = s.faults.iter().filter(|f| f.is_restart()).map(|f| f.kind()).collect();
+        assert!(
+            restarts.is_empty(),
+            "the pair harness does not apply scenario restarts ({restarts:?}); loadgen run does"
+        );
         let sim = Simulation::new(s, cfg.options).expect("the scenario validates");
         let nodes = s.cluster.nodes;
         let set = aggregator::certs::CertSet::at(std::path::Path::new("/nonexistent-pair-harness"));
@@ -1178,14 +1187,14 @@ impl Pair {
         while let Ok(Some((msg, n))) = parse_control(bytes.get(used..).unwrap_or(&[])) {
             used += n;
             match msg {
-                ControlMessage::Hello { aggregator_instance, aggregator_epoch } => {
-                    s.core.handle_hello(aggregator_instance, aggregator_epoch);
+                ControlMessage::Hello { aggregator_instance, aggregator_epoch, control_version, durability } => {
+                    s.core.handle_hello(aggregator_instance, aggregator_epoch, control_version, durability);
                 }
-                ControlMessage::Ack { shipper_session, ranges: r, .. } => {
+                ControlMessage::Ack { shipper_session, status, ranges: r } => {
                     if shipper_session == s.core.batcher().meta().shipper_session {
                         ranges.clear();
                         ranges.extend(r.iter().map(|x| (x.first.get(), x.last.get())));
-                        s.core.handle_ack(&ranges, now);
+                        s.core.handle_ack(&ranges, status, now);
                     }
                 }
                 ControlMessage::Nack { shipper_session, batch_seq, reason } => {
@@ -1394,7 +1403,7 @@ impl Pair {
             c.resumed = true;
         }
         let mut hello = Vec::new();
-        encode_hello(&mut hello, self.instance, self.aggregator_epoch);
+        encode_hello(&mut hello, self.instance, self.aggregator_epoch, CONTROL_VERSION, Durability::None);
         self.control(conn, hello);
     }
 

@@ -11,8 +11,10 @@
 //!
 //! Stream layout on one connection:
 //! - the shipper opens one bidirectional **control stream**, writes [`CONTROL_PREFACE`]
-//!   and one `resume` (where its session stands); the aggregator applies it before any
-//!   batch of the connection, then answers on it with `hello`, then `ack`/`nack` messages;
+//!   (or the preface of an older control protocol it falls back to) and one `resume`
+//!   (where its session stands); the aggregator applies it before any batch of the
+//!   connection, then answers on it with `hello` (the protocol both speak, and what an
+//!   ack promises), then `ack`/`nack` messages;
 //! - every batch travels on its own unidirectional stream (the stream's end delimits it),
 //!   with priority by lane ([`lane_priority`]): P0 above P1 above bulk.
 
@@ -31,9 +33,10 @@ use rustls::server::WebPkiClientVerifier;
 /// ALPN of ringwatch's protocol, version 1.
 pub const ALPN: &[u8] = b"ringwatch/1";
 
-/// First bytes the shipper writes on its control stream: control protocol 2 (a `resume`
-/// follows; protocol 1 had none).
-pub const CONTROL_PREFACE: [u8; 8] = *b"RWCTL2\0\0";
+/// First bytes the shipper writes on its control stream: control protocol 3
+/// (`proto_flat::control::CONTROL_VERSION`; a `resume` follows, as from protocol 2 on).
+/// An aggregator also takes protocol 2's preface (`RWCTL2`), one version back.
+pub const CONTROL_PREFACE: [u8; 8] = *b"RWCTL3\0\0";
 
 /// QUIC application close codes.
 pub mod close {
@@ -45,6 +48,9 @@ pub mod close {
     pub const REFUSED: u32 = 2;
     /// Too many rejected batches from this peer.
     pub const ABUSE: u32 = 3;
+    /// The control preface names a protocol this aggregator does not speak (the reason
+    /// names the ones it does). An aggregator one version older closes with `PROTOCOL`.
+    pub const VERSION: u32 = 4;
 }
 
 /// Errors setting up TLS or sockets.
@@ -305,5 +311,15 @@ pub mod shell {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proto_flat::control::{CONTROL_VERSION, control_preface};
+
+    #[test]
+    fn the_preface_names_this_builds_control_protocol() {
+        assert_eq!(super::CONTROL_PREFACE, control_preface(CONTROL_VERSION));
     }
 }

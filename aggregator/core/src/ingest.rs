@@ -247,10 +247,15 @@ pub struct Ingest {
     next_loss_id: u64,
     /// Aggregator start, or the time of the snapshot restored.
     known_since_ns: u64,
-    /// Restored from a snapshot: what was applied (and acked) between the snapshot and the
-    /// crash is gone, so each node's first batch closes a knowledge gap. A fresh start has
-    /// none — shippers spool until they are acked, nothing acked was forgotten.
+    /// Restored from a snapshot (or started after one it could not read): what was
+    /// applied between the snapshot and the crash is gone, so each node's first batch
+    /// closes a knowledge gap. A fresh start has none — shippers spool until they are
+    /// acked, nothing acked was forgotten.
     restored: bool,
+    /// Restored from its own snapshot: seqs below a shipper's resume floor that this
+    /// instance never saw were acked by the instance that crashed after the snapshot —
+    /// `aggregator_crash` loss, not `prior_instance`.
+    resume_crash: bool,
     stats: IngestStats,
     out: crate::outbox::Outbox<Record>,
     /// Which batches are settled (applied, or reported lost by their shipper).
@@ -269,6 +274,7 @@ impl Ingest {
             next_loss_id: 0,
             known_since_ns: now,
             restored: false,
+            resume_crash: false,
             stats: IngestStats::default(),
             out: crate::outbox::Outbox::default(),
             dedup: BatchDedup::new(config.dedup),
@@ -515,7 +521,7 @@ impl Ingest {
         let mut windows = 0u64;
         for &(sid, floor) in floors {
             match Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid) {
-                Some(t) => windows.grow(u64::from(t.on_resume(floor, now))),
+                Some(t) => windows.grow(u64::from(t.on_resume(floor, self.resume_crash, now))),
                 None => self.stats.resume_streams_refused.inc(),
             }
         }
@@ -936,10 +942,13 @@ impl Ingest {
     // ---------------------------------------------------------------- snapshots
 
     /// Marks every node as not heard from since `snapshot_ns` (after a restore: the
-    /// knowledge gap runs from the snapshot to each node's first batch).
-    pub fn restart_knowledge(&mut self, snapshot_ns: u64) {
+    /// knowledge gap runs from the snapshot to each node's first batch). `crash`: this
+    /// state is the snapshot's own (restored, not started fresh in its place), so what it
+    /// misses below a shipper's resume floor is `aggregator_crash`.
+    pub fn restart_knowledge(&mut self, snapshot_ns: u64, crash: bool) {
         self.known_since_ns = snapshot_ns;
         self.restored = true;
+        self.resume_crash = crash;
         for n in self.nodes.values_mut() {
             n.heard_since_start = false;
         }

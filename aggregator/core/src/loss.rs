@@ -21,7 +21,8 @@
 //!   shipper still held unacked, so a gap at or above it may still be filled or reported
 //!   (issue 16: a backlog resent out of order, a batch given up at shutdown). Causes:
 //!   first the kernel's unexplained drop counts (`kernel_ring_full`, then `oversized`),
-//!   the rest `prior_instance` below a resume floor, `shipper_restart` below a session's
+//!   the rest `prior_instance` (or `aggregator_crash`) below a resume floor,
+//!   `shipper_restart` below a session's
 //!   takeover floor, else `unknown`. The tail `[high, A)` is in transit (in the spool,
 //!   however long a partition lasts) while the shipper still holds something of the
 //!   stream (`H < A`); once it holds nothing, everything it read was applied or reported,
@@ -33,7 +34,9 @@
 //!   resolved seqs this one never saw, issue 16) becomes a pending gap; held frames and
 //!   loss records still fill it, settlement places the kernel's unexplained drops on holes
 //!   above the floor first, then in it, and what is left below the floor is counted
-//!   `prior_instance` — not loss, no loss interval.
+//!   `prior_instance` — not loss, no loss interval — or, where the floor came to an
+//!   aggregator restored from its own snapshot (it knew the stream up to the snapshot,
+//!   and the instance that crashed after it acked the rest), lost as `aggregator_crash`.
 //!
 //! Conservation (tested): `attempted + sampled_out = received + lost + prior_instance +
 //! pending + in_transit + sampled_out`, per stream, at every step.
@@ -43,7 +46,7 @@
 
 use std::collections::BTreeMap;
 
-use proto_flat::codes::{DROP_SLOTS, LossCause, WireEnum};
+use proto_flat::codes::{LOSS_CAUSES, LossCause, WireEnum};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::records::{LossInterval, StreamKey};
@@ -83,8 +86,8 @@ pub struct LostRange {
 pub struct StreamCounts {
     pub received: u64,
     pub duplicates: u64,
-    /// Lost by cause slot (`LossCause::drop_slot`).
-    pub lost: [u64; DROP_SLOTS],
+    /// Lost by cause slot (`LossCause::cause_slot`).
+    pub lost: [u64; LOSS_CAUSES],
     /// Seqs declared lost that arrived after all.
     pub revived: u64,
     pub gaps_evicted: u64,
@@ -132,8 +135,12 @@ pub struct SeqTracker {
     ts_high: u64,
     wm_ns: u64,
     restart_floor: u64,
-    /// Below it, what no other cause explains is `prior_instance` (a shipper's resume).
+    /// Below it, what no other cause explains is `prior_instance` (a shipper's resume) —
+    /// or `aggregator_crash` when `resume_crash`.
     resume_floor: u64,
+    /// The resume floor came to an aggregator restored from its own snapshot: what it
+    /// misses below the floor was acked by the instance that crashed.
+    resume_crash: bool,
     recent_lost: Vec<LostRange>,
     closed: bool,
     limits: TrackerLimits,
@@ -142,10 +149,13 @@ pub struct SeqTracker {
 const RING_FULL_SLOT: usize = 0;
 const OVERSIZED_SLOT: usize = 1;
 /// Not a loss cause: the `prior_instance` count (outside `StreamCounts::lost`).
-const PRIOR_SLOT: usize = DROP_SLOTS;
+const PRIOR_SLOT: usize = LOSS_CAUSES;
+/// Where a cause this build does not know is counted.
+const UNKNOWN_SLOT: usize = 7;
+const _: () = assert!(LossCause::Unknown.code_const() as usize == UNKNOWN_SLOT + 1);
 
 fn slot(cause: LossCause) -> usize {
-    cause.drop_slot().unwrap_or(DROP_SLOTS - 1)
+    cause.cause_slot().filter(|&s| s < LOSS_CAUSES).unwrap_or(UNKNOWN_SLOT)
 }
 
 impl SeqTracker {
@@ -164,6 +174,7 @@ impl SeqTracker {
             wm_ns: 0,
             restart_floor: 0,
             resume_floor: 0,
+            resume_crash: false,
             recent_lost: Vec::new(),
             closed: false,
             limits,
@@ -416,8 +427,11 @@ impl SeqTracker {
     /// some aggregator instance, or will still arrive (held frames, loss records). If it
     /// lies above what this tracker has seen, this instance missed part of the stream: the
     /// seqs up to it become a pending gap whose unexplained rest is `prior_instance` at
-    /// settlement. Returns whether it did (false: this instance already knows that far).
-    pub fn on_resume(&mut self, floor: u64, now: u64) -> bool {
+    /// settlement — `aggregator_crash` loss instead when `crash` (this instance was
+    /// restored from its own snapshot, so the instance that acked them crashed before a
+    /// snapshot held them). Returns whether it did (false: this instance already knows
+    /// that far).
+    pub fn on_resume(&mut self, floor: u64, crash: bool, now: u64) -> bool {
         if self.closed || floor <= self.high {
             return false;
         }
@@ -426,13 +440,14 @@ impl SeqTracker {
         self.pending.grow(floor.saturating_sub(start));
         self.high = floor;
         self.resume_floor = floor;
+        self.resume_crash = crash;
         if proto_flat::StreamId(self.key.stream_id).class_code() == proto_flat::Class::P1.code() {
             // The shipper's own stream: no heartbeat counts it (nothing would ever settle
             // the window) and no kernel drops it. Counted at once; a held frame that
             // still arrives is revived from it.
             let mut scratch = Vec::new();
             let mut ids = 0;
-            self.declare(start, start, floor, PRIOR_SLOT, 0, now, &mut scratch, &mut ids);
+            self.declare(start, start, floor, self.resume_slot(), 0, now, &mut scratch, &mut ids);
             self.update_watermark();
         }
         true
@@ -552,7 +567,7 @@ impl SeqTracker {
             } else if unexplained[1] > 0 {
                 (OVERSIZED_SLOT, left.min(unexplained[1]))
             } else if lo < self.resume_floor {
-                (PRIOR_SLOT, end.min(self.resume_floor).saturating_sub(lo))
+                (self.resume_slot(), end.min(self.resume_floor).saturating_sub(lo))
             } else if lo < self.restart_floor {
                 (slot(LossCause::ShipperRestart), end.min(self.restart_floor).saturating_sub(lo))
             } else {
@@ -641,7 +656,7 @@ impl SeqTracker {
         now: u64,
     ) -> LossInterval {
         ids.inc();
-        let cause = LossCause::from_drop_slot(cause_slot).unwrap_or(LossCause::Unknown);
+        let cause = LossCause::from_cause_slot(cause_slot).unwrap_or(LossCause::Unknown);
         LossInterval {
             id: *ids,
             stream: self.key,
@@ -655,6 +670,11 @@ impl SeqTracker {
             to_node_ns,
             decided_at_ns: now,
         }
+    }
+
+    /// Where seqs below the resume floor that nothing else explains are counted.
+    fn resume_slot(&self) -> usize {
+        if self.resume_crash { slot(LossCause::AggregatorCrash) } else { PRIOR_SLOT }
     }
 
     fn remember_lost(&mut self, lo: u64, hi: u64, cause_slot: usize) {

@@ -294,6 +294,14 @@ impl Core {
     }
 
     pub(crate) fn restart_knowledge(&mut self, snapshot_ns: u64) {
-        self.ingest.restart_knowledge(snapshot_ns);
+        self.ingest.restart_knowledge(snapshot_ns, true);
+    }
+
+    /// This fresh core stands in for a snapshot taken at `snapshot_ns` that could not be
+    /// restored (another build's format): every node gets a knowledge gap from then to
+    /// its first batch, as after a restore; what the shippers' resume floors say an
+    /// earlier instance had is `prior_instance`, as after a start without state.
+    pub fn forget_since(&mut self, snapshot_ns: u64) {
+        self.ingest.restart_knowledge(snapshot_ns, false);
     }
 }

@@ -267,8 +267,8 @@ fn a_resume_floor_counts_prior_instance_not_loss_regression_issue_16() {
     let mut t = T::new();
     // Another instance received 0..=9 except 4 (a kernel drop); 10 is still held by the
     // shipper (resent); the kernel drops 12 after the restart.
-    assert!(t.t.on_resume(11, 0));
-    assert!(!t.t.on_resume(5, 0), "a floor below what this instance knows changes nothing");
+    assert!(t.t.on_resume(11, false, 0));
+    assert!(!t.t.on_resume(5, false, 0), "a floor below what this instance knows changes nothing");
     t.frames(&[10, 11, 13], MS);
     let hb = t.hb(14, 14, 2);
     t.settle(hb, MS, 501 * MS);
@@ -286,6 +286,30 @@ fn a_resume_floor_counts_prior_instance_not_loss_regression_issue_16() {
     conserved(&t, 14);
 }
 
+/// Issue 20: a floor given to an aggregator restored from its own snapshot: what it
+/// misses below the floor was acked by the instance that crashed after the snapshot —
+/// lost as `aggregator_crash` with a loss interval, never `prior_instance` or `unknown`;
+/// kernel drops are still placed first, and a held frame still revives its seq.
+#[test]
+fn a_resume_floor_after_a_crash_is_aggregator_crash_loss_issue_20() {
+    let mut t = T::new();
+    assert!(t.t.on_resume(11, true, 0));
+    t.frames(&[10, 11, 13], MS);
+    let hb = t.hb(14, 14, 2);
+    t.settle(hb, MS, 501 * MS);
+    let c = *t.t.counts();
+    let crash = LossCause::AggregatorCrash.cause_slot().unwrap();
+    assert_eq!(c.lost[LossCause::KernelRingFull.drop_slot().unwrap()], 2, "{:?}", t.losses());
+    assert_eq!(c.lost[crash], 9, "0..=9 less the kernel drop: {:?}", t.losses());
+    assert_eq!(c.lost[LossCause::Unknown.drop_slot().unwrap()], 0);
+    assert_eq!(c.prior_instance, 0);
+    assert!(t.losses().iter().any(|l| l.3 == "aggregator_crash"), "{:?}", t.losses());
+    conserved(&t, 14);
+    t.frames(&[3], 600 * MS);
+    assert_eq!((t.t.counts().received, t.t.counts().lost[crash], t.t.counts().revived), (4, 8, 1));
+    conserved(&t, 14);
+}
+
 /// Issue 16: the shipper's own P1 stream has no heartbeat counters to settle a window
 /// with, so its prior_instance is counted at once (and a held frame still revives it).
 #[test]
@@ -293,7 +317,7 @@ fn a_resume_floor_on_the_shippers_own_stream_is_counted_at_once() {
     let sid = proto_flat::StreamId::new(proto_flat::Class::P1, proto_flat::StreamId::SHIPPER_RING, 0).0;
     let key = StreamKey { node: NodeId(1), epoch: 1, stream_id: sid };
     let mut t = T { t: SeqTracker::new(key, TrackerLimits::default()), out: Vec::new(), ids: 0 };
-    assert!(t.t.on_resume(40, 0));
+    assert!(t.t.on_resume(40, false, 0));
     assert_eq!((t.t.counts().prior_instance, t.t.pending()), (40, 0));
     assert!(t.losses().is_empty(), "not loss");
     t.frames(&[38, 40], MS);

@@ -32,6 +32,15 @@ pub struct HealthzDto {
     pub nodes_connected: u64,
     /// Whether this instance restored its state from a snapshot.
     pub restored: bool,
+    /// A snapshot found at start that this build could not read (another format
+    /// version): this instance started fresh in its place, with a knowledge gap for
+    /// every node from the snapshot's time, and moved the file aside.
+    #[serde(default)]
+    pub snapshot_skipped: Option<SnapshotSkippedDto>,
+    /// What an ack promises shippers: `snapshot` (P0/P1 acked durable once a snapshot
+    /// holds them) or `none`.
+    #[serde(default)]
+    pub durability: String,
     /// Why the core failed (status `failed`).
     pub failure: Option<String>,
     /// Every long-lived task: `timers` (the core's), `ingest` (QUIC accept loop),
@@ -41,6 +50,15 @@ pub struct HealthzDto {
     /// and its shipper reconnected), and in HTTP handlers (answered 500).
     pub connection_panics: u64,
     pub handler_panics: u64,
+}
+
+/// A snapshot this build could not read ([`HealthzDto::snapshot_skipped`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotSkippedDto {
+    /// Its format version.
+    pub version: u32,
+    /// Where it was moved.
+    pub kept_at: String,
 }
 
 /// How long the timer task may go without a turn before `/healthz` calls it stalled
@@ -124,6 +142,18 @@ pub struct IngestDto {
     /// (aggregator ms).
     pub last_snapshot_hold_us: u64,
     pub last_snapshot_at_ms: u64,
+    /// P0/P1 batches acked `durable` (a snapshot on disk holds them), and those a
+    /// connection could not remember for a durable ack (its 65,536 were awaiting).
+    #[serde(default)]
+    pub batches_durable: u64,
+    #[serde(default)]
+    pub durable_untracked: u64,
+    /// Connections of control protocol 2 (a shipper one version behind), and connections
+    /// refused for a protocol this aggregator does not speak.
+    #[serde(default)]
+    pub connections_protocol_2: u64,
+    #[serde(default)]
+    pub protocol_refused: u64,
 }
 
 /// One bounded map's size against its cap (`/v1/ingest` `maps`).
@@ -342,7 +372,7 @@ impl StreamDto {
             .iter()
             .enumerate()
             .filter(|(_, n)| **n > 0)
-            .filter_map(|(slot, n)| LossCause::from_drop_slot(slot).map(|cause| (cause.to_string(), *n)))
+            .filter_map(|(slot, n)| LossCause::from_cause_slot(slot).map(|cause| (cause.to_string(), *n)))
             .collect();
         let hb = t.heartbeat();
         Self {

@@ -151,6 +151,11 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Response {
         uptime_ms: s.now() / 1_000_000,
         nodes_connected: s.nodes.iter().filter(|e| e.connected).count() as u64,
         restored: s.restored,
+        snapshot_skipped: s
+            .snapshot_skipped
+            .as_ref()
+            .map(|(version, kept_at)| dto::SnapshotSkippedDto { version: *version, kept_at: kept_at.clone() }),
+        durability: s.durability.to_string(),
         failure,
         tasks,
         connection_panics: s.tasks.connection_panics.load(Relaxed),
@@ -246,6 +251,10 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Response {
         implausible_resumes: stats.implausible_resumes,
         last_snapshot_hold_us: c.last_snapshot_hold_us.load(Relaxed),
         last_snapshot_at_ms: c.last_snapshot_at_ms.load(Relaxed),
+        batches_durable: c.batches_durable.load(Relaxed),
+        durable_untracked: c.durable_untracked.load(Relaxed),
+        connections_protocol_2: c.connections_protocol_2.load(Relaxed),
+        protocol_refused: c.protocol_refused.load(Relaxed),
     })
     .into_response()
 }

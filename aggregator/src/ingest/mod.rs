@@ -3,10 +3,15 @@
 //!
 //! Per connection: the peer's identity is its client certificate's DNS SAN (verified
 //! against the configured CA during the handshake); `node_id` = first 8 bytes of
-//! SHA-256(name). The shipper's control stream must open with the preface; then every
-//! unidirectional stream carries one batch. A batch is validated in place (envelope,
+//! SHA-256(name). The shipper's control stream must open with the preface of a control
+//! protocol this aggregator speaks (this build's, 3, or the one before, 2: a rolling
+//! upgrade of either side keeps working; others are closed with `close::VERSION`); then
+//! every unidirectional stream carries one batch. A batch is validated in place (envelope,
 //! CRC, frames, stream summary), its `node_id` checked against the certificate, and
-//! handed to `Core::receive_batch`; the answer goes back on the control stream.
+//! handed to `Core::receive_batch`; the answer goes back on the control stream. With
+//! snapshots configured (durability `snapshot`) a protocol-3 connection's P0/P1 batches
+//! are also acked `durable` once a snapshot on disk holds them (at most 65,536 awaiting
+//! per connection).
 //!
 //! Memory per connection is bounded by the transport's receive window (unread stream
 //! data) plus [`STREAMS_IN_PROGRESS`] batches of at most [`MAX_BATCH_READ`] being read
@@ -24,8 +29,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use proto_flat::batch::{BatchHeader, BatchView, SummaryCheck};
-use proto_flat::codes::{AckStatus, NackReason, WireEnum};
-use proto_flat::control::{encode_ack, encode_hello, encode_nack};
+use proto_flat::codes::{AckStatus, Class, Durability, NackReason, WireEnum};
+use proto_flat::control::{MIN_CONTROL_VERSION, encode_ack, encode_hello, encode_nack, preface_version};
 use ringwatch_core::{NodeId, Receipt};
 use ringwatch_transport::{CONTROL_PREFACE, close, peer_name};
 use tokio::sync::mpsc;
@@ -75,7 +80,10 @@ pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
 
 /// The answer to one batch.
 enum Answer {
-    Ack(u64, AckStatus, u64),
+    /// `(session, status, batch_seq, capture)`: `capture` is the snapshot capture number
+    /// the batch was applied under, when its connection gets a durable ack for it (a
+    /// P0/P1 batch, control protocol 3, durability `snapshot`).
+    Ack(u64, AckStatus, u64, Option<u64>),
     Nack(u64, u64, NackReason),
     /// The core's node cap is reached: nothing applied, the connection is closed (the
     /// shipper keeps its batches and resends them on a later connection).
@@ -120,11 +128,27 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         }
     };
     let mut ctl_recv = ctl_recv;
-    if !preface_ok(&mut ctl_recv).await {
-        Counters::inc(&shared.counters.protocol_errors);
-        conn.close(close::PROTOCOL.into(), b"bad control preface");
-        return;
+    let version = match preface(&mut ctl_recv, shared.max_control_version).await {
+        Preface::Speaks(v) => v,
+        Preface::Unsupported(v) => {
+            Counters::inc(&shared.counters.protocol_refused);
+            tracing::warn!(%remote, node = %name, version = v, "control protocol not spoken here: closing");
+            let why =
+                format!("control protocol {v} not supported: {MIN_CONTROL_VERSION}..={}", shared.max_control_version);
+            conn.close(close::VERSION.into(), why.as_bytes());
+            return;
+        }
+        Preface::Bad => {
+            Counters::inc(&shared.counters.protocol_errors);
+            conn.close(close::PROTOCOL.into(), b"bad control preface");
+            return;
+        }
+    };
+    if version < 3 {
+        Counters::inc(&shared.counters.connections_protocol_2);
     }
+    // Durable acks only where the aggregator keeps anything and the shipper understands.
+    let durable = version >= 3 && shared.durability == Durability::Snapshot;
     // The session's resume, applied before any batch of this connection is read.
     match read_resume(&mut ctl_recv).await {
         Ok(r) => {
@@ -172,7 +196,7 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
     let writer = {
         let (sh, c) = (Arc::clone(&shared), conn.clone());
         tokio::spawn(async move {
-            if guard(&sh, "control writer", control_writer(ctl_send, rx, Arc::clone(&sh))).await.is_none() {
+            if guard(&sh, "control writer", control_writer(ctl_send, rx, Arc::clone(&sh), version)).await.is_none() {
                 c.close(close::PROTOCOL.into(), b"aggregator task failed");
             }
         })
@@ -239,7 +263,7 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                 }
                 let rtt = shared.aggregator_ns(conn2.rtt());
-                match apply(&shared, node, rtt, &bytes) {
+                match apply(&shared, node, rtt, &bytes, durable) {
                     Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
                     Ok(Answer::CloseFailed) => conn2.close(close::SHUTDOWN.into(), b"aggregator restarting"),
                     Ok(answer) => {
@@ -280,10 +304,29 @@ fn closed(shared: &Shared, node: NodeId) {
     }
 }
 
-async fn preface_ok(recv: &mut quinn::RecvStream) -> bool {
+/// What a connection's control preface said.
+enum Preface {
+    /// A control protocol this aggregator speaks.
+    Speaks(u16),
+    /// A control protocol it does not (closed with `close::VERSION`).
+    Unsupported(u16),
+    /// Not a preface, or none within 10 s.
+    Bad,
+}
+
+/// Reads the control preface: protocol `MIN_CONTROL_VERSION..=max` is spoken (this
+/// build's and the one before, so a rolling upgrade of either side keeps working).
+async fn preface(recv: &mut quinn::RecvStream, max: u16) -> Preface {
     let mut buf = [0u8; CONTROL_PREFACE.len()];
     let read = tokio::time::timeout(Duration::from_secs(10), recv.read_exact(&mut buf)).await;
-    matches!(read, Ok(Ok(()))) && buf == CONTROL_PREFACE
+    if !matches!(read, Ok(Ok(()))) {
+        return Preface::Bad;
+    }
+    match preface_version(&buf) {
+        Some(v) if (MIN_CONTROL_VERSION..=max).contains(&v) => Preface::Speaks(v),
+        Some(v) => Preface::Unsupported(v),
+        None => Preface::Bad,
+    }
 }
 
 /// A decoded `resume`, owned.
@@ -331,9 +374,17 @@ async fn read_resume(recv: &mut quinn::RecvStream) -> Result<Resume, String> {
 }
 
 /// Validates and applies one batch. `Err` carries the (session, batch_seq) if the
-/// header was readable, and the reason.
+/// header was readable, and the reason. `durable`: the connection gets durable acks, so
+/// an applied (or duplicate) P0/P1 batch's answer carries the snapshot capture number it
+/// was applied under (read under the core's lock, as the capture increments it).
 #[allow(clippy::type_complexity, reason = "a private helper's pair of ids")]
-fn apply(shared: &Shared, node: NodeId, rtt: u64, bytes: &[u8]) -> Result<Answer, (Option<(u64, u64)>, NackReason)> {
+fn apply(
+    shared: &Shared,
+    node: NodeId,
+    rtt: u64,
+    bytes: &[u8],
+    durable: bool,
+) -> Result<Answer, (Option<(u64, u64)>, NackReason)> {
     let ids = BatchHeader::read_from_prefix(bytes).ok().map(|(h, _)| (h.shipper_session.get(), h.batch_seq.get()));
     let view = BatchView::parse(bytes).map_err(|e| (ids, e.nack_reason()))?;
     let mut scratch = SummaryCheck::default();
@@ -347,20 +398,22 @@ fn apply(shared: &Shared, node: NodeId, rtt: u64, bytes: &[u8]) -> Result<Answer
         e.last_shipper_session = session;
     }
     let now = shared.now();
-    let receipt = {
+    let keep = durable && matches!(view.lane(), Class::P0 | Class::P1);
+    let (receipt, capture) = {
         let Ok(mut core) = shared.core() else { return Ok(Answer::CloseFailed) };
         let r = core.receive_batch(now, node, rtt, &view);
         shared.drain_events(&mut core);
-        r
+        (r, keep.then(|| shared.capture_gen.load(Ordering::Relaxed)))
     };
     match receipt {
         Receipt::Applied => {
             Counters::inc(&shared.counters.batches_applied);
-            Ok(Answer::Ack(session, AckStatus::Applied, seq))
+            Ok(Answer::Ack(session, AckStatus::Applied, seq, capture))
         }
         Receipt::Duplicate => {
+            // Applied before — maybe after the last snapshot: durable with the next one.
             Counters::inc(&shared.counters.batches_duplicate);
-            Ok(Answer::Ack(session, AckStatus::Duplicate, seq))
+            Ok(Answer::Ack(session, AckStatus::Duplicate, seq, capture))
         }
         Receipt::DedupWindowFull => Err((Some((session, seq)), NackReason::DedupWindowFull)),
         Receipt::NodeCapReached => Ok(Answer::CloseNodeCap),
@@ -391,27 +444,52 @@ async fn reject(
     }
 }
 
-/// Writes `hello`, then every answer, on the control stream; consecutive acks of one
-/// session and status are merged into ranges.
-async fn control_writer(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Answer>, shared: Arc<Shared>) {
+/// P0/P1 batches one connection remembers for a durable ack (beyond: counted in
+/// `durable_untracked`; the shipper keeps them until its next connection).
+const MAX_AWAITING_DURABLE: usize = 65_536;
+
+/// Writes `hello` (protocol `version`), then every answer, on the control stream;
+/// consecutive acks of one session and status are merged into ranges. Batches applied
+/// under snapshot capture `g` are acked `durable` once a snapshot numbered above `g` is
+/// on disk.
+async fn control_writer(
+    mut send: quinn::SendStream,
+    mut rx: mpsc::Receiver<Answer>,
+    shared: Arc<Shared>,
+    version: u16,
+) {
     let _ = send.set_priority(ringwatch_transport::CONTROL_PRIORITY);
     let mut out = Vec::with_capacity(4096);
-    encode_hello(&mut out, shared.instance, shared.epoch);
+    encode_hello(&mut out, shared.instance, shared.epoch, version, shared.durability);
     if send.write_all(&out).await.is_err() {
         return;
     }
+    let mut durable_rx = shared.durable_gen.subscribe();
+    let mut awaiting: Vec<(u64, u64, u64)> = Vec::new();
     let mut pending = Vec::new();
-    while let Some(first) = rx.recv().await {
-        pending.clear();
-        pending.push(first);
-        while pending.len() < 1024 {
-            match rx.try_recv() {
-                Ok(a) => pending.push(a),
-                Err(_) => break,
+    loop {
+        out.clear();
+        tokio::select! {
+            first = rx.recv() => {
+                let Some(first) = first else { break };
+                pending.clear();
+                pending.push(first);
+                while pending.len() < 1024 {
+                    match rx.try_recv() {
+                        Ok(a) => pending.push(a),
+                        Err(_) => break,
+                    }
+                }
+                encode_answers(&mut out, &mut pending, &shared, &mut awaiting);
+            }
+            changed = durable_rx.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                let on_disk = *durable_rx.borrow_and_update();
+                encode_durable(&mut out, &mut awaiting, on_disk, &shared);
             }
         }
-        out.clear();
-        encode_answers(&mut out, &mut pending, &shared);
         if !out.is_empty() && send.write_all(&out).await.is_err() {
             return;
         }
@@ -419,22 +497,54 @@ async fn control_writer(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Answ
     let _ = send.finish();
 }
 
-fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared) {
+/// `ack durable` for every awaiting batch applied before capture `on_disk` (ranges per
+/// session).
+fn encode_durable(out: &mut Vec<u8>, awaiting: &mut Vec<(u64, u64, u64)>, on_disk: u64, shared: &Shared) {
+    if shared.holding_acks() {
+        return;
+    }
+    let mut done: Vec<(u64, u8, u64)> = Vec::new();
+    awaiting.retain(|&(session, seq, capture)| {
+        if capture < on_disk {
+            done.push((session, AckStatus::Durable.code(), seq));
+            false
+        } else {
+            true
+        }
+    });
+    shared.counters.batches_durable.fetch_add(done.len() as u64, Ordering::Relaxed);
+    encode_acks(out, &mut done);
+}
+
+fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared, awaiting: &mut Vec<(u64, u64, u64)>) {
     let holding = shared.holding_acks();
     let mut acks: Vec<(u64, u8, u64)> = Vec::new();
     for a in pending.iter() {
         match *a {
-            Answer::Ack(session, status, seq) => {
+            Answer::Ack(session, status, seq, capture) => {
                 if holding {
                     Counters::inc(&shared.counters.acks_held);
                 } else {
                     acks.push((session, status.code(), seq));
+                    if let Some(c) = capture {
+                        if awaiting.len() < MAX_AWAITING_DURABLE {
+                            awaiting.push((session, seq, c));
+                        } else {
+                            Counters::inc(&shared.counters.durable_untracked);
+                        }
+                    }
                 }
             }
             Answer::Nack(session, seq, reason) => encode_nack(out, session, seq, reason),
             Answer::CloseNodeCap | Answer::CloseFailed => {}
         }
     }
+    encode_acks(out, &mut acks);
+}
+
+/// `(session, status, batch_seq)` as ack messages: sorted, consecutive seqs of one
+/// session and status merged into ranges.
+fn encode_acks(out: &mut Vec<u8>, acks: &mut [(u64, u8, u64)]) {
     acks.sort_unstable();
     let mut i = 0;
     while let Some(&(session, status, _)) = acks.get(i) {

@@ -341,9 +341,10 @@ pub enum MismatchField {
 }
 
 /// A fault with its time window and target. Kernel-side and workload faults are applied
-/// by the simulator. Shipper and transport faults (`spool_overflow`, `shipper_restart`,
-/// `aggregator_restart`, `partition`, `duplicate_batches`) are parsed and refused by
-/// [`Scenario::validate`]: no harness applies them yet.
+/// by the simulator; `shipper_restart` and `aggregator_restart` by `loadgen run`'s
+/// restart driver (the simulated pair harness refuses them). The other shipper and
+/// transport faults (`spool_overflow`, `partition`, `duplicate_batches`) are parsed and
+/// refused by [`Scenario::validate`]: no harness applies them yet.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Fault {
@@ -386,7 +387,9 @@ pub enum Fault {
     Mismatch { node: u32, gpu: u32, comm: String, at_ms: u64, field: MismatchField },
     /// The node dies: no frames, no heartbeats; its collectives block.
     NodeDead { node: u32, at_ms: u64 },
-    /// The shipper restarts: new session, same epoch (refused: no harness applies it yet).
+    /// The shipper stops (SIGTERM: it flushes, or reports what it cannot) and a new
+    /// session takes the node's kernel side over `down_ms` later: same epoch, a new
+    /// shipper session (applied by `loadgen run`).
     ShipperRestart { node: u32, at_ms: u64, down_ms: u64 },
     /// The kernel counters are recreated: a new epoch, seqs from 0.
     CounterReset { node: u32, at_ms: u64 },
@@ -398,8 +401,15 @@ pub enum Fault {
     Graph { comm: String, from_ms: u64, until_ms: u64 },
     /// A rank without the profiler shim: no P0 frames, no PROGRESS.
     Uninstrumented { node: u32, gpu: u32 },
-    /// Transport: the aggregator restarts (refused: no harness applies it yet).
-    AggregatorRestart { at_ms: u64, down_ms: u64 },
+    /// The aggregator stops and starts again `down_ms` later from its snapshot: after a
+    /// final snapshot (SIGTERM), or with `kill = true` without one (SIGKILL: it restores
+    /// the last periodic snapshot). Applied by `loadgen run`.
+    AggregatorRestart {
+        at_ms: u64,
+        down_ms: u64,
+        #[serde(default)]
+        kill: bool,
+    },
     /// Transport: the node is cut off (refused: no harness applies it yet).
     Partition { node: u32, from_ms: u64, until_ms: u64 },
     /// Transport: batches are delivered twice (refused: no harness applies it yet).
@@ -438,6 +448,12 @@ impl Fault {
             Self::Partition { .. } => "partition",
             Self::DuplicateBatches { .. } => "duplicate_batches",
         }
+    }
+
+    /// Whether `loadgen run`'s restart driver applies it (a shipper or aggregator restart).
+    #[must_use]
+    pub fn is_restart(&self) -> bool {
+        matches!(self, Self::ShipperRestart { .. } | Self::AggregatorRestart { .. })
     }
 
     /// Whether the simulator applies it (kernel side and workload) or only schedules it
@@ -604,7 +620,7 @@ impl Scenario {
                     p.push(format!("faults[{i}] ({}): communicator {comm:?} does not exist", f.kind()));
                 }
             }
-            if !f.applied_by_simulator() {
+            if !f.applied_by_simulator() && !f.is_restart() {
                 // Parsed so the error can say what it is, but nothing applies it yet: a
                 // scenario that names it would run without it and be scored as if it
                 // happened.

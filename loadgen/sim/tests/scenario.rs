@@ -65,8 +65,6 @@ fn fault_kinds_no_harness_applies_are_refused_by_name_regression_issue_17() {
     let base = "name = \"x\"\nduration_ms = 10\n[cluster]\nnodes = 1\ngpus_per_node = 1\n";
     for (kind, fields) in [
         ("spool_overflow", "node = 0\nfrom_ms = 1\nuntil_ms = 2\n"),
-        ("shipper_restart", "node = 0\nat_ms = 1\ndown_ms = 2\n"),
-        ("aggregator_restart", "at_ms = 1\ndown_ms = 2\n"),
         ("partition", "node = 0\nfrom_ms = 1\nuntil_ms = 2\n"),
         ("duplicate_batches", "node = 0\nfrom_ms = 1\nuntil_ms = 2\n"),
     ] {
@@ -75,6 +73,14 @@ fn fault_kinds_no_harness_applies_are_refused_by_name_regression_issue_17() {
     }
     let ok = format!("{base}[[faults]]\nkind = \"node_dead\"\nnode = 0\nat_ms = 1\n");
     assert!(Scenario::parse(&ok).is_ok());
+    // Issue 20: `loadgen run`'s restart driver applies these two.
+    for (kind, fields) in [
+        ("shipper_restart", "node = 0\nat_ms = 1\ndown_ms = 2\n"),
+        ("aggregator_restart", "at_ms = 1\ndown_ms = 2\nkill = true\n"),
+    ] {
+        let s = format!("{base}[[faults]]\nkind = \"{kind}\"\n{fields}");
+        assert!(Scenario::parse(&s).is_ok(), "{kind}");
+    }
 }
 
 #[test]

@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 
 use proto_flat::batch::BatchView;
-use proto_flat::codes::{Class, LossCause, NackReason, WireEnum};
+use proto_flat::codes::{AckStatus, Class, Durability, LossCause, NackReason, WireEnum};
 use proto_flat::control::{MAX_RESUME_RANGES, MAX_RESUME_STREAMS};
 use proto_flat::decode::Frame;
 use proto_flat::encode::SectionedFrameWriter;
@@ -89,6 +89,13 @@ pub enum BatchEvent {
     /// Unacked at the shutdown deadline.
     Abandoned {
         batch_seq: u64,
+    },
+    /// Acked `durable` (a snapshot on disk holds it) by that aggregator instance; or,
+    /// with `aggregator_instance` 0, released unconfirmed (room was needed, or the
+    /// aggregator declared durability `none`).
+    Durable {
+        batch_seq: u64,
+        aggregator_instance: u64,
     },
 }
 
@@ -170,20 +177,31 @@ pub struct ShipperStats {
     /// The aggregator instance of the last hello.
     pub aggregator_instance: u64,
     pub aggregator_epoch: u64,
+    /// The last hello's control protocol and durability (`Durability` code).
+    pub control_version: u16,
+    pub durability: u8,
+    /// P0/P1 batches acked `durable` after an applied ack (durability `snapshot`) …
+    pub batches_durable: u64,
+    /// … and those released before a durable ack came: room was needed, or an
+    /// aggregator declaring durability `none` answered (they were applied; an aggregator
+    /// crash before its next snapshot would lose them).
+    pub released_undurable: u64,
 }
 
-/// Batch latency (first frame in → ack) per lane, microseconds.
+/// Batch latency (first frame in → ack) per lane, microseconds; and for P0/P1 batches
+/// kept until durable, first frame in → durable ack (the durable lag).
 #[derive(Debug, Clone)]
 pub struct LaneLatency {
     /// P0, P1, P2, P3.
     pub lanes: [hdrhistogram::Histogram<u64>; 4],
+    pub durable: hdrhistogram::Histogram<u64>,
 }
 
 impl Default for LaneLatency {
     fn default() -> Self {
         // 1 µs .. 1 h at 2 significant digits: a few KiB each.
         let h = || hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("constant bounds are valid");
-        Self { lanes: [h(), h(), h(), h()] }
+        Self { lanes: [h(), h(), h(), h()], durable: h() }
     }
 }
 
@@ -201,6 +219,16 @@ impl LaneLatency {
     #[must_use]
     pub fn summary(&self, lane: Class) -> LatencySummary {
         let Some(h) = self.lanes.get(usize::from(lane.code())) else { return LatencySummary::default() };
+        Self::summarize(h)
+    }
+
+    /// The durable lag's summary (P0/P1 batches acked durable).
+    #[must_use]
+    pub fn durable_summary(&self) -> LatencySummary {
+        Self::summarize(&self.durable)
+    }
+
+    fn summarize(h: &hdrhistogram::Histogram<u64>) -> LatencySummary {
         LatencySummary {
             count: h.len(),
             p50_us: h.value_at_quantile(0.5),
@@ -254,6 +282,9 @@ pub struct ShipperCore {
     /// Loss records wait in the open P1 lane: cut it once the current offers are done.
     pending_loss_records: bool,
     latency: LaneLatency,
+    /// The aggregator declared durability `snapshot`: applied P0/P1 batches stay until
+    /// acked durable.
+    keep_until_durable: bool,
     /// Connections so far (the batch log's `Sent::connection`).
     connections: u64,
     /// Per lane: when it last made progress (an ack, or idle with nothing in flight).
@@ -300,6 +331,7 @@ impl ShipperCore {
             cut: Vec::new(),
             pending_loss_records: false,
             latency: LaneLatency::default(),
+            keep_until_durable: false,
             connections: 0,
             lane_progress_ns: [now; 4],
             batch_log: config.batch_log.then(Vec::new),
@@ -415,11 +447,31 @@ impl ShipperCore {
         self.shipper_stream = StreamId::new(Class::P1, StreamId::SHIPPER_RING, index);
     }
 
-    /// `hello` from the aggregator.
-    pub fn handle_hello(&mut self, aggregator_instance: u64, aggregator_epoch: u64) {
+    /// `hello` from the aggregator: which instance, the connection's control protocol,
+    /// and what its acks promise. With durability `snapshot`, applied P0/P1 batches stay
+    /// in the spool until acked `durable`; with `none` (or protocol 2), an applied ack is
+    /// the last word, and whatever still awaited a durable ack leaves now.
+    pub fn handle_hello(
+        &mut self,
+        aggregator_instance: u64,
+        aggregator_epoch: u64,
+        control_version: u16,
+        durability: Durability,
+    ) {
         self.stats.hellos += 1;
         self.stats.aggregator_instance = aggregator_instance;
         self.stats.aggregator_epoch = aggregator_epoch;
+        self.stats.control_version = control_version;
+        self.stats.durability = durability.code();
+        self.keep_until_durable = durability == Durability::Snapshot;
+        if !self.keep_until_durable {
+            for b in self.spool.release_awaiting() {
+                self.stats.released_undurable += 1;
+                self.log(BatchEvent::Durable { batch_seq: b.batch_seq, aggregator_instance: 0 });
+                self.note_released(&b.bytes);
+                self.batcher.recycle(b.bytes);
+            }
+        }
     }
 
     /// The batch log (empty unless enabled), and how many entries did not fit.
@@ -438,23 +490,54 @@ impl ShipperCore {
         &self.latency
     }
 
-    /// `ack` of inclusive `batch_seq` ranges: those batches leave the spool.
-    pub fn handle_ack(&mut self, ranges: &[(u64, u64)], now: u64) {
+    /// `ack` of inclusive `batch_seq` ranges. Applied (or duplicate): those batches are
+    /// delivered and leave the spool — P0/P1 ones stay, awaiting a durable ack, while the
+    /// aggregator declared durability `snapshot`. Durable: they leave the spool.
+    pub fn handle_ack(&mut self, ranges: &[(u64, u64)], status: AckStatus, now: u64) {
         let instance = self.stats.aggregator_instance;
-        for b in self.spool.ack(ranges) {
-            if let Some(p) = self.lane_progress_ns.get_mut(usize::from(b.lane.code()).min(3)) {
-                *p = now;
+        if status == AckStatus::Durable {
+            let (freed, unacked) = self.spool.durable(ranges);
+            for b in freed {
+                self.stats.batches_durable += 1;
+                self.latency.durable.saturating_record((now.saturating_sub(b.opened_ns) / 1_000).max(1));
+                self.log(BatchEvent::Durable { batch_seq: b.batch_seq, aggregator_instance: instance });
+                self.note_released(&b.bytes);
+                self.batcher.recycle(b.bytes);
             }
-            self.log(BatchEvent::Acked { batch_seq: b.batch_seq, aggregator_instance: instance });
-            if let Some(h) = self.latency.lanes.get_mut(usize::from(b.lane.code()).min(3)) {
-                h.saturating_record((now.saturating_sub(b.opened_ns) / 1_000).max(1));
+            for b in unacked {
+                self.delivered(b.lane, b.batch_seq, b.frames, b.opened_ns, now);
+                self.stats.batches_durable += 1;
+                self.log(BatchEvent::Durable { batch_seq: b.batch_seq, aggregator_instance: instance });
+                self.note_released(&b.bytes);
+                self.batcher.recycle(b.bytes);
             }
-            self.stats.batches_acked += 1;
-            self.stats.frames_acked += u64::from(b.frames);
-            self.stats.frames_acked_by_lane[usize::from(b.lane.code()).min(3)] += u64::from(b.frames);
+            return;
+        }
+        let (freed, kept) = self.spool.ack(ranges, self.keep_until_durable);
+        for k in kept {
+            self.delivered(k.lane, k.batch_seq, k.frames, k.opened_ns, now);
+        }
+        for b in freed {
+            self.delivered(b.lane, b.batch_seq, b.frames, b.opened_ns, now);
             self.note_released(&b.bytes);
             self.batcher.recycle(b.bytes);
         }
+    }
+
+    /// A batch acked (applied, duplicate, or durable without an applied ack first): its
+    /// frames are delivered.
+    fn delivered(&mut self, lane: Class, batch_seq: u64, frames: u32, opened_ns: u64, now: u64) {
+        let l = usize::from(lane.code()).min(3);
+        if let Some(p) = self.lane_progress_ns.get_mut(l) {
+            *p = now;
+        }
+        self.log(BatchEvent::Acked { batch_seq, aggregator_instance: self.stats.aggregator_instance });
+        if let Some(h) = self.latency.lanes.get_mut(l) {
+            h.saturating_record((now.saturating_sub(opened_ns) / 1_000).max(1));
+        }
+        self.stats.batches_acked += 1;
+        self.stats.frames_acked += u64::from(frames);
+        self.stats.frames_acked_by_lane[l] += u64::from(frames);
     }
 
     /// Where the session stands, for the `resume` sent right after the control preface
@@ -466,7 +549,7 @@ impl ShipperCore {
     /// which the `session_start` frame tells the aggregator.)
     #[must_use]
     pub fn resume(&self) -> ResumeState {
-        let mut seqs: Vec<u64> = self.spool.iter().map(|b| b.batch_seq).collect();
+        let mut seqs: Vec<u64> = self.spool.iter_held().map(|b| b.batch_seq).collect();
         seqs.sort_unstable();
         let mut held: Vec<(u64, u64)> = Vec::new();
         let mut next_batch_seq = self.batcher.next_batch_seq();
@@ -795,6 +878,12 @@ impl ShipperCore {
                 for dropped in adm.dropped {
                     self.lose(dropped, LossCause::ShipperSpoolFull, 0, now);
                 }
+                for released in adm.released {
+                    self.stats.released_undurable += 1;
+                    self.log(BatchEvent::Durable { batch_seq: released.batch_seq, aggregator_instance: 0 });
+                    self.note_released(&released.bytes);
+                    self.batcher.recycle(released.bytes);
+                }
             }
             // Loss records wait in the open P1 lane; cut it now so they go out promptly.
             if std::mem::take(&mut self.pending_loss_records)
@@ -842,6 +931,7 @@ impl ShipperCore {
 mod tests {
     use super::*;
     use proto_flat::batch::BatchView;
+    use proto_flat::codes::AckStatus;
     use proto_flat::decode::Frame;
     use proto_flat::sample;
     use proto_flat::sections::Section;
@@ -902,7 +992,7 @@ mod tests {
         let last = sent.iter().map(|b| BatchView::parse(b).unwrap()).max_by_key(|v| v.header.batch_seq.get()).unwrap();
         assert_eq!(last.totals().lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
         // Ack everything: the spool empties, the stats add up.
-        c.handle_ack(&[(1, u64::MAX)], 0);
+        c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 0);
         assert!(c.spool().is_empty());
         assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
     }
@@ -961,7 +1051,7 @@ mod tests {
             .collect();
         assert_eq!(again, first);
         assert_eq!(c.stats().lane_resends, 1);
-        c.handle_ack(&[(1, u64::MAX)], 5_010 * MS);
+        c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 5_010 * MS);
         c.handle_counters(&counters, 20 * MS, 20_000 * MS);
         assert!(transmit(&mut c).iter().all(|b| BatchView::parse(b).unwrap().header.lane != Class::P2.code()));
         assert_eq!(c.stats().lane_resends, 1, "acked: nothing more");
@@ -1005,7 +1095,7 @@ mod tests {
         assert_eq!(c.batcher().totals().sampled_out, 7);
         // Idle: the next heartbeat still comes, at the interval; with everything acked it
         // says nothing is held any more (held_from = attempted).
-        c.handle_ack(&[(1, u64::MAX)], 2 * MS);
+        c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 2 * MS);
         assert_eq!(c.poll_timeout(), 1001 * MS);
         c.handle_timeout(2_000, 1001 * MS);
         assert_eq!(c.stats().heartbeats, 2);
@@ -1066,7 +1156,7 @@ mod tests {
         let seqs: Vec<u64> = sent.iter().map(|b| BatchView::parse(b).unwrap().header.batch_seq.get()).collect();
         assert_eq!(seqs, vec![1, 2, 3], "three bulk batches of 10 frames");
         // Batch 2 acked first (acks arrive out of order): the floor is past its frames.
-        c.handle_ack(&[(2, 2)], MS);
+        c.handle_ack(&[(2, 2)], AckStatus::Applied, MS);
         let r = c.resume();
         assert_eq!((r.shipper_session, r.epoch, r.next_batch_seq), (2, 1, 4));
         assert_eq!(r.held, vec![(1, 1), (3, 3)]);
@@ -1076,7 +1166,7 @@ mod tests {
         c.handle_nack(3, NackReason::SummaryMismatch, 2 * MS);
         let p1 = transmit(&mut c);
         let p1_seq = BatchView::parse(&p1[0]).unwrap().header.batch_seq.get();
-        c.handle_ack(&[(p1_seq, p1_seq)], 3 * MS);
+        c.handle_ack(&[(p1_seq, p1_seq)], AckStatus::Applied, 3 * MS);
         let r = c.resume();
         assert_eq!(r.held, vec![(1, 1)]);
         assert_eq!(r.next_batch_seq, p1_seq + 1);
@@ -1097,7 +1187,7 @@ mod tests {
         }
         c.flush(MS);
         let _ = transmit(&mut c);
-        c.handle_ack(&[(1, 1)], 2 * MS);
+        c.handle_ack(&[(1, 1)], AckStatus::Applied, 2 * MS);
         assert_eq!(c.give_up_data(3 * MS), 15);
         let records = transmit(&mut c);
         let lost: Vec<_> =
@@ -1107,7 +1197,7 @@ mod tests {
         // The loss records' P1 batch acked: per lane, in = acked + lost.
         let p1: Vec<u64> = records.iter().map(|b| BatchView::parse(b).unwrap().header.batch_seq.get()).collect();
         for seq in p1 {
-            c.handle_ack(&[(seq, seq)], 4 * MS);
+            c.handle_ack(&[(seq, seq)], AckStatus::Applied, 4 * MS);
         }
         let s = c.stats();
         for lane in 0..4 {
@@ -1125,7 +1215,7 @@ mod tests {
         }
         c.flush(MS);
         let _ = transmit(&mut c);
-        c.handle_ack(&[(1, 1)], 0);
+        c.handle_ack(&[(1, 1)], AckStatus::Applied, 0);
         let u = c.abandon();
         assert_eq!((u.batches, u.frames), (2, 15));
         assert_eq!(u.frames_by_lane[2], 15);
@@ -1137,13 +1227,13 @@ mod tests {
     fn the_batch_log_gives_every_created_batch_a_fate() {
         let mut c = core(1 << 20);
         c.reconnected();
-        c.handle_hello(7, 1);
+        c.handle_hello(7, 1, 3, Durability::None);
         for seq in 0..30 {
             c.handle_frame(&bulk(0, seq), 0);
         }
         c.flush(MS);
         let _ = transmit(&mut c);
-        c.handle_ack(&[(1, 1)], 2 * MS);
+        c.handle_ack(&[(1, 1)], AckStatus::Applied, 2 * MS);
         c.handle_nack(2, NackReason::BadMagic, 2 * MS);
         let _ = c.abandon();
         let (log, overflow) = c.batch_log();

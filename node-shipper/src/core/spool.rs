@@ -5,6 +5,14 @@
 //! outputs [`Spool::next_to_send`] (P0, then P1, then P2, oldest first, unsent only);
 //! getters [`Spool::used_bytes`], [`Spool::counters`].
 //!
+//! Durable acks (aggregator durability `snapshot`, issue 20): with [`Spool::ack`]'s
+//! `keep_p0_p1`, an applied P0/P1 batch stays, *awaiting durable* — not sent again on
+//! this connection, still held (it counts in `used_bytes`, is listed in a `resume`, and is
+//! sent again after a reconnect) — until [`Spool::durable`] frees it. When room is
+//! needed and no bulk is left to evict, the oldest awaiting batch is released before
+//! anything is refused (it was applied; only a crash of the aggregator before its next
+//! snapshot could lose it): counted `released_undurable`.
+//!
 //! Invariants:
 //! - `used_bytes ≤ cap_bytes`, and P2 never uses the `p0_reserve + p1_reserve` room;
 //! - an incoming P0/P1 batch evicts P2 batches (oldest first) before it can be refused;
@@ -46,6 +54,18 @@ pub struct Admission {
     /// Batches that left without an ack (evicted P2, or the refused batch itself): the
     /// caller turns each into loss records (`shipper_spool_full`) and recycles it.
     pub dropped: Vec<Batch>,
+    /// Applied batches that were awaiting a durable ack, released to make room: they
+    /// leave as acked.
+    pub released: Vec<Batch>,
+}
+
+/// A batch an applied ack moved to *awaiting durable*.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept {
+    pub lane: Class,
+    pub batch_seq: u64,
+    pub frames: u32,
+    pub opened_ns: u64,
 }
 
 /// Counters (exported as metrics by the shipper).
@@ -59,6 +79,11 @@ pub struct SpoolCounters {
     pub acked: u64,
     pub nacked: u64,
     pub resent: u64,
+    /// Applied P0/P1 batches kept until a durable ack, and those of them freed by one.
+    pub kept_for_durable: u64,
+    pub durable: u64,
+    /// Awaiting batches released to make room before their durable ack came.
+    pub released_undurable: u64,
 }
 
 /// The spool. See the module docs.
@@ -71,6 +96,9 @@ pub struct Spool {
     sent: [usize; 4],
     /// Bytes of those sent (and not yet acked) batches, per lane.
     sent_bytes: [usize; 4],
+    /// P0 and P1 batches applied and awaiting a durable ack, oldest applied first (their
+    /// bytes count in `lane_bytes` and `used`).
+    awaiting: [VecDeque<Batch>; 2],
     used: usize,
     counters: SpoolCounters,
 }
@@ -89,9 +117,16 @@ impl Spool {
             lane_bytes: [0; 4],
             sent: [0; 4],
             sent_bytes: [0; 4],
+            awaiting: Default::default(),
             used: 0,
             counters: SpoolCounters::default(),
         }
+    }
+
+    /// Batches awaiting a durable ack (applied, still held).
+    #[must_use]
+    pub fn awaiting_durable(&self) -> usize {
+        self.awaiting.iter().map(VecDeque::len).sum()
     }
 
     /// Bytes held.
@@ -106,13 +141,13 @@ impl Spool {
         &self.counters
     }
 
-    /// Batches held, all lanes.
+    /// Batches held unacked, all lanes (not counting those awaiting a durable ack).
     #[must_use]
     pub fn len(&self) -> usize {
         self.lanes.iter().map(VecDeque::len).sum()
     }
 
-    /// Whether it holds nothing.
+    /// Whether it holds nothing unacked (batches awaiting a durable ack aside).
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -163,8 +198,12 @@ impl Spool {
         // Make room: nobody takes another class's unused reserve; bulk is evicted (oldest,
         // P3 before P2) before anything is refused.
         while self.used + size + self.held_back_from(class) > self.config.cap_bytes {
-            match self.evict_bulk() {
-                Some(b) => out.dropped.push(b),
+            if let Some(b) = self.evict_bulk() {
+                out.dropped.push(b);
+                continue;
+            }
+            match self.release_oldest_awaiting() {
+                Some(b) => out.released.push(b),
                 None => {
                     match class {
                         Class::P0 => self.counters.refused_p0 += 1,
@@ -208,29 +247,94 @@ impl Spool {
         Some((b.lane, b.batch_seq, &b.bytes))
     }
 
-    /// Every batch held, lane by lane, oldest first.
+    /// Every batch held unacked, lane by lane, oldest first (not those awaiting a
+    /// durable ack).
     pub fn iter(&self) -> impl Iterator<Item = &Batch> {
         self.lanes.iter().flat_map(|l| l.iter())
     }
 
-    /// Acked `batch_seq` ranges (inclusive) leave the spool; they are returned so their
-    /// buffers can be reused.
-    pub fn ack(&mut self, ranges: &[(u64, u64)]) -> Vec<Batch> {
+    /// Every batch held: unacked, and awaiting a durable ack (a `resume` lists them all:
+    /// all are sent again after a reconnect).
+    pub fn iter_held(&self) -> impl Iterator<Item = &Batch> {
+        self.iter().chain(self.awaiting.iter().flat_map(|l| l.iter()))
+    }
+
+    /// Acked `batch_seq` ranges (inclusive, applied or duplicate): they leave the spool
+    /// and are returned so their buffers can be reused — except, with `keep_p0_p1`, P0
+    /// and P1 batches, which stay until [`Self::durable`] (returned as [`Kept`]).
+    pub fn ack(&mut self, ranges: &[(u64, u64)], keep_p0_p1: bool) -> (Vec<Batch>, Vec<Kept>) {
         let mut freed = Vec::new();
+        let mut kept = Vec::new();
         for l in 0..4 {
             let mut i = 0;
             while let Some(b) = self.lanes[l].get(i) {
-                if !ranges.iter().any(|&(lo, hi)| lo <= b.batch_seq && b.batch_seq <= hi) {
+                if !in_ranges(ranges, b.batch_seq) {
                     i += 1;
                     continue;
                 }
-                if let Some(b) = self.remove(l, i) {
-                    self.counters.acked += 1;
+                let Some(b) = self.take(l, i) else { break };
+                self.counters.acked += 1;
+                if keep_p0_p1 && l < 2 {
+                    kept.push(Kept { lane: b.lane, batch_seq: b.batch_seq, frames: b.frames, opened_ns: b.opened_ns });
+                    self.counters.kept_for_durable += 1;
+                    self.awaiting[l].push_back(b);
+                } else {
+                    self.account(l, b.bytes.len(), false);
                     freed.push(b);
                 }
             }
         }
-        freed
+        (freed, kept)
+    }
+
+    /// Durably acked `batch_seq` ranges leave the spool: batches awaiting a durable ack
+    /// (the first list), and any still unacked (the second: a durable ack is an ack).
+    pub fn durable(&mut self, ranges: &[(u64, u64)]) -> (Vec<Batch>, Vec<Batch>) {
+        let mut freed = Vec::new();
+        for l in 0..2 {
+            let mut i = 0;
+            while let Some(b) = self.awaiting[l].get(i) {
+                if !in_ranges(ranges, b.batch_seq) {
+                    i += 1;
+                    continue;
+                }
+                let Some(b) = self.awaiting[l].remove(i) else { break };
+                self.account(l, b.bytes.len(), false);
+                self.counters.durable += 1;
+                freed.push(b);
+            }
+        }
+        let (unacked, _) = self.ack(ranges, false);
+        self.counters.durable += unacked.len() as u64;
+        (freed, unacked)
+    }
+
+    /// The aggregator keeps nothing across a crash (`hello`: durability `none`): every
+    /// batch awaiting a durable ack leaves, as acked.
+    pub fn release_awaiting(&mut self) -> Vec<Batch> {
+        let mut out = Vec::new();
+        for l in 0..2 {
+            for b in std::mem::take(&mut self.awaiting[l]) {
+                self.account(l, b.bytes.len(), false);
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    /// The oldest batch awaiting a durable ack (lowest `batch_seq`, either lane) leaves,
+    /// to make room.
+    fn release_oldest_awaiting(&mut self) -> Option<Batch> {
+        let l = match (self.awaiting[0].front(), self.awaiting[1].front()) {
+            (Some(a), Some(b)) => usize::from(b.batch_seq < a.batch_seq),
+            (Some(_), None) => 0,
+            (None, Some(_)) => 1,
+            (None, None) => return None,
+        };
+        let b = self.awaiting[l].pop_front()?;
+        self.account(l, b.bytes.len(), false);
+        self.counters.released_undurable += 1;
+        Some(b)
     }
 
     /// A nacked batch leaves the spool (the caller turns it into `rejected(reason)` loss
@@ -279,11 +383,21 @@ impl Spool {
     }
 
     /// After a reconnect every unacked batch is sent again (the aggregator dedups by
-    /// `(node, shipper_session, batch_seq)`).
+    /// `(node, shipper_session, batch_seq)`), and so is every batch awaiting a durable
+    /// ack: the aggregator on the other end may be a restarted one that lost it.
     pub fn reconnected(&mut self) {
         self.counters.resent += self.sent.iter().sum::<usize>() as u64;
         self.sent = [0; 4];
         self.sent_bytes = [0; 4];
+        for l in 0..2 {
+            if self.awaiting[l].is_empty() {
+                continue;
+            }
+            self.counters.resent += self.awaiting[l].len() as u64;
+            let mut all: Vec<Batch> = self.awaiting[l].drain(..).chain(self.lanes[l].drain(..)).collect();
+            all.sort_by_key(|b| b.batch_seq);
+            self.lanes[l] = all.into();
+        }
     }
 
     /// Everything still held (shutdown: what could not be flushed becomes
@@ -314,14 +428,25 @@ impl Spool {
 
     /// Takes batch `i` out of `lane`, keeping the byte counts and the sent prefix right.
     fn remove(&mut self, lane: usize, i: usize) -> Option<Batch> {
+        let b = self.take(lane, i)?;
+        self.account(lane, b.bytes.len(), false);
+        Some(b)
+    }
+
+    /// Takes batch `i` out of `lane`'s queue, keeping the sent prefix right; its bytes
+    /// stay accounted (the caller frees or keeps them).
+    fn take(&mut self, lane: usize, i: usize) -> Option<Batch> {
         let b = self.lanes[lane].remove(i)?;
         if i < self.sent[lane] {
             self.sent[lane] -= 1;
             self.sent_bytes[lane] -= b.bytes.len();
         }
-        self.account(lane, b.bytes.len(), false);
         Some(b)
     }
+}
+
+fn in_ranges(ranges: &[(u64, u64)], seq: u64) -> bool {
+    ranges.iter().any(|&(lo, hi)| lo <= seq && seq <= hi)
 }
 
 #[cfg(test)]
@@ -364,7 +489,7 @@ mod tests {
         assert_eq!(s.bulk_in_flight_bytes(), 200);
         s.offer(batch(Class::P0, 9, 100));
         assert_eq!(order(&mut s), vec![9], "P0 is not held back by bulk's window");
-        s.ack(&[(1, 1)]);
+        s.ack(&[(1, 1)], false);
         assert_eq!(order(&mut s), vec![3], "an ack opens the window");
         s.reconnected();
         assert_eq!(s.bulk_in_flight_bytes(), 0);
@@ -415,7 +540,7 @@ mod tests {
         s.offer(batch(Class::P0, 3, 10));
         let order: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX).map(|x| x.1)).collect();
         assert_eq!(order, [3, 2, 1], "P0, then P1, then bulk");
-        let freed = s.ack(&[(1, 1), (3, 3)]);
+        let (freed, _) = s.ack(&[(1, 1), (3, 3)], false);
         assert_eq!(freed.len(), 2);
         assert_eq!(s.len(), 1);
         s.reconnected();
@@ -426,11 +551,49 @@ mod tests {
         assert_eq!(s.used_bytes(), 0);
     }
 
+    /// Issue 20: an applied P0/P1 batch stays until its durable ack — held (in the
+    /// bytes, in a resume), not sent again on the connection, sent again after a
+    /// reconnect — and is released, as acked, before anything is refused for room.
+    #[test]
+    fn p0_p1_wait_for_the_durable_ack_and_are_released_before_a_refusal() {
+        let mut s = Spool::new(SpoolConfig { cap_bytes: 1000, p0_reserve_bytes: 300, p1_reserve_bytes: 100 });
+        s.offer(batch(Class::P0, 1, 500));
+        s.offer(batch(Class::P1, 2, 50));
+        s.offer(batch(Class::P2, 3, 100));
+        while s.next_to_send(usize::MAX).is_some() {}
+        let (freed, kept) = s.ack(&[(1, 3)], true);
+        assert_eq!(freed.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), [3], "bulk is freed when applied");
+        assert_eq!(kept.iter().map(|k| k.batch_seq).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!((s.len(), s.awaiting_durable(), s.used_bytes()), (0, 2, 550));
+        assert!(s.is_empty(), "nothing unacked");
+        assert_eq!(s.iter_held().map(|b| b.batch_seq).collect::<Vec<_>>(), [1, 2], "a resume lists them");
+        assert_eq!(s.next_to_send(usize::MAX), None, "not sent again on this connection");
+        s.reconnected();
+        let again: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX).map(|x| x.1)).collect();
+        assert_eq!(again, [1, 2], "sent again after a reconnect");
+        let (_, kept) = s.ack(&[(1, 2)], true);
+        assert_eq!(kept.len(), 2);
+        let (freed, unacked) = s.durable(&[(2, 2)]);
+        assert_eq!((freed.len(), unacked.len(), s.awaiting_durable(), s.used_bytes()), (1, 0, 1, 500));
+        // Room for P1 beyond its reserve: no bulk to evict, so the awaiting P0 batch goes.
+        let a = s.offer(batch(Class::P1, 4, 700));
+        assert!(a.accepted && a.dropped.is_empty());
+        assert_eq!(a.released.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), [1]);
+        assert_eq!(s.counters().released_undurable, 1);
+        assert_eq!(s.used_bytes(), 700);
+        // `none`: everything awaiting leaves as acked.
+        while s.next_to_send(usize::MAX).is_some() {}
+        s.ack(&[(4, 4)], true);
+        assert_eq!(s.release_awaiting().len(), 1);
+        assert_eq!(s.used_bytes(), 0);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Offer(u8, usize),
         Send,
-        Ack(u64, u64),
+        Ack(u64, u64, bool),
+        Durable(u64, u64),
         Nack(u64),
         Reconnect,
     }
@@ -440,16 +603,18 @@ mod tests {
         prop_oneof![
             4 => (0u8..4, 1usize..400).prop_map(|(c, n)| Op::Offer(c, n)),
             2 => Just(Op::Send),
-            1 => (0u64..60, 0u64..8).prop_map(|(a, w)| Op::Ack(a, a + w)),
+            1 => (0u64..60, 0u64..8, proptest::bool::ANY).prop_map(|(a, w, k)| Op::Ack(a, a + w, k)),
+            1 => (0u64..60, 0u64..8).prop_map(|(a, w)| Op::Durable(a, a + w)),
             1 => (0u64..60).prop_map(Op::Nack),
             1 => Just(Op::Reconnect),
         ]
     }
 
     proptest::proptest! {
-        /// Every offered batch is, at every step, in exactly one place: held, dropped
-        /// (evicted or refused), acked or nacked; bytes never exceed the cap, and each
-        /// class's unused reserve stays free of the others.
+        /// Every offered batch is, at every step, in exactly one place: held (unacked, or
+        /// awaiting a durable ack), dropped (evicted or refused), left acked (freed by an
+        /// ack or a durable ack, or released for room) or nacked; bytes never exceed the
+        /// cap, and each class's unused reserve stays free of the others.
         #[test]
         fn every_batch_is_accounted_for(ops in proptest::collection::vec(op(), 1..200)) {
             let cfg = SpoolConfig { cap_bytes: 2000, p0_reserve_bytes: 300, p1_reserve_bytes: 200 };
@@ -465,6 +630,7 @@ mod tests {
                         seq += 1;
                         let a = s.offer(batch(class, seq, n));
                         dropped += a.dropped.len() as u64;
+                        acked += a.released.len() as u64;
                         proptest::prop_assert_eq!(a.accepted, !a.dropped.iter().any(|b| b.batch_seq == seq));
                     }
                     Op::Send => match s.next_to_send(usize::MAX).map(|x| x.1) {
@@ -474,16 +640,23 @@ mod tests {
                             "an unsent batch was not offered"
                         ),
                     },
-                    Op::Ack(a, b) => acked += s.ack(&[(a, b)]).len() as u64,
+                    Op::Ack(a, b, keep) => acked += s.ack(&[(a, b)], keep).0.len() as u64,
+                    Op::Durable(a, b) => {
+                        let (freed, unacked) = s.durable(&[(a, b)]);
+                        acked += (freed.len() + unacked.len()) as u64;
+                    }
                     Op::Nack(q) => nacked += u64::from(s.nack(q).is_some()),
                     Op::Reconnect => {
                         s.reconnected();
                         sent.clear();
                     }
                 }
-                proptest::prop_assert_eq!(offered, s.len() as u64 + dropped + acked + nacked);
+                proptest::prop_assert_eq!(
+                    offered,
+                    s.len() as u64 + s.awaiting_durable() as u64 + dropped + acked + nacked
+                );
                 proptest::prop_assert!(s.used_bytes() <= cfg.cap_bytes);
-                let held: usize = s.lanes.iter().flatten().map(|b| b.bytes.len()).sum();
+                let held: usize = s.iter_held().map(|b| b.bytes.len()).sum();
                 proptest::prop_assert_eq!(held, s.used_bytes());
                 let bulk = s.lane_bytes[2] + s.lane_bytes[3];
                 let p0 = s.lane_bytes[0].max(cfg.p0_reserve_bytes);

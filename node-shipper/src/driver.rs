@@ -344,6 +344,13 @@ pub async fn run_and_return_source(
             shared.ready.notify_one();
             let _ = spool_empties_by(&shared, Instant::now() + FINAL_LOSS_RECORDS_WAIT).await;
         }
+        // Durability `snapshot`: P0/P1 batches applied but not yet in a snapshot wait for
+        // it until the flush deadline, so an aggregator crash right after this shutdown
+        // loses none of them; what still waits then is in the report
+        // (`awaiting_durable_at_exit`).
+        while shared.core().spool().awaiting_durable() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     } else {
         flushed = false;
     }

@@ -311,6 +311,11 @@ impl Ingest {
         self.nodes.get(&node)
     }
 
+    /// Every node ingest knows (a restored core: also those not heard from since).
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.keys().copied()
+    }
+
     /// Counters.
     #[must_use]
     pub fn stats(&self) -> &IngestStats {

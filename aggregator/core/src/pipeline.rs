@@ -86,6 +86,11 @@ impl Core {
         self.ingest.node(node)
     }
 
+    /// Every node ingest knows, restored ones included.
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.ingest.node_ids()
+    }
+
     /// A node's stream trackers, every epoch still held.
     pub fn trackers(&self, node: NodeId) -> impl Iterator<Item = &crate::loss::SeqTracker> {
         self.ingest.trackers(node)

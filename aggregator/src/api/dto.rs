@@ -173,7 +173,8 @@ pub struct NodesDto {
 /// One node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeDto {
-    /// Its certificate's DNS name.
+    /// Its certificate's DNS name — or, for a node this instance knows only from its
+    /// snapshot (it has not connected since the restart), its `node_id`.
     pub name: String,
     /// First 8 bytes of SHA-256(name), hex.
     pub node_id: String,

@@ -272,6 +272,13 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
     };
     let health = core.node_health(now);
     let gpu_health = core.gpu_health(now);
+    // A node the core knows (from its snapshot) that has not connected to this instance
+    // is listed too, under its id — a node that never came back after an aggregator
+    // restart must not vanish from the answer.
+    let mut registry = registry;
+    let named: std::collections::BTreeSet<NodeId> = registry.iter().map(|r| r.0).collect();
+    registry
+        .extend(core.node_ids().filter(|id| !named.contains(id)).map(|id| (id, format!("{:016x}", id.0), false, 0)));
     let mut out: Vec<NodeDto> = registry
         .into_iter()
         .map(|(id, name, connected, connections)| {

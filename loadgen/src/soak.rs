@@ -64,6 +64,8 @@ pub struct Minute {
     pub minute: u64,
     pub aggregator_rss_kb: u64,
     pub loadgen_rss_kb: u64,
+    /// This process's live heap (see [`live_heap_kb`]).
+    pub loadgen_heap_kb: u64,
     pub snapshot_bytes: u64,
     pub generated: u64,
     pub received: u64,
@@ -95,6 +97,8 @@ pub struct SoakResult {
     /// Least-squares RSS slope from minute 5 on, MB per 10 minutes (None: too short).
     pub aggregator_rss_slope_mb_per_10min: Option<f64>,
     pub loadgen_rss_slope_mb_per_10min: Option<f64>,
+    /// The same for loadgen's live heap (what it holds, whatever the allocator keeps).
+    pub loadgen_heap_slope_mb_per_10min: Option<f64>,
     /// Shipper sessions' reports: P0/P1 kept until durable, durable lag, and so on.
     pub reports: Vec<Report>,
 }
@@ -121,10 +125,11 @@ impl SoakResult {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "{:>4} {:>9} {:>9} {:>9} {:>11} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>5} {:>8} {:>5} {:>4}  lost by cause",
+            "{:>4} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>5} {:>4}  lost by cause",
             "min",
             "agg MB",
             "lg MB",
+            "lg heap",
             "snap KB",
             "generated",
             "received",
@@ -133,7 +138,6 @@ impl SoakResult {
             "prior",
             "pending",
             "unacct",
-            "",
             "final",
             "wrong",
             "rst"
@@ -143,10 +147,11 @@ impl SoakResult {
             #[allow(clippy::cast_precision_loss, reason = "display")]
             let _ = writeln!(
                 t,
-                "{:>4} {:>9.1} {:>9.1} {:>9} {:>11} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>5} {:>8} {:>5} {:>4}  {:?}",
+                "{:>4} {:>9.1} {:>9.1} {:>9.1} {:>9} {:>11} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>5} {:>4}  {:?}",
                 m.minute,
                 m.aggregator_rss_kb as f64 / 1024.0,
                 m.loadgen_rss_kb as f64 / 1024.0,
+                m.loadgen_heap_kb as f64 / 1024.0,
                 m.snapshot_bytes / 1024,
                 m.generated,
                 m.received,
@@ -155,7 +160,6 @@ impl SoakResult {
                 m.prior_instance,
                 m.pending_or_in_transit,
                 m.unaccounted,
-                "",
                 m.final_verdicts,
                 m.wrong_verdicts,
                 m.restarts_so_far,
@@ -166,9 +170,10 @@ impl SoakResult {
             |s: Option<f64>| s.map_or_else(|| "n/a (under 7 minutes)".to_owned(), |v| format!("{v:+.2} MB/10 min"));
         let _ = writeln!(
             t,
-            "RSS slope from minute 5: aggregator {}, loadgen {}",
+            "RSS slope from minute 5: aggregator {}, loadgen {} (live heap {})",
             slope(self.aggregator_rss_slope_mb_per_10min),
-            slope(self.loadgen_rss_slope_mb_per_10min)
+            slope(self.loadgen_rss_slope_mb_per_10min),
+            slope(self.loadgen_heap_slope_mb_per_10min)
         );
         let _ = writeln!(
             t,
@@ -277,12 +282,25 @@ impl Agg {
     }
 }
 
-/// Gives the allocator's free pages back to the OS (glibc `malloc_trim`). This process
-/// restarts shipper sessions in place (a real shipper restart is a new process): each
-/// session's freed buffers stayed in glibc's arenas and the RSS rose about 12 MB per
-/// restart while the live heap stayed at 91–101 MB (heaptrack, 11 restarts in 3 minutes,
-/// 27 KB unfreed at exit). Called before this process's RSS is read, so the figure is what
-/// it holds, not what a restart left behind.
+/// This process restarts shipper sessions in place (a real shipper restart is a new
+/// process), and each session's freed buffers stayed with glibc: the RSS rose about
+/// 12 MB per restart while the live heap stayed at 91–101 MB (heaptrack: 11 restarts in
+/// 3 minutes, 27 KB unfreed at exit). So the soak fixes malloc's mmap threshold at
+/// 128 KiB (a fixed value also stops glibc from raising it after each large free, which
+/// moved the sessions' multi-MB buffers into the arenas) and two arenas, and returns free
+/// pages (`malloc_trim`) before it reads its own RSS; it also reports the live heap
+/// (`mallinfo2`), which no allocator policy changes.
+#[allow(unsafe_code, reason = "libc calls with no safe std equivalent")]
+fn tune_allocator() {
+    // SAFETY: `mallopt` takes two integers and only changes malloc's parameters; called
+    // once, before the shippers start.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
+/// See [`tune_allocator`].
 #[allow(unsafe_code, reason = "one libc call with no safe std equivalent")]
 fn trim_heap() {
     // SAFETY: `malloc_trim` takes no pointers; it only returns free pages of the
@@ -290,6 +308,14 @@ fn trim_heap() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+/// Bytes malloc has handed out and not had back (arenas and mmapped chunks), KiB.
+#[allow(unsafe_code, reason = "one libc call with no safe std equivalent")]
+fn live_heap_kb() -> u64 {
+    // SAFETY: `mallinfo2` takes no arguments and returns a plain struct by value.
+    let mi = unsafe { libc::mallinfo2() };
+    u64::try_from(mi.uordblks.saturating_add(mi.hblkhd) / 1024).unwrap_or(u64::MAX)
 }
 
 fn rss_kb(status: &str) -> u64 {
@@ -366,6 +392,7 @@ fn slope_mb_per_10min(points: &[(f64, f64)]) -> Option<f64> {
 /// answering for good.
 #[allow(clippy::too_many_lines, reason = "one run, in order")]
 pub async fn run(spec: SoakSpec) -> Result<SoakResult, SoakError> {
+    tune_allocator();
     let mut scenario = Scenario::parse(SCENARIO).map_err(|e| SoakError::Setup(e.to_string()))?;
     scenario.duration_ms = u64::try_from(spec.duration.as_millis()).unwrap_or(u64::MAX).max(10_000);
     scenario.seed = spec.seed;
@@ -521,6 +548,7 @@ pub async fn run(spec: SoakSpec) -> Result<SoakResult, SoakError> {
     let agg_slope =
         if spec.aggregator_bin.is_some() { slope_mb_per_10min(&points(|m| m.aggregator_rss_kb)) } else { None };
     let lg_slope = slope_mb_per_10min(&points(|m| m.loadgen_rss_kb));
+    let heap_slope = slope_mb_per_10min(&points(|m| m.loadgen_heap_kb));
     minutes.push(last);
     Ok(SoakResult {
         minutes,
@@ -533,6 +561,7 @@ pub async fn run(spec: SoakSpec) -> Result<SoakResult, SoakError> {
         wrong_examples: sc.wrong_examples,
         aggregator_rss_slope_mb_per_10min: agg_slope,
         loadgen_rss_slope_mb_per_10min: lg_slope,
+        loadgen_heap_slope_mb_per_10min: heap_slope,
         reports,
     })
 }
@@ -598,6 +627,7 @@ async fn minute(
             trim_heap();
             rss_kb("/proc/self/status")
         },
+        loadgen_heap_kb: live_heap_kb(),
         snapshot_bytes: std::fs::metadata(snap).map_or(0, |md| md.len()),
         restarts_so_far: restarts,
         ..Minute::default()

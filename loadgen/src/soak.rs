@@ -234,7 +234,7 @@ impl Agg {
                 loop {
                     let (c, _, _) = spawn_process(bin, args)?;
                     *child = c;
-                    std::thread::sleep(Duration::from_millis(200));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                     match child.try_wait() {
                         Ok(None) => return Ok(()),
                         // The port is still held by the old socket: try again.

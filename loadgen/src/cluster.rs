@@ -329,6 +329,7 @@ pub fn shipper_config(
         source: Source::Sim { scenario: scenario.to_owned(), node, bulk_scale_ppm: 0, seed: None },
         batcher: BatcherConfig {
             max_batch_bytes: 64 * 1024,
+            bulk_batch_bytes: 256 * 1024,
             flush_interval_ns: scaled(5.0) * 1_000_000,
             pool_size: 64,
         },

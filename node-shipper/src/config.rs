@@ -73,7 +73,13 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
         Some("100"),
         "capture source: pace, % of real time (0 = unpaced)",
     ),
-    ("max_batch_bytes", Kind::Int { min: 4096, max: 1 << 20 }, Some("65536"), "payload bytes per batch"),
+    ("max_batch_bytes", Kind::Int { min: 4096, max: 1 << 20 }, Some("65536"), "payload bytes per P0/P1 batch"),
+    (
+        "bulk_batch_bytes",
+        Kind::Int { min: 4096, max: 1 << 20 },
+        Some("262144"),
+        "payload bytes per bulk (P2/P3) batch (at least max_batch_bytes)",
+    ),
     ("flush_interval_ms", Kind::Int { min: 1, max: 10_000 }, Some("5"), "longest a batch stays open"),
     ("spool_bytes", Kind::Int { min: 1 << 20, max: 1 << 40 }, Some("268435456"), "spool cap"),
     ("p0_reserve_bytes", Kind::Int { min: 0, max: 1 << 40 }, Some("8388608"), "spool room only P0 may use"),
@@ -404,14 +410,15 @@ impl Inputs {
         }
         if ints.contains_key("spool_bytes") && ints.contains_key("max_batch_bytes") {
             let reserves = int("p0_reserve_bytes") + int("p1_reserve_bytes");
+            let batch = int("max_batch_bytes").max(ints.get("bulk_batch_bytes").map_or(0, |_| int("bulk_batch_bytes")));
             // Bulk needs room for at least one whole batch beyond both reserves.
-            if reserves + 2 * int("max_batch_bytes") > int("spool_bytes") {
+            if reserves + 2 * batch > int("spool_bytes") {
                 let layer = self.values.get("spool_bytes").map_or(Layer::Default, |v| v.0);
                 errors.push(ConfigError {
                     field: "spool_bytes".into(),
                     layer,
                     message: format!(
-                        "{} cannot hold both reserves ({reserves}) plus two batches of max_batch_bytes",
+                        "{} cannot hold both reserves ({reserves}) plus two batches of max_batch_bytes / bulk_batch_bytes",
                         int("spool_bytes")
                     ),
                 });
@@ -439,6 +446,7 @@ impl Inputs {
             source,
             batcher: BatcherConfig {
                 max_batch_bytes: as_usize("max_batch_bytes"),
+                bulk_batch_bytes: as_usize("bulk_batch_bytes"),
                 flush_interval_ns: int("flush_interval_ms") * 1_000_000,
                 ..BatcherConfig::default()
             },

@@ -1,11 +1,19 @@
 //! The I/O shell: a reader thread that never waits on the network, and a QUIC task that
 //! ships what the core spooled.
 //!
-//! - The **reader** (its own OS thread) polls the source and feeds the core; it takes
-//!   the core's lock for one poll at a time and never touches a socket, so a slow or
-//!   absent aggregator can only fill the spool (which evicts bulk with loss records),
-//!   never stall the ring. It also drives the core's timers (batch cuts, heartbeats),
-//!   so heartbeats continue while the network is down.
+//! - The **reader** (its own OS thread) polls the source and copies frames into its own
+//!   batches ([`Stager`]: the per-frame work, no lock taken); cut batches, counters and
+//!   epochs go to the core through a lock-free queue ([`std::sync::mpsc`]) whose staged
+//!   bytes are capped ([`READER_QUEUE_BYTES`]); emptied batch buffers come back through
+//!   another. When the queue is full the reader keeps draining the ring and sheds bulk
+//!   batches as `shipper_spool_full` loss ranges (P0 is never shed there) — also when
+//!   the spool's bulk share is full, so the core never seals a batch only to evict it —
+//!   and, while it sheds, drains one budget per millisecond instead of spinning (a ring
+//!   that overflows meanwhile is counted by the kernel, `kernel_ring_full`). It never
+//!   waits on the core, the network or the aggregator.
+//! - The **pump** (a task beside the network) applies the reader's messages to the core
+//!   (seal, spool, heartbeat with the counters), and drives the core's timers, so
+//!   heartbeats continue while the network is down.
 //! - The **network task** connects with mutual TLS, opens the control stream, sends
 //!   each spooled batch on its own stream (priority by lane), applies acks and nacks,
 //!   and reconnects with capped exponential backoff and jitter; after a reconnect every
@@ -17,7 +25,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -28,11 +36,15 @@ use tokio::sync::{Notify, Semaphore, watch};
 
 use crate::config::ShipperConfig;
 use crate::core::backoff::Backoff;
-use crate::core::batcher::SessionMeta;
+use crate::core::batcher::{SessionMeta, Staged, Stager};
+use crate::core::loss::LostRange;
 use crate::core::shipper::{BatchEvent, LatencySummary};
 use crate::core::spool::SpoolCounters;
 use crate::core::{CoreConfig, ShipperCore, ShipperStats, Unflushed};
+use crate::core::{EpochStart, SourceCounters};
 use crate::source::{Source, SourceEvent, SourceState};
+use proto_flat::batch::BatchWriter;
+use proto_flat::codes::{Class, LossCause, WireEnum};
 
 /// Why [`run`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -138,6 +150,9 @@ pub struct RunOptions {
     /// stand in for a shipper one release behind.
     #[doc(hidden)]
     pub max_control_version: Option<u16>,
+    /// The cap on staged bytes between the reader and the core (default
+    /// [`READER_QUEUE_BYTES`]); tests set it small to make the reader shed.
+    pub reader_queue_bytes: Option<usize>,
 }
 
 /// What the reader thread is set up with.
@@ -145,6 +160,10 @@ pub struct RunOptions {
 struct ReaderSetup {
     cpus: Vec<usize>,
     sampling: crate::core::SamplingConfig,
+    batcher: crate::core::batcher::BatcherConfig,
+    meta: SessionMeta,
+    heartbeat_interval_ns: u64,
+    spool_cap: usize,
 }
 
 /// Process-wide counters the network side keeps.
@@ -154,11 +173,138 @@ struct NetCounters {
     protocol_errors: AtomicU64,
 }
 
+/// What the staged bytes between the reader and the core may reach before the reader
+/// sheds bulk (a few hundred milliseconds of one node's bulk at 8.3 M frames/s).
+pub const READER_QUEUE_BYTES: usize = 64 << 20;
+
+/// Reader → core, in order: batches are sealed in the order they were cut, and counters
+/// reach the core after every batch holding frames they count (so a heartbeat's
+/// `held_from_seq` is exact).
+enum ToCore {
+    Staged(Staged),
+    Shed(Class, Vec<LostRange>),
+    Epoch(EpochStart),
+    Counters(Box<SourceCounters>, u64),
+    SessionStart(Vec<proto_flat::sections::SessionStreamEntry>, u64),
+    Sampling(u8),
+    StreamIndex(u16),
+    Malformed(u64),
+}
+
+/// The reader's end of the queue.
+struct ToCoreTx {
+    tx: std::sync::mpsc::Sender<ToCore>,
+    shared: Arc<Shared>,
+    /// Shed ranges not yet sent (sent before anything else that follows them).
+    shed: Vec<LostRange>,
+    shed_lane: Class,
+    sent: bool,
+    /// A bulk batch was shed since the reader last looked.
+    shed_now: bool,
+    /// In a shedding episode (see [`Self::staged`]).
+    shedding: bool,
+}
+
+impl ToCoreTx {
+    fn send(&mut self, msg: ToCore) {
+        self.flush_shed();
+        self.raw(msg);
+    }
+
+    fn raw(&mut self, msg: ToCore) {
+        self.shared.queue_msgs.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(msg).is_err() {
+            self.shared.queue_msgs.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.sent = true;
+    }
+
+    /// A cut batch: queued, or — bulk, with the queue at its cap — shed into loss ranges
+    /// and its writer reused at once. Consecutive shed batches extend the same ranges
+    /// (one loss record per stream per shedding episode, not per batch: under a long
+    /// overload the records must not become a flood of their own on a link that is
+    /// already too slow); the ranges go to the core when a bulk batch is queued again,
+    /// before any counters or epoch, when [`MAX_SHED_RANGES`] are pending, and at exit.
+    fn staged(&mut self, s: Staged, stager_back: &mut Vec<BatchWriter>) {
+        let len = s.payload_len();
+        let bulk = matches!(s.lane, Class::P2 | Class::P3);
+        let queued = self.shared.queue_bytes.load(Ordering::Acquire).saturating_add(len);
+        let spooled = self.shared.spool_used.load(Ordering::Acquire).saturating_add(queued);
+        // Shed here when the queue is at its cap, or when the spool's bulk share is full
+        // already (the core would only seal the batch to evict one: under a sustained
+        // overload that work is wasted, and it is CPU the network needs) — and then go on
+        // shedding until the queue is half empty and the spool three quarters, as the
+        // eBPF producer does with its ring: one hole per overload episode, not one per
+        // batch the network frees room for (every hole is a gap and a loss record at the
+        // aggregator).
+        if self.shedding {
+            self.shedding = queued > self.shared.queue_cap / 2 || spooled > self.shared.bulk_share / 4 * 3;
+        } else {
+            self.shedding = queued > self.shared.queue_cap || spooled > self.shared.bulk_share;
+        }
+        if bulk && self.shedding {
+            if !self.shed.is_empty() && self.shed_lane != s.lane {
+                self.flush_shed();
+            }
+            self.shed_lane = s.lane;
+            self.shed_now = true;
+            let session = self.shared.session;
+            for r in s.lost_ranges(LossCause::ShipperSpoolFull, session) {
+                match self.shed.iter_mut().rev().find(|p| p.stream_id == r.stream_id) {
+                    Some(p) if p.last_seq.checked_add(1) == Some(r.first_seq) => {
+                        p.last_seq = r.last_seq;
+                        p.count = p.count.saturating_add(r.count);
+                        p.last_ts = p.last_ts.max(r.last_ts);
+                    }
+                    _ => self.shed.push(r),
+                }
+            }
+            stager_back.push(s.writer);
+            if self.shed.len() >= MAX_SHED_RANGES {
+                self.flush_shed();
+            }
+            return;
+        }
+        self.shared.queue_bytes.fetch_add(len, Ordering::AcqRel);
+        if bulk {
+            self.send(ToCore::Staged(s));
+        } else {
+            // P0 and P1 pass without ending a shedding episode of bulk.
+            self.raw(ToCore::Staged(s));
+        }
+    }
+
+    fn flush_shed(&mut self) {
+        if !self.shed.is_empty() {
+            let ranges = std::mem::take(&mut self.shed);
+            self.raw(ToCore::Shed(self.shed_lane, ranges));
+        }
+    }
+}
+
+/// Shed ranges the reader holds before it hands them on (one per stream per episode in
+/// the usual case; a ring of more streams than this sends them in parts).
+const MAX_SHED_RANGES: usize = 1024;
+
 struct Shared {
     core: Mutex<ShipperCore>,
-    /// The network side wants the core's lock: the reader steps aside between polls (a
-    /// plain mutex is not fair, and a busy reader re-takes it at once).
-    net_waiting: AtomicU64,
+    /// Staged bytes and messages in the reader's queue, and the bytes' cap.
+    queue_bytes: AtomicUsize,
+    queue_msgs: AtomicUsize,
+    queue_cap: usize,
+    /// The spool's bytes as of the pump's last turn (the reader's sampling decision and
+    /// shedding), and what bulk may use of it (the cap less both reserves).
+    spool_used: AtomicUsize,
+    bulk_share: usize,
+    /// The node's monotonic clock as last read by the reader, and the shipper's clock
+    /// then (the pump's timers extrapolate from it).
+    mono_at: Mutex<(u64, u64)>,
+    /// The reader queued something.
+    wake: Notify,
+    /// Per lane, how often it was sent again ([`ShipperStats::lane_resends_by_lane`]):
+    /// a batch stream of a lane resent since it opened is reset.
+    resends: watch::Sender<[u64; 4]>,
+    session: u64,
     /// Batches are ready, or the window opened.
     ready: Notify,
     start: Instant,
@@ -170,16 +316,15 @@ struct Shared {
 }
 
 impl Shared {
+    /// The core: only the pump and the network side take it (never the reader).
     fn core(&self) -> MutexGuard<'_, ShipperCore> {
         self.core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The lock, for the network side: announces itself so the reader yields.
-    fn core_for_net(&self) -> MutexGuard<'_, ShipperCore> {
-        self.net_waiting.fetch_add(1, Ordering::AcqRel);
-        let g = self.core();
-        self.net_waiting.fetch_sub(1, Ordering::AcqRel);
-        g
+    /// The node's monotonic clock now, extrapolated from the reader's last read.
+    fn node_mono(&self, now: u64) -> u64 {
+        let (mono, at) = *self.mono_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if mono == 0 { 0 } else { mono.saturating_add(now.saturating_sub(at)) }
     }
 
     fn now(&self) -> u64 {
@@ -248,7 +393,19 @@ pub async fn run_and_return_source(
     let session = new_session_id();
     let meta = SessionMeta { node_id: proto_flat::node_id_of(&cfg.node_name), epoch: 0, shipper_session: session };
     let shared = Arc::new(Shared {
-        net_waiting: AtomicU64::new(0),
+        queue_bytes: AtomicUsize::new(0),
+        queue_msgs: AtomicUsize::new(0),
+        queue_cap: options.reader_queue_bytes.unwrap_or(READER_QUEUE_BYTES),
+        spool_used: AtomicUsize::new(0),
+        bulk_share: cfg
+            .spool
+            .cap_bytes
+            .saturating_sub(cfg.spool.p0_reserve_bytes)
+            .saturating_sub(cfg.spool.p1_reserve_bytes),
+        mono_at: Mutex::new((0, 0)),
+        wake: Notify::new(),
+        resends: watch::Sender::new([0; 4]),
+        session,
         core: Mutex::new(ShipperCore::new(
             CoreConfig { batch_log: options.batch_log, ..core_config(cfg, &tuning) },
             meta,
@@ -269,13 +426,31 @@ pub async fn run_and_return_source(
     let stop_reading = Arc::new(AtomicBool::new(false));
     let (reader_done_tx, mut reader_done_rx) = watch::channel(false);
     let live = options.frames_in.clone();
-    let setup = ReaderSetup { cpus: cfg.reader_cpus.clone(), sampling: cfg.sampling };
+    let setup = ReaderSetup {
+        cpus: cfg.reader_cpus.clone(),
+        sampling: cfg.sampling,
+        batcher: cfg.batcher,
+        meta,
+        heartbeat_interval_ns: cfg.heartbeat_interval_ms.saturating_mul(1_000_000),
+        spool_cap: cfg.spool.cap_bytes,
+    };
+    let (to_core, from_reader) = std::sync::mpsc::channel::<ToCore>();
+    let (writers_back, writers_back_rx) = std::sync::mpsc::channel::<BatchWriter>();
     let reader = {
         let (shared, stop) = (Arc::clone(&shared), Arc::clone(&stop_reading));
         std::thread::Builder::new()
             .name("ring-reader".into())
             .spawn(move || {
-                let r = reader_loop(source, &shared, &stop, live.as_deref(), &setup);
+                let tx = ToCoreTx {
+                    tx: to_core,
+                    shared: Arc::clone(&shared),
+                    shed: Vec::new(),
+                    shed_lane: Class::P2,
+                    sent: false,
+                    shed_now: false,
+                    shedding: false,
+                };
+                let r = reader_loop(source, &shared, tx, &writers_back_rx, &stop, live.as_deref(), &setup);
                 let _ = reader_done_tx.send(true);
                 r
             })
@@ -283,6 +458,10 @@ pub async fn run_and_return_source(
                 ShipperError::Transport(ringwatch_transport::TransportError::Socket { addr: bind, source: e })
             })?
     };
+
+    // The pump: the reader's messages into the core, and the core's timers.
+    let (stop_pump_tx, stop_pump_rx) = watch::channel(false);
+    let pump = tokio::spawn(pump(Arc::clone(&shared), from_reader, writers_back, stop_pump_rx));
 
     // Network task.
     let (stop_net_tx, stop_net_rx) = watch::channel(false);
@@ -300,6 +479,16 @@ pub async fn run_and_return_source(
     };
     stop_reading.store(true, Ordering::Relaxed);
     let (source, state) = tokio::task::spawn_blocking(move || reader.join()).await.ok().and_then(Result::ok).unzip();
+    // Everything the reader queued (it flushed its open batches as it stopped) reaches
+    // the core before the shutdown steps below.
+    let _ = stop_pump_tx.send(true);
+    if let Ok((rx, back)) = pump.await {
+        let now = shared.now();
+        let mut core = shared.core();
+        while let Ok(msg) = rx.try_recv() {
+            apply(&shared, &mut core, msg, &back, now);
+        }
+    }
     let ended = if state == Some(SourceState::NodeDead) { Ended::NodeDead } else { ended };
     let rings = source.as_ref().and_then(|s| s.ring_stats());
 
@@ -429,10 +618,13 @@ async fn spool_empties_by(shared: &Shared, deadline: Instant) -> bool {
 }
 
 /// Reads until told to stop or the node dies; returns the source (for the final
-/// counters) and its last state.
+/// counters) and its last state. Takes no lock the network side holds: frames go into
+/// the reader's own batches, cut batches and counters into the queue to the core.
 fn reader_loop(
     mut source: Box<dyn Source>,
     shared: &Shared,
+    mut q: ToCoreTx,
+    writers_back: &std::sync::mpsc::Receiver<BatchWriter>,
     stop: &AtomicBool,
     live: Option<&AtomicU64>,
     reader: &ReaderSetup,
@@ -442,78 +634,164 @@ fn reader_loop(
         tracing::warn!(cpus = ?reader.cpus, error = %e, "could not pin the ring reader thread; it runs unpinned");
     }
     let mut sampling = crate::core::SamplingPolicy::new(reader.sampling);
-    {
-        let mut core = shared.core();
-        core.set_shipper_stream_index(source.shipper_stream_index());
-        if source.set_sampling_level(sampling.level()) {
-            core.set_sampling_level(sampling.level());
-        }
+    let mut stager = Stager::new(reader.batcher, reader.meta);
+    let mut spare: Vec<BatchWriter> = Vec::new();
+    q.send(ToCore::StreamIndex(source.shipper_stream_index()));
+    if source.set_sampling_level(sampling.level()) {
+        q.send(ToCore::Sampling(sampling.level()));
     }
+    let mut malformed_sent = 0u64;
+    let mut next_finished_counters = 0u64;
+    let mut frames_in = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let now = shared.now();
         let mono = source.node_mono_ns();
+        *shared.mono_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = (mono, now);
+        while let Ok(w) = writers_back.try_recv() {
+            stager.give_back(w);
+        }
+        for w in spare.drain(..) {
+            stager.give_back(w);
+        }
         let mut events = 0usize;
         let mut counters_seen = false;
-        {
-            let mut core = shared.core();
-            state = source.poll(2048, &mut |ev| {
-                events += 1;
-                match ev {
-                    SourceEvent::Frame(f) => core.handle_frame(f, now),
-                    SourceEvent::Epoch(e) => core.handle_epoch(&e, now),
-                    SourceEvent::Counters(c) => {
-                        counters_seen = true;
-                        core.handle_counters(c, mono, now);
-                    }
-                    SourceEvent::SessionStart(s) => core.handle_session_start(s, mono, now),
+        state = source.poll(2048, &mut |ev| {
+            events += 1;
+            match ev {
+                SourceEvent::Frame(f) => {
+                    frames_in += 1;
+                    stager.push(f, now, &mut |b| q.staged(b, &mut spare));
                 }
-            });
-            if counters_seen {
-                // Once per heartbeat: spool pressure moves the kernel's bulk sampling.
-                let cap = core.spool_cap_bytes();
-                let before = sampling.level();
-                let level = sampling.decide(core.spool().used_bytes(), cap);
-                if level != before {
-                    if source.set_sampling_level(level) {
-                        tracing::info!(
-                            from = before,
-                            to = level,
-                            spool_bytes = core.spool().used_bytes(),
-                            "bulk sampling level changed"
-                        );
-                    }
-                    core.set_sampling_level(level);
+                SourceEvent::Epoch(e) => {
+                    stager.set_epoch(e.epoch, &mut |b| q.staged(b, &mut spare));
+                    q.send(ToCore::Epoch(e));
                 }
+                SourceEvent::Counters(c) => {
+                    counters_seen = true;
+                    // Every frame the counters count goes to the core before them.
+                    stager.flush(&mut |b| q.staged(b, &mut spare));
+                    if stager.frames_malformed > malformed_sent {
+                        q.send(ToCore::Malformed(stager.frames_malformed - malformed_sent));
+                        malformed_sent = stager.frames_malformed;
+                    }
+                    q.send(ToCore::Counters(Box::new(c.clone()), mono));
+                }
+                SourceEvent::SessionStart(st) => q.send(ToCore::SessionStart(st.to_vec(), mono)),
             }
-            if state == SourceState::NodeDead {
-                break;
-            }
-            if state == SourceState::Finished && now >= core.next_heartbeat_ns() {
-                // A finished source's counters stay exact: nothing more will be
-                // attempted, so they hold as of now (and the watermarks move on).
-                let mut c = source.counters().clone();
-                c.mono_ns = mono;
-                core.handle_counters(&c, mono, now);
-            }
-            if now >= core.poll_timeout() {
-                core.handle_timeout(mono, now);
-            }
-            if let Some(l) = live {
-                l.store(core.stats().frames_in, Ordering::Relaxed);
+        });
+        if counters_seen {
+            // Once per counters read: spool pressure (and what waits for the spool)
+            // moves the kernel's bulk sampling.
+            let used = shared.spool_used.load(Ordering::Acquire) + shared.queue_bytes.load(Ordering::Acquire);
+            let before = sampling.level();
+            let level = sampling.decide(used, reader.spool_cap);
+            if level != before {
+                if source.set_sampling_level(level) {
+                    tracing::info!(from = before, to = level, spool_bytes = used, "bulk sampling level changed");
+                }
+                q.send(ToCore::Sampling(level));
             }
         }
-        shared.ready.notify_one();
-        // Step aside while the network side waits for the lock (bounded).
-        let mut spins = 0;
-        while shared.net_waiting.load(Ordering::Acquire) > 0 && spins < 10_000 {
-            std::thread::yield_now();
-            spins += 1;
+        if state == SourceState::NodeDead {
+            break;
         }
-        if events < 16 {
+        if state == SourceState::Finished && now >= next_finished_counters {
+            // A finished source's counters stay exact: nothing more will be attempted,
+            // so they hold as of now (and the watermarks move on).
+            next_finished_counters = now.saturating_add(reader.heartbeat_interval_ns);
+            stager.flush(&mut |b| q.staged(b, &mut spare));
+            let mut c = source.counters().clone();
+            c.mono_ns = mono;
+            q.send(ToCore::Counters(Box::new(c), mono));
+        }
+        stager.poll_cut(now, &mut |b| q.staged(b, &mut spare));
+        if let Some(l) = live {
+            l.store(frames_in, Ordering::Relaxed);
+        }
+        if std::mem::take(&mut q.sent) {
+            shared.wake.notify_one();
+        }
+        // Idle, or shedding: a turn's pause. While the spool is full the reader drains a
+        // budget per millisecond instead of spinning to copy frames only to shed them
+        // (a core the network and the aggregator need on a small node); what a real ring
+        // cannot hold meanwhile the kernel drops, counted per stream
+        // (`kernel_ring_full`). P0 has its own ring and is never shed.
+        if events < 16 || std::mem::take(&mut q.shed_now) {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
+    // What was read goes to the core (the shutdown path flushes and ships it).
+    stager.flush(&mut |b| q.staged(b, &mut spare));
+    if stager.frames_malformed > malformed_sent {
+        q.send(ToCore::Malformed(stager.frames_malformed - malformed_sent));
+    }
+    q.flush_shed();
+    shared.wake.notify_one();
     (source, state)
+}
+
+/// Applies one message from the reader to the core.
+fn apply(shared: &Shared, core: &mut ShipperCore, msg: ToCore, back: &std::sync::mpsc::Sender<BatchWriter>, now: u64) {
+    shared.queue_msgs.fetch_sub(1, Ordering::AcqRel);
+    match msg {
+        ToCore::Staged(mut st) => {
+            shared.queue_bytes.fetch_sub(st.payload_len(), Ordering::AcqRel);
+            core.handle_staged(&mut st, now);
+            let _ = back.send(st.writer);
+        }
+        ToCore::Shed(lane, ranges) => core.handle_shed(lane, &ranges, now),
+        ToCore::Epoch(e) => core.handle_epoch(&e, now),
+        ToCore::Counters(c, mono) => core.handle_counters(&c, mono, now),
+        ToCore::SessionStart(st, mono) => core.handle_session_start(&st, mono, now),
+        ToCore::Sampling(level) => core.set_sampling_level(level),
+        ToCore::StreamIndex(i) => core.set_shipper_stream_index(i),
+        ToCore::Malformed(n) => core.note_malformed(n),
+    }
+}
+
+/// Applies the reader's messages to the core (a bounded number per turn of the lock, so
+/// the network side gets it between turns) and drives the core's timers. Returns the
+/// queue's ends when told to stop, for the shutdown path to drain.
+async fn pump(
+    shared: Arc<Shared>,
+    rx: std::sync::mpsc::Receiver<ToCore>,
+    back: std::sync::mpsc::Sender<BatchWriter>,
+    mut stop: watch::Receiver<bool>,
+) -> (std::sync::mpsc::Receiver<ToCore>, std::sync::mpsc::Sender<BatchWriter>) {
+    loop {
+        let mut applied = 0usize;
+        let next = {
+            let now = shared.now();
+            let mut core = shared.core();
+            while applied < 64 {
+                let Ok(msg) = rx.try_recv() else { break };
+                apply(&shared, &mut core, msg, &back, now);
+                applied += 1;
+            }
+            if now >= core.poll_timeout() {
+                core.handle_timeout(shared.node_mono(now), now);
+            }
+            shared.spool_used.store(core.spool().used_bytes(), Ordering::Release);
+            let by_lane = core.stats().lane_resends_by_lane;
+            shared.resends.send_if_modified(|g| {
+                let changed = *g != by_lane;
+                *g = by_lane;
+                changed
+            });
+            core.poll_timeout()
+        };
+        shared.ready.notify_one();
+        if applied == 64 {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let wait = Duration::from_nanos(next.saturating_sub(shared.now()).clamp(100_000, 50_000_000));
+        tokio::select! {
+            () = shared.wake.notified() => {}
+            () = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => return (rx, back),
+        }
+    }
 }
 
 async fn network(
@@ -544,7 +822,7 @@ async fn network(
                 backoff.reset();
                 shared.net.connections.fetch_add(1, Ordering::Relaxed);
                 let hellos = {
-                    let mut core = shared.core_for_net();
+                    let mut core = shared.core();
                     core.reconnected();
                     core.stats().hellos
                 };
@@ -554,7 +832,7 @@ async fn network(
                 if *stop.borrow() {
                     return;
                 }
-                let answered = shared.core_for_net().stats().hellos > hellos;
+                let answered = shared.core().stats().hellos > hellos;
                 let refused_protocol = matches!(
                     conn.close_reason(),
                     Some(quinn::ConnectionError::ApplicationClosed(ref c))
@@ -599,7 +877,7 @@ async fn connection(
     // The preface, then where the session stands (the aggregator applies it before any
     // batch of this connection).
     let mut opening = control_preface(version).to_vec();
-    let r = shared.core_for_net().resume();
+    let r = shared.core().resume();
     if let Err(e) = proto_flat::control::encode_resume(
         &mut opening,
         r.shipper_session,
@@ -620,7 +898,7 @@ async fn connection(
         // Up to 64 batches per turn of the lock: one handoff per batch would let a busy
         // reader starve the sender.
         let next: Vec<(proto_flat::Class, u64, Vec<u8>)> = {
-            let mut core = shared.core_for_net();
+            let mut core = shared.core();
             std::iter::from_fn(|| core.poll_transmit().map(|(lane, seq, bytes)| (lane, seq, bytes.to_vec())))
                 .take(64)
                 .collect()
@@ -629,26 +907,55 @@ async fn connection(
             let mut closed = false;
             for (lane, seq, mut bytes) in next {
                 poison_hook(shared, lane, seq, &mut bytes);
-                let Ok(permit) = Arc::clone(&streams).acquire_owned().await else {
+                // Waiting for a permit ends with the connection or the shipper: a link
+                // so slow that every permit's stream is stuck must not hold the stop.
+                let permit = tokio::select! {
+                    p = Arc::clone(&streams).acquire_owned() => p.ok(),
+                    _ = conn.closed() => None,
+                    _ = stop.changed() => None,
+                };
+                let Some(permit) = permit else {
+                    // A new connection sends every unacked batch again.
                     closed = true;
                     break;
                 };
                 let (conn, shared) = (conn.clone(), Arc::clone(shared));
+                let l = usize::from(lane.code()).min(3);
+                let mut resends = shared.resends.subscribe();
+                let generation = resends.borrow()[l];
                 tokio::spawn(async move {
                     // The batch stays unacked in the spool until its ack. A stream that
                     // fails, or that the aggregator stops (it gives up reading a stream
                     // that stalls), sends that batch again now on this connection; a
                     // closed connection sends everything unacked again after the
-                    // reconnect.
+                    // reconnect. A stream whose lane was sent again meanwhile (its acks
+                    // stalled) is reset: the resend carries its batch, and two copies
+                    // must not share the send window (on a slow link they would fill it,
+                    // and P0/P1 would wait behind bulk).
                     // The permit bounds streams being written, not streams awaiting
                     // the peer's transport ack: P0 must not wait behind bulk for it
                     // (the P0-under-saturation test saw a p99 of 1.8 s when it did).
+                    let superseded = resends.wait_for(|g| g[l] != generation);
+                    tokio::pin!(superseded);
                     let delivered = match conn.open_uni().await {
                         Ok(mut s) => {
                             let _ = s.set_priority(lane_priority(lane));
-                            let written = s.write_all(&bytes).await.is_ok() && s.finish().is_ok();
+                            let written = tokio::select! {
+                                w = s.write_all(&bytes) => w.is_ok() && s.finish().is_ok(),
+                                _ = &mut superseded => {
+                                    let _ = s.reset(0u32.into());
+                                    return;
+                                }
+                            };
                             drop(permit);
-                            written && matches!(s.stopped().await, Ok(None))
+                            written
+                                && tokio::select! {
+                                    r = s.stopped() => matches!(r, Ok(None)),
+                                    _ = &mut superseded => {
+                                        let _ = s.reset(0u32.into());
+                                        return;
+                                    }
+                                }
                         }
                         Err(_) => {
                             drop(permit);
@@ -656,7 +963,7 @@ async fn connection(
                         }
                     };
                     if !delivered && conn.close_reason().is_none() {
-                        shared.core_for_net().handle_send_failed(seq);
+                        shared.core().handle_send_failed(seq);
                         shared.ready.notify_one();
                     }
                 });
@@ -715,7 +1022,7 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
                 Ok(Some((msg, n))) => {
                     used += n;
                     let now = shared.now();
-                    let mut core = shared.core_for_net();
+                    let mut core = shared.core();
                     match msg {
                         ControlMessage::Hello {
                             aggregator_instance,

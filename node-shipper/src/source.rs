@@ -255,6 +255,276 @@ impl Source for CaptureSource {
     }
 }
 
+/// A synthetic bulk source: 48-byte bulk frames round-robin over `cpus` streams of one
+/// ring, offered at `rate` frames/s (`f64::INFINITY`: as fast as the reader takes them —
+/// an unthrottled producer, as a ring in a burst is), with exact counters every
+/// `counters_every_ns` (every frame generated is handed on: `attempted_seq` counts
+/// them). Once `stop` is set it generates nothing more and says `Finished`. Benchmarks
+/// and the overload tests.
+#[derive(Debug)]
+pub struct SyntheticSource {
+    rate: f64,
+    start: Instant,
+    next: u64,
+    cpus: u16,
+    frame: Vec<u8>,
+    counters: SourceCounters,
+    epoch_sent: bool,
+    counters_every_ns: u64,
+    next_counters_ns: u64,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// A P0 collective frame every this many ns (0: none), and how many so far.
+    p0_every_ns: u64,
+    p0_next: u64,
+    /// A ring of this many frames between the producer and the reader (0: none — every
+    /// frame due waits for the reader): frames due beyond it are dropped as the kernel
+    /// does (`kernel_ring_full`: they took their seq, counted per stream).
+    ring_frames: u64,
+    dropped: Vec<u64>,
+    /// Event index ranges in the ring, oldest first; their total; dropping until half
+    /// empty.
+    kept: std::collections::VecDeque<(u64, u64)>,
+    kept_len: u64,
+    ring_shedding: bool,
+}
+
+impl SyntheticSource {
+    /// Adds one P0 lifecycle frame (a collective's `enqueue_end`, one communicator)
+    /// every `every_ns` on its own stream: P0 latency under bulk load.
+    #[must_use]
+    pub fn with_p0(mut self, every_ns: u64) -> Self {
+        self.p0_every_ns = every_ns;
+        let mut e = <proto_flat::sections::StreamEntry as zerocopy::FromZeros>::new_zeroed();
+        e.stream_id = zerocopy::little_endian::U32::new(Self::P0_STREAM.0);
+        self.counters.streams.push(e);
+        self
+    }
+
+    const P0_STREAM: proto_flat::header::StreamId = proto_flat::header::StreamId::new(proto_flat::Class::P0, 0, 0);
+
+    /// Puts a ring of `frames` between the producer and the reader (with a finite
+    /// rate): what the reader does not take in time overflows it, counted as kernel
+    /// drops — a real ring in a burst.
+    #[must_use]
+    pub fn with_ring(mut self, frames: u64) -> Self {
+        self.ring_frames = frames;
+        self
+    }
+
+    /// Frames the ring dropped so far.
+    #[must_use]
+    pub fn ring_dropped(&self) -> u64 {
+        self.dropped.iter().sum()
+    }
+
+    /// A source at `rate` frames/s over `cpus` streams (at least 1).
+    #[must_use]
+    pub fn new(
+        rate: f64,
+        cpus: u16,
+        counters_every_ns: u64,
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
+        use zerocopy::IntoBytes;
+        let cpus = cpus.max(1);
+        let stream = |cpu: u16| proto_flat::header::StreamId::new(proto_flat::Class::P2, 1, cpu);
+        let template = proto_flat::sample::bulk_packet(stream(0), 0, 0);
+        let streams = (0..cpus)
+            .map(|cpu| {
+                let mut e = <proto_flat::sections::StreamEntry as zerocopy::FromZeros>::new_zeroed();
+                e.stream_id = zerocopy::little_endian::U32::new(stream(cpu).0);
+                e
+            })
+            .collect();
+        Self {
+            rate,
+            start: Instant::now(),
+            next: 0,
+            cpus,
+            frame: template.as_bytes().to_vec(),
+            counters: SourceCounters { epoch: 1, mono_ns: 0, streams, progress: Vec::new() },
+            epoch_sent: false,
+            counters_every_ns,
+            next_counters_ns: counters_every_ns,
+            stop,
+            p0_every_ns: 0,
+            p0_next: 0,
+            ring_frames: 0,
+            dropped: vec![0; usize::from(cpus)],
+            kept: std::collections::VecDeque::new(),
+            kept_len: 0,
+            ring_shedding: false,
+        }
+    }
+
+    /// Frames produced so far (handed to the reader, waiting in the ring, or dropped by
+    /// it).
+    #[must_use]
+    pub fn generated(&self) -> u64 {
+        self.next
+    }
+
+    fn refresh_counters(&mut self) {
+        let cpus = u64::from(self.cpus);
+        let (next, mono) = (self.next, self.node_mono_ns());
+        let p0 = self.p0_next;
+        if let Some(e) = self.counters.streams.iter_mut().find(|e| e.stream_id.get() == Self::P0_STREAM.0) {
+            e.attempted_seq = zerocopy::little_endian::U64::new(p0);
+        }
+        let slot = proto_flat::LossCause::KernelRingFull.drop_slot().unwrap_or(0);
+        for ((cpu, e), dropped) in
+            (0u64..).zip(self.counters.streams.iter_mut().take(usize::from(self.cpus))).zip(self.dropped.iter())
+        {
+            // Stream `cpu` got seqs 0.. for frames cpu, cpu + cpus, …: those below `next`.
+            let attempted = next.saturating_sub(cpu).div_ceil(cpus);
+            e.attempted_seq = zerocopy::little_endian::U64::new(attempted);
+            if let Some(d) = e.drops.get_mut(slot) {
+                *d = zerocopy::little_endian::U64::new(*dropped);
+            }
+        }
+        self.counters.mono_ns = mono;
+    }
+}
+
+impl SyntheticSource {
+    /// Hands on the frame of event `e` (stream `e % cpus`, seq `e / cpus`).
+    fn emit(&mut self, e: u64, ts: u64, out: &mut dyn FnMut(SourceEvent<'_>)) {
+        let cpus = u64::from(self.cpus);
+        let (cpu, seq) = (e % cpus, e / cpus);
+        // Only the header's stream, seq and time change.
+        if let Ok((h, _)) = <proto_flat::FrameHeader as zerocopy::FromBytes>::mut_from_prefix(self.frame.as_mut_slice())
+        {
+            h.stream_id = zerocopy::little_endian::U32::new(
+                proto_flat::header::StreamId::new(proto_flat::Class::P2, 1, u16::try_from(cpu).unwrap_or(0)).0,
+            );
+            h.seq = zerocopy::little_endian::U64::new(seq);
+            h.ts_ns = zerocopy::little_endian::U64::new(ts);
+        }
+        out(SourceEvent::Frame(&self.frame));
+    }
+
+    /// Events `a..b` took their seqs and found the ring full.
+    fn drop_run(&mut self, a: u64, b: u64) {
+        let cpus = u64::from(self.cpus);
+        for (cpu, d) in (0u64..).zip(self.dropped.iter_mut()) {
+            *d += b.saturating_sub(cpu).div_ceil(cpus) - a.saturating_sub(cpu).div_ceil(cpus);
+        }
+    }
+
+    /// The ring model: events due go into the ring while it has room; once it is full
+    /// they are dropped until the reader has emptied it to half (as the eBPF producer
+    /// does: one hole per overflow, not one per record the reader frees).
+    fn produce_into_ring(&mut self) {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "frames due")]
+        let due = (self.start.elapsed().as_secs_f64() * self.rate) as u64;
+        if self.next >= due {
+            return;
+        }
+        if self.ring_shedding && self.kept_len <= self.ring_frames / 2 {
+            self.ring_shedding = false;
+        }
+        if !self.ring_shedding {
+            let take = self.ring_frames.saturating_sub(self.kept_len).min(due - self.next);
+            if take > 0 {
+                self.kept.push_back((self.next, self.next + take));
+                self.kept_len += take;
+                self.next += take;
+            }
+            self.ring_shedding = self.next < due;
+        }
+        if self.next < due {
+            self.drop_run(self.next, due);
+            self.next = due;
+        }
+    }
+
+    /// Up to `n` frames out of the ring, oldest first.
+    fn drain_ring(&mut self, mut n: u64, ts: u64, out: &mut dyn FnMut(SourceEvent<'_>)) {
+        while n > 0 {
+            let Some(&(first, end)) = self.kept.front() else { break };
+            let upto = end.min(first.saturating_add(n));
+            for e in first..upto {
+                self.emit(e, ts, out);
+            }
+            n -= upto - first;
+            self.kept_len -= upto - first;
+            if upto == end {
+                self.kept.pop_front();
+            } else if let Some(f) = self.kept.front_mut() {
+                f.0 = upto;
+            }
+        }
+    }
+}
+
+impl Source for SyntheticSource {
+    fn poll(&mut self, budget: usize, out: &mut dyn FnMut(SourceEvent<'_>)) -> SourceState {
+        if !self.epoch_sent {
+            self.epoch_sent = true;
+            out(SourceEvent::Epoch(EpochStart { epoch: 1, boot_id: [1; 16], mono_ns: 0, start_realtime_ns: 0 }));
+        }
+        let ts = self.node_mono_ns();
+        if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
+            // What the ring holds is read out first: counters count only what was handed
+            // on or dropped.
+            if self.kept_len > 0 {
+                self.drain_ring(u64::MAX, ts, out);
+            }
+            self.refresh_counters();
+            return SourceState::Finished;
+        }
+        if self.p0_every_ns > 0 && ts / self.p0_every_ns >= self.p0_next {
+            use zerocopy::IntoBytes;
+            let seq = self.p0_next;
+            let f =
+                proto_flat::sample::collective(Self::P0_STREAM, seq, ts, seq + 1, proto_flat::codes::Phase::EnqueueEnd);
+            out(SourceEvent::Frame(f.as_bytes()));
+            self.p0_next += 1;
+        }
+        let counters_due = ts >= self.next_counters_ns;
+        if self.ring_frames > 0 && self.rate.is_finite() {
+            self.produce_into_ring();
+            // Counters go out after a drain to empty (every seq they count was handed on
+            // or dropped), as the ring source does.
+            self.drain_ring(if counters_due { u64::MAX } else { budget as u64 }, ts, out);
+        } else {
+            let upto = if self.rate.is_finite() {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "frames due")]
+                let due = (self.start.elapsed().as_secs_f64() * self.rate) as u64;
+                due.min(self.next + budget as u64)
+            } else {
+                self.next + budget as u64
+            };
+            while self.next < upto {
+                self.emit(self.next, ts, out);
+                self.next += 1;
+            }
+        }
+        if counters_due {
+            self.next_counters_ns = ts.saturating_add(self.counters_every_ns);
+            self.refresh_counters();
+            out(SourceEvent::Counters(&self.counters));
+        }
+        SourceState::Running
+    }
+
+    fn counters(&self) -> &SourceCounters {
+        &self.counters
+    }
+
+    fn node_mono_ns(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn describe(&self) -> String {
+        if self.rate.is_finite() {
+            format!("synthetic bulk at {:.1} M frames/s", self.rate / 1e6)
+        } else {
+            "synthetic bulk, unthrottled".to_owned()
+        }
+    }
+}
+
 #[cfg(feature = "sim-source")]
 pub use sim::SimSource;
 

@@ -42,7 +42,12 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn steady_state_batching_allocates_nothing_per_batch() {
-    let cfg = BatcherConfig { max_batch_bytes: 64 * 1024, flush_interval_ns: 1_000_000, pool_size: 8 };
+    let cfg = BatcherConfig {
+        max_batch_bytes: 64 * 1024,
+        bulk_batch_bytes: 64 * 1024,
+        flush_interval_ns: 1_000_000,
+        pool_size: 8,
+    };
     let mut b = Batcher::new(cfg, SessionMeta { node_id: 1, epoch: 1, shipper_session: 1 });
     // Frames from 16 streams across two lanes, pre-encoded (the ring's bytes).
     let frames: Vec<Vec<u8>> = (0..16u16)

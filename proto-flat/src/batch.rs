@@ -115,6 +115,18 @@ pub struct BatchView<'a> {
 impl<'a> BatchView<'a> {
     /// Checks the envelope of `bytes`. Does not walk the frames (see [`Self::validate`]).
     pub fn parse(bytes: &'a [u8]) -> Result<Self, DecodeError> {
+        Self::parse_inner(bytes, true)
+    }
+
+    /// [`Self::parse`] without the checksum: for envelopes this process built and holds
+    /// (a shipper reading its own spooled batches — their summary per heartbeat, their
+    /// streams when acked or dropped — must not checksum megabytes it sealed itself).
+    /// Every other check is made; never for bytes from outside.
+    pub fn parse_own(bytes: &'a [u8]) -> Result<Self, DecodeError> {
+        Self::parse_inner(bytes, false)
+    }
+
+    fn parse_inner(bytes: &'a [u8], check_crc: bool) -> Result<Self, DecodeError> {
         if bytes.len() > MAX_BATCH_BYTES {
             return Err(DecodeError::TooLarge { what: "batch", got: bytes.len(), limit: MAX_BATCH_BYTES });
         }
@@ -160,9 +172,11 @@ impl<'a> BatchView<'a> {
                 actual: bytes.len(),
             });
         }
-        let computed = envelope_crc(bytes);
-        if computed != header.crc32c.get() {
-            return Err(DecodeError::ChecksumMismatch { expected: header.crc32c.get(), computed });
+        if check_crc {
+            let computed = envelope_crc(bytes);
+            if computed != header.crc32c.get() {
+                return Err(DecodeError::ChecksumMismatch { expected: header.crc32c.get(), computed });
+            }
         }
         Ok(Self { header, payload, summary })
     }
@@ -247,12 +261,54 @@ struct Acc {
 pub struct SummaryCheck {
     acc: Vec<Acc>,
     last: usize,
+    index: StreamIndex,
+}
+
+/// A direct-mapped cache from a stream id to its position in a batch's summary (streams
+/// of one ring interleave frame by frame, so "same as the last frame" misses on most
+/// frames and a linear search costs one compare per stream).
+#[derive(Debug, Clone)]
+struct StreamIndex([u16; STREAM_INDEX_SLOTS]);
+
+const STREAM_INDEX_SLOTS: usize = 64;
+
+impl Default for StreamIndex {
+    fn default() -> Self {
+        Self([u16::MAX; STREAM_INDEX_SLOTS])
+    }
+}
+
+impl StreamIndex {
+    #[inline]
+    fn slot(stream_id: u32) -> usize {
+        // The CPU (low bits) varies fastest within a ring; the ring and class bits above.
+        (stream_id ^ (stream_id >> 16)) as usize % STREAM_INDEX_SLOTS
+    }
+
+    fn clear(&mut self) {
+        self.0 = [u16::MAX; STREAM_INDEX_SLOTS];
+    }
+
+    /// The cached position of `stream_id`, if the slot holds it (the caller checks the
+    /// entry it points at).
+    #[inline]
+    fn get(&self, stream_id: u32) -> Option<usize> {
+        self.0.get(Self::slot(stream_id)).map(|&i| usize::from(i))
+    }
+
+    #[inline]
+    fn set(&mut self, stream_id: u32, pos: usize) {
+        if let (Some(slot), Ok(pos)) = (self.0.get_mut(Self::slot(stream_id)), u16::try_from(pos)) {
+            *slot = pos;
+        }
+    }
 }
 
 impl SummaryCheck {
     fn reset(&mut self, summary: Entries<'_, StreamSummaryEntry>) {
         self.acc.clear();
         self.last = 0;
+        self.index.clear();
         self.acc.extend(summary.iter().map(|e| Acc {
             stream_id: e.stream_id.get(),
             count: 0,
@@ -266,14 +322,20 @@ impl SummaryCheck {
     fn add(&mut self, header: &FrameHeader) -> Result<(), DecodeError> {
         let stream_id = header.stream_id.get();
         // Consecutive frames are usually from the same stream: try the last hit first.
-        let idx = match self.acc.get(self.last) {
-            Some(a) if a.stream_id == stream_id => self.last,
-            _ => self.acc.iter().position(|a| a.stream_id == stream_id).ok_or(DecodeError::SummaryMismatch {
+        let cached = |i: usize| self.acc.get(i).is_some_and(|a| a.stream_id == stream_id);
+        let idx = if cached(self.last) {
+            self.last
+        } else if let Some(i) = self.index.get(stream_id).filter(|&i| cached(i)) {
+            i
+        } else {
+            let i = self.acc.iter().position(|a| a.stream_id == stream_id).ok_or(DecodeError::SummaryMismatch {
                 stream_id,
                 field: "frame_count",
                 summary: 0,
                 frames: 1,
-            })?,
+            })?;
+            self.index.set(stream_id, i);
+            i
         };
         self.last = idx;
         if let Some(a) = self.acc.get_mut(idx) {
@@ -322,6 +384,7 @@ pub struct BatchWriter {
     frame_count: u32,
     lane: u8,
     last: usize,
+    index: StreamIndex,
 }
 
 impl BatchWriter {
@@ -338,6 +401,7 @@ impl BatchWriter {
         self.frame_count = 0;
         self.lane = meta.lane;
         self.last = 0;
+        self.index.clear();
         let header = BatchHeader {
             magic: U32::new(BATCH_MAGIC),
             version: U16::new(WIRE_VERSION),
@@ -372,6 +436,19 @@ impl BatchWriter {
         self.frame_count
     }
 
+    /// The open batch's stream summary so far (one entry per stream: count, seq and
+    /// time ranges).
+    #[must_use]
+    pub fn summary(&self) -> &[StreamSummaryEntry] {
+        &self.summary
+    }
+
+    /// The open batch's lane code.
+    #[must_use]
+    pub fn lane(&self) -> u8 {
+        self.lane
+    }
+
     /// Copies one frame in unparsed, reading only its header for the summary. The frame
     /// must be exactly `header.length` bytes and of the batch's lane.
     pub fn push_frame(&mut self, frame: &[u8]) -> Result<(), DecodeError> {
@@ -391,9 +468,17 @@ impl BatchWriter {
             });
         }
         let (stream_id, seq, ts) = (header.stream_id.get(), header.seq.get(), header.ts_ns.get());
-        let idx = match self.summary.get(self.last) {
-            Some(e) if e.stream_id.get() == stream_id => Some(self.last),
-            _ => self.summary.iter().position(|e| e.stream_id.get() == stream_id),
+        let cached = |i: usize| self.summary.get(i).is_some_and(|e| e.stream_id.get() == stream_id);
+        let idx = if cached(self.last) {
+            Some(self.last)
+        } else if let Some(i) = self.index.get(stream_id).filter(|&i| cached(i)) {
+            Some(i)
+        } else {
+            let found = self.summary.iter().position(|e| e.stream_id.get() == stream_id);
+            if let Some(i) = found {
+                self.index.set(stream_id, i);
+            }
+            found
         };
         match idx.and_then(|i| self.summary.get_mut(i).map(|e| (i, e))) {
             Some((i, e)) => {
@@ -406,6 +491,7 @@ impl BatchWriter {
             }
             None => {
                 self.last = self.summary.len();
+                self.index.set(stream_id, self.last);
                 self.summary.push(StreamSummaryEntry {
                     stream_id: U32::new(stream_id),
                     frame_count: U32::new(1),

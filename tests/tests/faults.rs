@@ -265,3 +265,94 @@ async fn net_sigterm_with_a_backlog_is_shipper_shutdown_never_unknown_regression
     // ignored there (the frames were delivered): never more at the aggregator.
     assert!(shutdown_seen <= r.frames_lost_shutdown);
 }
+
+/// Issue 21: an unthrottled source (a ring in a burst) keeps being read while the link
+/// (policed to 2 MB/s) and the reader's queue to the core (256 KiB, under one bulk batch
+/// plus a little) cannot keep up: the reader sheds whole staged batches and the spool
+/// evicts, and every frame generated is, at the aggregator, received or lost with the
+/// shipper's cause — nothing pending, nothing `unknown` — and the shipper's report
+/// balances per lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_an_unthrottled_source_is_read_on_and_every_frame_not_shipped_is_accounted() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use node_shipper::source::SyntheticSource;
+
+    let dir = TempDir::new("unthrottled");
+    let set = cert_set(dir.path(), 1);
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let proxy = FaultProxy::start("127.0.0.1:0".parse().expect("addr"), agg.quic_addr, 21).await.expect("proxy");
+    proxy.set(Direction::ToServer, Faults { rate_limit_bytes_per_s: Some(2_000_000), ..Faults::default() });
+    let stop_source = Arc::new(AtomicBool::new(false));
+    let cpus = 4u16;
+    let source = SyntheticSource::new(f64::INFINITY, cpus, 100_000_000, Arc::clone(&stop_source));
+    let placeholder = Source::Sim { scenario: "synthetic".into(), node: 0, bulk_scale_ppm: 0, seed: None };
+    let mut cfg = shipper_config(&set, proxy.addr, 0, placeholder);
+    cfg.spool = SpoolConfig { cap_bytes: 4 << 20, p0_reserve_bytes: 1 << 20, p1_reserve_bytes: 1 << 20 };
+    cfg.shutdown_deadline_ms = 2_000;
+    // Small bulk batches: the 2 MiB bulk share of this spool holds 32 of them.
+    cfg.batcher.bulk_batch_bytes = 64 << 10;
+    let frames_in = Arc::new(AtomicU64::new(0));
+    let opts = RunOptions {
+        frames_in: Some(Arc::clone(&frames_in)),
+        reader_queue_bytes: Some(256 << 10),
+        ..RunOptions::default()
+    };
+    let shipper = spawn_shipper(cfg, Box::new(source), opts);
+    // Offer at least 20× what the link carries in the time it takes (the link carries
+    // ≈ 42,000 frames/s): on state, not on time.
+    let target = 4_000_000u64;
+    let t = Instant::now();
+    while frames_in.load(Ordering::Relaxed) < target {
+        assert!(
+            t.elapsed() < ringwatch_tests::STATE_LIMIT,
+            "the reader stalled at {}",
+            frames_in.load(Ordering::Relaxed)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    stop_source.store(true, Ordering::Relaxed);
+    // The source is finished: its counters are final. Every stream settles (received +
+    // lost = attempted, nothing pending or in transit) once the backlog drained.
+    let settled = |n: &NodesDto| {
+        let streams: Vec<_> = n.nodes.iter().flat_map(|x| &x.streams).filter(|s| s.class == "p2").collect();
+        streams.len() == usize::from(cpus)
+            && streams.iter().all(|s| {
+                s.attempted > 0 && s.received + s.lost_total == s.attempted && s.pending == 0 && s.in_transit == 0
+            })
+            && n.nodes.iter().flat_map(|x| &x.streams).all(|s| s.pending == 0 && s.in_transit == 0)
+    };
+    let nodes = wait_nodes(agg.http_addr, "every bulk stream settled", settled).await;
+    let reports = stop(vec![shipper]).await;
+    agg.shutdown();
+    let r = &reports[0];
+    println!(
+        "frames in {}; acked {}; shed by the reader {} ({} batches); evicted from the spool {}; lost spool_full {}",
+        r.frames_in,
+        r.frames_acked_by_lane[2],
+        r.stats.frames_shed,
+        r.stats.batches_shed,
+        r.spool_evicted,
+        r.frames_lost_spool_full
+    );
+    let mut generated = 0;
+    for s in nodes.nodes.iter().flat_map(|x| &x.streams).filter(|s| s.class == "p2") {
+        println!("stream {:#x}: attempted {} received {} lost {:?}", s.stream_id, s.attempted, s.received, s.lost);
+        generated += s.attempted;
+        let known: u64 = s.lost.iter().filter(|(c, _)| c.as_str() != "unknown").map(|(_, n)| n).sum();
+        assert_eq!(known, s.lost_total, "every lost frame has the shipper's cause: {:?}", s.lost);
+        assert_eq!(s.lost.get("unknown").copied().unwrap_or(0), 0);
+    }
+    assert!(generated >= target, "the aggregator heard of every frame offered: {generated}");
+    assert_eq!(r.frames_in, generated, "the shipper took every frame the source generated");
+    assert!(r.stats.frames_shed > 0, "the reader shed while the spool was full");
+    assert!(r.frames_lost_spool_full >= r.stats.frames_shed, "shed frames are lost spool_full");
+    for lane in 0..4 {
+        assert_eq!(
+            r.frames_in_by_lane[lane],
+            r.frames_acked_by_lane[lane] + r.frames_lost_by_lane[lane] + r.unflushed_frames_by_lane[lane],
+            "lane {lane} balances: {r:?}"
+        );
+    }
+}

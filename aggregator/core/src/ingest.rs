@@ -260,6 +260,57 @@ pub struct Ingest {
     out: crate::outbox::Outbox<Record>,
     /// Which batches are settled (applied, or reported lost by their shipper).
     dedup: BatchDedup,
+    /// Reused buffers of the bulk path (not state: never snapshotted).
+    #[rkyv(with = rkyv::with::Skip)]
+    bulk: BulkScratch,
+}
+
+/// The bulk path's per-batch buffers: a bulk batch's frames grouped by stream (streams
+/// of one ring interleave frame by frame; grouped, each stream's tracker is looked up
+/// once per batch instead of once per frame).
+#[derive(Debug, Clone)]
+struct BulkScratch {
+    /// The summary's stream ids, in order, and each one's `(seq, ts)` in frame order.
+    sids: Vec<u32>,
+    by_stream: Vec<Vec<(u64, u64)>>,
+    /// Direct-mapped stream id → position in `sids`.
+    index: [u16; 64],
+}
+
+impl Default for BulkScratch {
+    fn default() -> Self {
+        Self { sids: Vec::new(), by_stream: Vec::new(), index: [u16::MAX; 64] }
+    }
+}
+
+impl PartialEq for BulkScratch {
+    /// Scratch, not state: any two are equal.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl BulkScratch {
+    fn slot(sid: u32) -> usize {
+        (sid ^ (sid >> 16)) as usize % 64
+    }
+
+    /// Position of `sid` in the summary, if it is there.
+    #[inline]
+    fn find(&mut self, sid: u32, last: usize) -> Option<usize> {
+        if self.sids.get(last) == Some(&sid) {
+            return Some(last);
+        }
+        let cached = self.index.get(Self::slot(sid)).map(|&i| usize::from(i))?;
+        if self.sids.get(cached) == Some(&sid) {
+            return Some(cached);
+        }
+        let i = self.sids.iter().position(|&x| x == sid)?;
+        if let (Some(slot), Ok(v)) = (self.index.get_mut(Self::slot(sid)), u16::try_from(i)) {
+            *slot = v;
+        }
+        Some(i)
+    }
 }
 
 impl Ingest {
@@ -278,6 +329,7 @@ impl Ingest {
             stats: IngestStats::default(),
             out: crate::outbox::Outbox::default(),
             dedup: BatchDedup::new(config.dedup),
+            bulk: BulkScratch::default(),
         }
     }
 
@@ -668,22 +720,57 @@ impl Ingest {
         scratch: &mut Vec<LossInterval>,
     ) {
         if !lifecycle {
-            // Bulk: the summary names the streams; one tracker lookup per stream run.
-            let mut last_stream = u32::MAX;
+            // Bulk: frames grouped by stream (the summary names the streams), then one
+            // tracker lookup per stream, its frames in their order.
+            let mut bulk = std::mem::take(&mut self.bulk);
+            bulk.sids.clear();
+            bulk.sids.extend(batch.summary.iter().map(|e| e.stream_id.get()));
+            bulk.index = [u16::MAX; 64];
+            let streams = bulk.sids.len();
+            if bulk.by_stream.len() < streams {
+                bulk.by_stream.resize_with(streams, Vec::new);
+            }
+            for v in bulk.by_stream.iter_mut().take(streams) {
+                v.clear();
+            }
             let mut frames = 0u64;
-            let mut tracker: Option<&mut SeqTracker> = None;
+            let mut last = 0usize;
             for item in batch.headers() {
                 let Ok((h, _)) = item else { break };
                 frames.inc();
                 let sid = h.stream_id.get();
-                if sid != last_stream || tracker.is_none() {
-                    last_stream = sid;
-                    tracker = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid);
-                }
-                if let Some(t) = tracker.as_deref_mut() {
+                // A validated batch names every stream of its frames in its summary.
+                if let Some(i) = bulk.find(sid, last) {
+                    last = i;
+                    if let Some(v) = bulk.by_stream.get_mut(i) {
+                        v.push((h.seq.get(), h.ts_ns.get()));
+                    }
+                } else if let Some(t) =
+                    Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, sid)
+                {
                     t.on_frame(h.seq.get(), h.ts_ns.get(), now, scratch, &mut self.next_loss_id);
                 }
             }
+            for (sid, seqs) in bulk.sids.iter().zip(bulk.by_stream.iter()) {
+                if seqs.is_empty() {
+                    continue;
+                }
+                if let Some(t) = Self::tracker_mut(&mut self.nodes, &self.config, &mut self.stats, node, epoch, *sid) {
+                    // Runs of consecutive seqs go in whole.
+                    let mut from = 0usize;
+                    while let Some(&(first, _)) = seqs.get(from) {
+                        let mut to = from.saturating_add(1);
+                        while seqs.get(to).is_some_and(|&(s, _)| {
+                            Some(s) == first.checked_add(u64::try_from(to.saturating_sub(from)).unwrap_or(u64::MAX))
+                        }) {
+                            to = to.saturating_add(1);
+                        }
+                        t.on_run(first, seqs.get(from..to).unwrap_or(&[]), now, scratch, &mut self.next_loss_id);
+                        from = to;
+                    }
+                }
+            }
+            self.bulk = bulk;
             self.stats.frames.grow(frames);
             return;
         }

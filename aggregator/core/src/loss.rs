@@ -247,6 +247,55 @@ impl SeqTracker {
         self.on_frame_slow(seq, ts, now, out, ids)
     }
 
+    /// `run.len()` frames with consecutive seqs from `first` (their times in order): the
+    /// same as [`Self::on_frame`] for each, with one map operation for the run where it
+    /// continues the stream or fills a gap from its start (a batch applied out of order
+    /// fills the hole the batches after it left). Returns how many were duplicates.
+    pub fn on_run(
+        &mut self,
+        first: u64,
+        run: &[(u64, u64)],
+        now: u64,
+        out: &mut Vec<LossInterval>,
+        ids: &mut u64,
+    ) -> u64 {
+        let n = run.len() as u64;
+        let (Some(&(_, ts_last)), true) = (run.last(), n > 1) else {
+            return run.iter().map(|&(seq, ts)| u64::from(!self.on_frame(seq, ts, now, out, ids))).sum();
+        };
+        let end = first.saturating_add(n);
+        let ts_max = run.iter().map(|r| r.1).max().unwrap_or(ts_last);
+        if first == self.high {
+            self.high = end;
+            self.counts.received.grow(n);
+            self.ts_high = ts_last;
+            if self.gaps.is_empty() {
+                self.wm_ns = self.wm_ns.max(ts_max);
+            }
+            return 0;
+        }
+        if let Some(&gap) = self.gaps.get(&first)
+            && end <= gap.end
+        {
+            let was_first = self.gaps.keys().next() == Some(&first);
+            self.gaps.remove(&first);
+            if end < gap.end {
+                self.gaps.insert(end, Gap { lo_ts: ts_last, ..gap });
+            }
+            self.pending.shrink(n);
+            self.counts.received.grow(n);
+            if was_first {
+                // Frame by frame the first gap's start (and so the candidate) moved
+                // through every time but the last before the final state below.
+                let but_last = run.iter().take(run.len().saturating_sub(1)).map(|r| r.1).max().unwrap_or(0);
+                self.wm_ns = self.wm_ns.max(but_last);
+            }
+            self.update_watermark();
+            return 0;
+        }
+        run.iter().map(|&(seq, ts)| u64::from(!self.on_frame(seq, ts, now, out, ids))).sum()
+    }
+
     fn on_frame_slow(&mut self, seq: u64, ts: u64, now: u64, out: &mut Vec<LossInterval>, ids: &mut u64) -> bool {
         if seq > self.high {
             let gap = Gap { end: seq, lo_ts: self.ts_high, hi_ts: ts, created_at_ns: now };

@@ -364,3 +364,38 @@ fn a_gap_the_shipper_still_holds_waits_for_it() {
     assert_eq!(t.losses(), vec![(4, 4, Some(1), "unknown".into())]);
     conserved(&t, 7);
 }
+
+proptest::proptest! {
+    /// Issue 21: `on_run` (a run of consecutive seqs in one call, what the bulk path
+    /// does with a batch's frames of one stream) leaves the tracker exactly as the same
+    /// frames one by one would — batches in any order, with holes, duplicates and
+    /// revivals after a loss record.
+    #[test]
+    fn a_run_is_the_same_as_its_frames_one_by_one(
+        batches in proptest::collection::vec((0u64..400, 1u64..40, proptest::bool::ANY), 1..40),
+        lost in proptest::option::of((0u64..400, 1u64..30)),
+    ) {
+        let mut a = T::new();
+        let mut b = T::new();
+        for (i, &(first, len, backwards_ts)) in batches.iter().enumerate() {
+            if i == batches.len() / 2 && let Some((lf, ln)) = lost {
+                for t in [&mut a, &mut b] {
+                    t.t.on_loss_record(lf, lf + ln - 1, ln, LossCause::ShipperSpoolFull, 0, 5 * MS, &mut t.out, &mut t.ids);
+                }
+            }
+            let run: Vec<(u64, u64)> = (first..first + len)
+                .map(|s| (s, if backwards_ts { 10_000 - s } else { 1000 + s * 10 }))
+                .collect();
+            for &(s, ts) in &run {
+                a.t.on_frame(s, ts, MS, &mut a.out, &mut a.ids);
+            }
+            b.t.on_run(first, &run, MS, &mut b.out, &mut b.ids);
+        }
+        proptest::prop_assert_eq!(a.t.counts(), b.t.counts());
+        proptest::prop_assert_eq!(a.t.pending(), b.t.pending());
+        proptest::prop_assert_eq!(a.t.high(), b.t.high());
+        proptest::prop_assert_eq!(a.t.gaps().collect::<Vec<_>>(), b.t.gaps().collect::<Vec<_>>());
+        proptest::prop_assert_eq!(a.t.watermark_ns(), b.t.watermark_ns());
+        proptest::prop_assert_eq!(&a.out, &b.out);
+    }
+}

@@ -14,13 +14,18 @@ use proto_flat::DecodeError;
 use proto_flat::batch::{BatchMeta, BatchWriter, RunningTotals};
 use proto_flat::codes::{Class, LossCause, WireEnum};
 use proto_flat::decode::split_frame;
+use zerocopy::FromBytes;
+
+use super::loss::LostRange;
 
 /// Batching limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatcherConfig {
-    /// Payload bytes per batch (64 KiB: one QUIC stream write, a few datagrams at
-    /// MTU 6000).
+    /// Payload bytes per P0/P1 batch (64 KiB: small, prompt).
     pub max_batch_bytes: usize,
+    /// Payload bytes per bulk (P2/P3) batch (256 KiB: fewer streams, acks and
+    /// per-batch work per byte; `loadgen bench` measured the transport's cost per byte).
+    pub bulk_batch_bytes: usize,
     /// How long a batch may stay open (P0 latency is bounded by this).
     pub flush_interval_ns: u64,
     /// Buffers kept for reuse.
@@ -29,7 +34,20 @@ pub struct BatcherConfig {
 
 impl Default for BatcherConfig {
     fn default() -> Self {
-        Self { max_batch_bytes: 64 * 1024, flush_interval_ns: 5_000_000, pool_size: 256 }
+        Self {
+            max_batch_bytes: 64 * 1024,
+            bulk_batch_bytes: 256 * 1024,
+            flush_interval_ns: 5_000_000,
+            pool_size: 256,
+        }
+    }
+}
+
+impl BatcherConfig {
+    /// The payload cap of lane `i` (0–3).
+    #[must_use]
+    pub fn lane_bytes(&self, i: usize) -> usize {
+        if i >= 2 { self.bulk_batch_bytes.max(self.max_batch_bytes) } else { self.max_batch_bytes }
     }
 }
 
@@ -41,6 +59,22 @@ pub struct SessionMeta {
     pub shipper_session: u64,
 }
 
+impl SessionMeta {
+    /// The envelope identity of a batch begun now in `lane` (numbered when cut).
+    #[must_use]
+    pub fn batch(&self, lane: u8, clock_mono_ns: u64, clock_realtime_ns: u64) -> BatchMeta {
+        BatchMeta {
+            node_id: self.node_id,
+            epoch: self.epoch,
+            shipper_session: self.shipper_session,
+            batch_seq: 0,
+            lane,
+            clock_mono_ns,
+            clock_realtime_ns,
+        }
+    }
+}
+
 /// A cut batch: sealed envelope bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
@@ -50,6 +84,9 @@ pub struct Batch {
     pub bytes: Vec<u8>,
     /// When its first frame arrived (caller's clock): latency is measured from here.
     pub opened_ns: u64,
+    /// Ever handed out to be sent (on any connection): the aggregator may have applied
+    /// it, so a loss report for it names its `batch_seq`.
+    pub ever_sent: bool,
 }
 
 #[derive(Debug, Default)]
@@ -153,21 +190,14 @@ impl Batcher {
             return Err(DecodeError::LaneMismatch { offset: 0, class, lane: 0 });
         };
         let mut cut = None;
-        let over = self.lanes.get(i).is_some_and(|l| {
-            l.opened_at.is_some() && l.writer.payload_len() + frame.len() > self.config.max_batch_bytes
-        });
+        let over = self
+            .lanes
+            .get(i)
+            .is_some_and(|l| l.opened_at.is_some() && l.writer.payload_len() + frame.len() > self.config.lane_bytes(i));
         if over {
             cut = self.cut(i);
         }
-        let meta = BatchMeta {
-            node_id: self.meta.node_id,
-            epoch: self.meta.epoch,
-            shipper_session: self.meta.shipper_session,
-            batch_seq: 0,
-            lane: class,
-            clock_mono_ns: self.clock_mono_ns,
-            clock_realtime_ns: self.clock_realtime_ns,
-        };
+        let meta = self.meta.batch(class, self.clock_mono_ns, self.clock_realtime_ns);
         let Some(lane) = self.lanes.get_mut(i) else { return Ok(cut) };
         if lane.opened_at.is_none() {
             lane.writer.begin(&meta);
@@ -203,18 +233,212 @@ impl Batcher {
         self.cut(lane_index(class.code())?)
     }
 
+    /// Seals a batch the ring reader staged ([`Stager`]): numbered now (so `batch_seq`
+    /// follows the order batches reach the spool, across the reader's lanes and the
+    /// core's own), stamped with the running totals, checksummed. The writer is left
+    /// empty with a pooled buffer, to go back to the reader.
+    pub fn seal(&mut self, staged: &mut Staged) -> Batch {
+        let replacement = self.pool.pop().unwrap_or_default();
+        Self::number_and_seal(
+            &mut self.next_batch_seq,
+            &mut self.totals,
+            &mut staged.writer,
+            replacement,
+            staged.lane,
+            staged.opened_ns,
+        )
+    }
+
+    /// Numbers the writer's batch (`batch_seq` follows cut order across lanes), stamps
+    /// the running totals, seals it, and hands its buffer out (the writer keeps
+    /// `replacement`).
+    fn number_and_seal(
+        next_batch_seq: &mut u64,
+        totals: &mut RunningTotals,
+        writer: &mut BatchWriter,
+        replacement: Vec<u8>,
+        lane: Class,
+        opened_ns: u64,
+    ) -> Batch {
+        let frames = writer.frame_count();
+        let batch_seq = *next_batch_seq;
+        *next_batch_seq += 1;
+        totals.shipped += u64::from(frames);
+        writer.set_batch_seq(batch_seq);
+        let bytes = writer.finish_swap(totals, replacement);
+        Batch { lane, batch_seq, frames, bytes, opened_ns, ever_sent: false }
+    }
+
+    /// Frames shed before they reached a batch (the reader's queue was full) are lost
+    /// with `cause`; counted into the running totals like any other loss. Frames put
+    /// into a batch and shed with it count as shipped too (they were, as far as the
+    /// totals go, handed to the shipper).
+    pub fn note_shed(&mut self, frames: u64) {
+        self.totals.shipped += frames;
+    }
+
     fn cut(&mut self, i: usize) -> Option<Batch> {
         let lane = self.lanes.get_mut(i)?;
         let opened_ns = lane.opened_at.take()?;
         let replacement = self.pool.pop().unwrap_or_default();
-        let frames = lane.writer.frame_count();
-        let batch_seq = self.next_batch_seq;
-        self.next_batch_seq += 1;
-        self.totals.shipped += u64::from(frames);
-        // Numbered at the cut, so batch_seq follows cut order across lanes.
-        lane.writer.set_batch_seq(batch_seq);
-        let bytes = lane.writer.finish_swap(&self.totals, replacement);
-        Some(Batch { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), batch_seq, frames, bytes, opened_ns })
+        let class = Class::from_code(u8::try_from(i).unwrap_or(0));
+        Some(Self::number_and_seal(
+            &mut self.next_batch_seq,
+            &mut self.totals,
+            &mut lane.writer,
+            replacement,
+            class,
+            opened_ns,
+        ))
+    }
+}
+
+/// A ring-lane batch the reader filled and cut, not yet numbered or sealed: the
+/// writer travels to the core, which seals it ([`Batcher::seal`]) and sends the emptied
+/// writer back.
+#[derive(Debug)]
+pub struct Staged {
+    pub lane: Class,
+    pub writer: BatchWriter,
+    /// When its first frame arrived (the reader's clock, the core's clock: one `now`).
+    pub opened_ns: u64,
+}
+
+impl Staged {
+    /// Payload bytes (what the reader's queue counts against its cap).
+    #[must_use]
+    pub fn payload_len(&self) -> usize {
+        self.writer.payload_len()
+    }
+
+    /// Frames in it.
+    #[must_use]
+    pub fn frames(&self) -> u32 {
+        self.writer.frame_count()
+    }
+
+    /// Its frames as lost ranges, one per stream (a staged batch the reader shed: it
+    /// never got a `batch_seq`, so the records name none — 0).
+    pub fn lost_ranges(&self, cause: LossCause, shipper_session: u64) -> impl Iterator<Item = LostRange> + '_ {
+        self.writer.summary().iter().map(move |e| LostRange::of_summary(e, (shipper_session, 0), cause, 0))
+    }
+}
+
+/// The ring reader's half of batching: frames copied into one open writer per lane,
+/// cut on size or age, handed on unsealed ([`Staged`]). Pure; owned by the reader
+/// thread, so the per-frame work takes no lock.
+#[derive(Debug)]
+pub struct Stager {
+    config: BatcherConfig,
+    meta: SessionMeta,
+    lanes: [Lane; 4],
+    /// Emptied writers back from the core.
+    spare: Vec<BatchWriter>,
+    /// Frames taken, per lane, and frames refused as malformed.
+    pub frames_by_lane: [u64; 4],
+    pub frames_malformed: u64,
+}
+
+impl Stager {
+    #[must_use]
+    pub fn new(config: BatcherConfig, meta: SessionMeta) -> Self {
+        Self {
+            config,
+            meta,
+            lanes: Default::default(),
+            spare: Vec::new(),
+            frames_by_lane: [0; 4],
+            frames_malformed: 0,
+        }
+    }
+
+    /// A new kernel-counter epoch: open batches (of the old one) are cut first.
+    pub fn set_epoch(&mut self, epoch: u64, out: &mut impl FnMut(Staged)) {
+        self.flush(out);
+        self.meta.epoch = epoch;
+    }
+
+    /// An emptied writer back from the core, for reuse.
+    pub fn give_back(&mut self, writer: BatchWriter) {
+        if self.spare.len() < self.config.pool_size {
+            self.spare.push(writer);
+        }
+    }
+
+    /// Adds one ring record; a lane that had to be cut first to make room is handed to
+    /// `out`. A record whose header or length is wrong is counted and skipped.
+    #[inline]
+    pub fn push(&mut self, frame: &[u8], now: u64, out: &mut impl FnMut(Staged)) {
+        let Some(class) = proto_flat::FrameHeader::ref_from_prefix(frame).ok().map(|(h, _)| h.stream().class_code())
+        else {
+            self.frames_malformed += 1;
+            return;
+        };
+        let Some(i) = lane_index(class) else {
+            self.frames_malformed += 1;
+            return;
+        };
+        let cap = self.config.lane_bytes(i);
+        if self.lanes.get(i).is_some_and(|l| l.opened_at.is_some() && l.writer.payload_len() + frame.len() > cap)
+            && let Some(s) = self.cut(i)
+        {
+            out(s);
+        }
+        let meta = self.meta.batch(class, 0, 0);
+        let Some(lane) = self.lanes.get_mut(i) else { return };
+        if lane.opened_at.is_none() {
+            if let Some(w) = self.spare.pop() {
+                lane.writer = w;
+            }
+            lane.writer.begin(&meta);
+            lane.opened_at = Some(now);
+        }
+        if lane.writer.push_frame(frame).is_ok() {
+            if let Some(n) = self.frames_by_lane.get_mut(i) {
+                *n += 1;
+            }
+        } else {
+            self.frames_malformed += 1;
+            if lane.writer.frame_count() == 0 {
+                lane.opened_at = None;
+            }
+        }
+    }
+
+    /// Cuts every lane whose flush interval has passed.
+    pub fn poll_cut(&mut self, now: u64, out: &mut impl FnMut(Staged)) {
+        for i in 0..self.lanes.len() {
+            let due = self
+                .lanes
+                .get(i)
+                .and_then(|l| l.opened_at)
+                .is_some_and(|t| now.saturating_sub(t) >= self.config.flush_interval_ns);
+            if due && let Some(s) = self.cut(i) {
+                out(s);
+            }
+        }
+    }
+
+    /// When the next lane falls due.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.lanes.iter().filter_map(|l| l.opened_at).min().map(|t| t + self.config.flush_interval_ns)
+    }
+
+    /// Cuts every open lane (before counters are handed on, and at shutdown).
+    pub fn flush(&mut self, out: &mut impl FnMut(Staged)) {
+        for i in 0..self.lanes.len() {
+            if let Some(s) = self.cut(i) {
+                out(s);
+            }
+        }
+    }
+
+    fn cut(&mut self, i: usize) -> Option<Staged> {
+        let lane = self.lanes.get_mut(i)?;
+        let opened_ns = lane.opened_at.take()?;
+        let writer = std::mem::take(&mut lane.writer);
+        Some(Staged { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), writer, opened_ns })
     }
 }
 
@@ -232,7 +456,12 @@ mod tests {
 
     #[test]
     fn cuts_by_size_and_by_time_with_running_totals() {
-        let cfg = BatcherConfig { max_batch_bytes: 48 * 10, flush_interval_ns: 1_000, pool_size: 4 };
+        let cfg = BatcherConfig {
+            max_batch_bytes: 48 * 10,
+            bulk_batch_bytes: 48 * 10,
+            flush_interval_ns: 1_000,
+            pool_size: 4,
+        };
         let mut b = Batcher::new(cfg, SessionMeta { node_id: 7, epoch: 1, shipper_session: 3 });
         let mut cut = Vec::new();
         for seq in 0..25 {

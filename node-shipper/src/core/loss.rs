@@ -24,6 +24,29 @@ pub struct LostRange {
 }
 
 impl LostRange {
+    /// A stream-summary entry's frames, lost: `(shipper_session, batch_seq)` names the
+    /// batch (`batch_seq` 0: one never numbered or sent).
+    #[must_use]
+    pub fn of_summary(
+        e: &proto_flat::sections::StreamSummaryEntry,
+        (shipper_session, batch_seq): (u64, u64),
+        cause: LossCause,
+        reason: u16,
+    ) -> Self {
+        Self {
+            stream_id: e.stream_id.get(),
+            first_seq: e.first_seq.get(),
+            last_seq: e.last_seq.get(),
+            count: u64::from(e.frame_count.get()),
+            first_ts: e.first_ts.get(),
+            last_ts: e.last_ts.get(),
+            shipper_session,
+            batch_seq,
+            cause,
+            reason,
+        }
+    }
+
     /// The loss record frame for it, on the shipper's own P1 stream.
     #[must_use]
     pub fn to_frame(&self, stream: StreamId, seq: u64, ts_ns: u64) -> LossRecordFrame {
@@ -49,23 +72,9 @@ impl LostRange {
 /// A batch that does not parse: only possible if the spool's bytes were corrupted, and
 /// the caller must count it (`shipper_internal`) rather than lose it silently.
 pub fn lost_ranges(batch: &[u8], cause: LossCause, reason: u16) -> Result<Vec<LostRange>, DecodeError> {
-    let view = BatchView::parse(batch)?;
-    Ok(view
-        .summary
-        .iter()
-        .map(|e| LostRange {
-            stream_id: e.stream_id.get(),
-            first_seq: e.first_seq.get(),
-            last_seq: e.last_seq.get(),
-            count: u64::from(e.frame_count.get()),
-            first_ts: e.first_ts.get(),
-            last_ts: e.last_ts.get(),
-            shipper_session: view.header.shipper_session.get(),
-            batch_seq: view.header.batch_seq.get(),
-            cause,
-            reason,
-        })
-        .collect())
+    let view = BatchView::parse_own(batch)?;
+    let (session, batch_seq) = (view.header.shipper_session.get(), view.header.batch_seq.get());
+    Ok(view.summary.iter().map(|e| LostRange::of_summary(e, (session, batch_seq), cause, reason)).collect())
 }
 
 #[cfg(test)]

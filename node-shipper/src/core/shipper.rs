@@ -34,8 +34,8 @@ use proto_flat::sections::{ProgressEntry, SessionStreamEntry, ShipperStateEntry,
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
-use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
-use super::loss::lost_ranges;
+use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta, Staged};
+use super::loss::{LostRange, lost_ranges};
 use super::spool::{Spool, SpoolConfig};
 
 /// The shipper's own P1 stream: heartbeats, loss records, epoch starts.
@@ -167,11 +167,19 @@ pub struct ShipperStats {
     pub batches_nacked: u64,
     /// Nacks by reason code (the last 16 codes; an unknown code counts in slot 0).
     pub nacks_by_reason: [u64; 16],
+    /// Ring frames the reader shed before they reached the spool (its queue to the core
+    /// was full), and the staged batches they were in; also counted in `frames_lost`
+    /// (`shipper_spool_full`) and `frames_lost_by_lane`.
+    pub frames_shed: u64,
+    pub batches_shed: u64,
     /// Batches whose loss records could not be built (corrupted spool bytes).
     pub loss_record_errors: u64,
     pub hellos: u64,
-    /// Lanes sent again because their acks stalled.
+    /// Lanes sent again because their acks stalled (and per lane: the driver resets the
+    /// streams still carrying a resent lane's batches, so they do not hold the
+    /// connection's send window twice).
     pub lane_resends: u64,
+    pub lane_resends_by_lane: [u64; 4],
     /// Batches sent again because their stream failed or the aggregator stopped it.
     pub send_failures: u64,
     /// The aggregator instance of the last hello.
@@ -296,7 +304,17 @@ pub struct ShipperCore {
     /// [`MAX_RESUME_STREAMS`] entries; more are counted in `resume_streams_dropped`.
     released: BTreeMap<(u64, u32), u64>,
     resume_streams_dropped: u64,
+    /// Ranges of ring frames lost in batches that were never sent (evicted before their
+    /// turn, or shed by the reader), merged per stream while they stay contiguous;
+    /// written as loss records before the next heartbeat (its `held_from_seq` then
+    /// covers them), when [`MAX_COALESCED`] are pending, and at shutdown. Under a long
+    /// overload one record per stream per heartbeat, not one per batch: the records
+    /// must not flood a link that is already too slow for the data.
+    coalesced: Vec<LostRange>,
 }
+
+/// Merged loss ranges the core holds before it writes them out.
+const MAX_COALESCED: usize = 1024;
 
 /// What a `resume` says (see [`ShipperCore::resume`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -338,6 +356,7 @@ impl ShipperCore {
             batch_log_overflow: 0,
             released: BTreeMap::new(),
             resume_streams_dropped: 0,
+            coalesced: Vec::new(),
         }
     }
 
@@ -386,6 +405,85 @@ impl ShipperCore {
         self.stats.frames_in += 1;
         self.push_into_lane(frame, now);
         self.offer_cut(now);
+    }
+
+    /// A batch the ring reader filled and cut ([`Staged`]): sealed (numbered, totals,
+    /// checksum) and spooled. Its writer, emptied, goes back to the reader.
+    pub fn handle_staged(&mut self, staged: &mut Staged, now: u64) {
+        let frames = u64::from(staged.frames());
+        let l = usize::from(staged.lane.code()).min(3);
+        self.stats.frames_in += frames;
+        self.stats.frames_in_by_lane[l] += frames;
+        let b = self.batcher.seal(staged);
+        self.cut.push(b);
+        self.offer_cut(now);
+    }
+
+    /// Frames the ring reader shed before they reached the spool (its queue to the core
+    /// was full: the core fell behind the ring): lost `shipper_spool_full`, one loss
+    /// record per range, like a batch the spool evicted.
+    pub fn handle_shed(&mut self, lane: Class, ranges: &[LostRange], now: u64) {
+        let frames: u64 = ranges.iter().map(|r| r.count).sum();
+        let l = usize::from(lane.code()).min(3);
+        let cause = LossCause::ShipperSpoolFull;
+        self.stats.frames_in += frames;
+        self.stats.frames_in_by_lane[l] += frames;
+        self.stats.frames_lost_by_lane[l] += frames;
+        self.stats.frames_shed += frames;
+        self.stats.batches_shed += 1;
+        self.stats.frames_lost[cause.drop_slot().unwrap_or(0)] += frames;
+        self.batcher.note_shed(frames);
+        self.batcher.note_loss(cause, frames);
+        for r in ranges {
+            self.coalesce(r, now);
+        }
+        self.offer_cut(now);
+    }
+
+    /// Adds a never-sent batch's range to the merged ones (batch_seq 0: no batch of
+    /// it can have been applied).
+    fn coalesce(&mut self, r: &LostRange, now: u64) {
+        let merged = self.coalesced.iter_mut().rev().find(|p| p.stream_id == r.stream_id).is_some_and(|p| {
+            let adjacent = p.cause == r.cause && p.reason == r.reason && p.last_seq.checked_add(1) == Some(r.first_seq);
+            if adjacent {
+                p.last_seq = r.last_seq;
+                p.count = p.count.saturating_add(r.count);
+                p.last_ts = p.last_ts.max(r.last_ts);
+            }
+            adjacent
+        });
+        if !merged {
+            self.coalesced.push(LostRange { batch_seq: 0, ..*r });
+        }
+        if self.coalesced.len() >= MAX_COALESCED {
+            self.write_coalesced(now);
+        }
+    }
+
+    /// Offers what is cut and writes every merged range as a record, until none is left
+    /// (offering a P1 batch of records can evict bulk, which merges more).
+    fn settle_losses(&mut self, now: u64) {
+        loop {
+            self.offer_cut(now);
+            if self.coalesced.is_empty() {
+                break;
+            }
+            self.write_coalesced(now);
+        }
+    }
+
+    /// The merged ranges become loss records (in the open P1 lane, cut promptly).
+    fn write_coalesced(&mut self, now: u64) {
+        for r in std::mem::take(&mut self.coalesced) {
+            self.loss_record(&r, now);
+        }
+    }
+
+    /// Records the ring reader could not batch (bad length or lane): counted, in
+    /// `frames_in` too (as [`Self::handle_frame`] counts them).
+    pub fn note_malformed(&mut self, frames: u64) {
+        self.stats.frames_in += frames;
+        self.stats.frames_malformed += frames;
     }
 
     /// A new epoch: open batches of the old one are cut, the shipper stream restarts at
@@ -600,7 +698,7 @@ impl ShipperCore {
     /// the stream summary for ring lanes; the frames of the shipper's own P1 batches, whose
     /// loss records speak for other streams).
     fn note_released(&mut self, bytes: &[u8]) {
-        let Ok(view) = BatchView::parse(bytes) else { return };
+        let Ok(view) = BatchView::parse_own(bytes) else { return };
         let epoch = view.header.epoch.get();
         if epoch < self.batcher.meta().epoch {
             return; // an ended epoch's floors are never sent again
@@ -686,7 +784,7 @@ impl ShipperCore {
     pub fn flush(&mut self, now: u64) {
         let cut = self.batcher.flush();
         self.cut.extend(cut);
-        self.offer_cut(now);
+        self.settle_losses(now);
     }
 
     /// What is still waiting for an ack.
@@ -716,7 +814,7 @@ impl ShipperCore {
             frames += u64::from(b.frames);
             self.lose(b, LossCause::ShipperShutdown, 0, now);
         }
-        self.offer_cut(now);
+        self.settle_losses(now);
         frames
     }
 
@@ -771,7 +869,7 @@ impl ShipperCore {
             *v = (*v).min(seq);
         };
         for b in self.spool.iter() {
-            let Ok(view) = BatchView::parse(&b.bytes) else { continue };
+            let Ok(view) = BatchView::parse_own(&b.bytes) else { continue };
             if view.header.epoch.get() != epoch {
                 continue;
             }
@@ -809,6 +907,9 @@ impl ShipperCore {
     fn resend_lane(&mut self, lane: usize, now: u64) {
         self.spool.resend_lane(lane);
         self.stats.lane_resends += 1;
+        if let Some(n) = self.stats.lane_resends_by_lane.get_mut(lane) {
+            *n += 1;
+        }
         if let Some(p) = self.lane_progress_ns.get_mut(lane) {
             *p = now;
         }
@@ -828,10 +929,11 @@ impl ShipperCore {
     fn heartbeat(&mut self, node_mono_ns: u64, now: u64) {
         self.node_mono_ns = self.node_mono_ns.max(node_mono_ns);
         self.check_stalls(now);
-        // Everything read so far goes into batches first, so held_from is exact.
+        // Everything read so far goes into batches first, and every merged loss range
+        // into a record, so held_from is exact.
         let cut = self.batcher.flush();
         self.cut.extend(cut);
-        self.offer_cut(now);
+        self.settle_losses(now);
         let held = self.held_from(self.batcher.meta().epoch);
         let streams: Vec<StreamEntry> = self
             .counters
@@ -897,6 +999,14 @@ impl ShipperCore {
         }
     }
 
+    fn loss_record(&mut self, r: &LostRange, now: u64) {
+        let seq = self.next_p1_seq();
+        let f = r.to_frame(self.shipper_stream, seq, r.last_ts);
+        self.push_into_lane(f.as_bytes(), now);
+        self.stats.loss_records += 1;
+        self.pending_loss_records = true;
+    }
+
     /// A batch that will not be delivered: one loss record per stream it held. The
     /// shipper's own P1 frames are not turned into loss records about themselves (that
     /// could loop); they are counted in the running totals every envelope carries.
@@ -911,12 +1021,12 @@ impl ShipperCore {
             self.stats.frames_lost[slot] += u64::from(b.frames);
             match lost_ranges(&b.bytes, cause, reason) {
                 Ok(ranges) => {
-                    for r in ranges {
-                        let seq = self.next_p1_seq();
-                        let f = r.to_frame(self.shipper_stream, seq, r.last_ts);
-                        self.push_into_lane(f.as_bytes(), now);
-                        self.stats.loss_records += 1;
-                        self.pending_loss_records = true;
+                    for r in &ranges {
+                        if b.ever_sent || cause != LossCause::ShipperSpoolFull {
+                            self.loss_record(r, now);
+                        } else {
+                            self.coalesce(r, now);
+                        }
                     }
                 }
                 // Only if the spool's own bytes were corrupted; counted, never silent.
@@ -944,7 +1054,12 @@ mod tests {
 
     fn core(spool_cap: usize) -> ShipperCore {
         let config = CoreConfig {
-            batcher: BatcherConfig { max_batch_bytes: 48 * 10, flush_interval_ns: 5 * MS, pool_size: 4 },
+            batcher: BatcherConfig {
+                max_batch_bytes: 48 * 10,
+                bulk_batch_bytes: 48 * 10,
+                flush_interval_ns: 5 * MS,
+                pool_size: 4,
+            },
             spool: SpoolConfig { cap_bytes: spool_cap, p0_reserve_bytes: 1000, p1_reserve_bytes: 4000 },
             heartbeat_interval_ns: 1000 * MS,
             bulk_window_bytes: 1 << 20,
@@ -977,14 +1092,18 @@ mod tests {
             .map(|f| f.header().seq.get())
             .collect();
         let mut lost = 0;
+        let mut records = 0;
         for f in frames_of(&sent) {
             if let Frame::LossRecord(r) = f {
                 assert_eq!(r.cause(), LossCause::ShipperSpoolFull);
                 lost += r.count.get();
-                assert!(r.batch_seq.get() > 0 && r.shipper_session.get() == 2);
+                records += 1;
+                // Never sent: merged, naming no batch.
+                assert!(r.batch_seq.get() == 0 && r.shipper_session.get() == 2);
             }
         }
         assert!(lost > 0, "the spool overflowed");
+        assert_eq!(records, 1, "contiguous evictions of one stream merge into one record");
         assert_eq!(delivered.len() as u64 + lost, 200, "delivered + named lost = handed in");
         let s = *c.stats();
         assert_eq!(s.frames_lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
@@ -995,6 +1114,56 @@ mod tests {
         c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 0);
         assert!(c.spool().is_empty());
         assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
+    }
+
+    #[test]
+    fn staged_batches_are_sealed_in_order_and_shed_ones_become_merged_loss_records() {
+        use crate::core::batcher::Stager;
+        let mut c = core(1 << 20);
+        let meta = SessionMeta { node_id: 5, epoch: 1, shipper_session: 2 };
+        let mut stager = Stager::new(c.config.batcher, meta);
+        let mut staged = Vec::new();
+        for seq in 0..100 {
+            for cpu in 0..2 {
+                stager.push(&bulk(cpu, seq), seq, &mut |s| staged.push(s));
+            }
+        }
+        stager.flush(&mut |s| staged.push(s));
+        assert_eq!(staged.len(), 20, "10 frames per batch");
+        // The reader sheds batches 3..=7 (its queue was full), hands the rest on.
+        let mut shed = Vec::new();
+        for (i, mut s) in staged.into_iter().enumerate() {
+            if (3..=7).contains(&i) {
+                shed.extend(s.lost_ranges(LossCause::ShipperSpoolFull, 2));
+            } else {
+                c.handle_staged(&mut s, 0);
+                assert_eq!(s.writer.payload_len(), 0, "the writer goes back emptied");
+            }
+        }
+        c.handle_shed(Class::P2, &shed, 0);
+        c.flush(MS);
+        let sent = transmit(&mut c);
+        let seqs: Vec<u64> = sent
+            .iter()
+            .map(|b| BatchView::parse(b).unwrap())
+            .filter(|v| v.lane() == Class::P2)
+            .map(|v| v.header.batch_seq.get())
+            .collect();
+        assert_eq!(seqs, (1..=15).collect::<Vec<_>>(), "numbered in the order they reached the core");
+        let records: Vec<_> =
+            frames_of(&sent).filter_map(|f| if let Frame::LossRecord(r) = f { Some(*r) } else { None }).collect();
+        // Five shed batches of both streams: one merged record per stream.
+        assert_eq!(records.len(), 2, "{records:?}");
+        for r in &records {
+            assert_eq!((r.first_seq.get(), r.last_seq.get(), r.count.get()), (15, 39, 25));
+            assert_eq!((r.cause(), r.batch_seq.get()), (LossCause::ShipperSpoolFull, 0));
+        }
+        let st = c.stats();
+        assert_eq!(st.frames_in, 200);
+        assert_eq!((st.frames_shed, st.frames_lost_by_lane[2]), (50, 50));
+        c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 0);
+        let st = c.stats();
+        assert_eq!(st.frames_in_by_lane[2], st.frames_acked_by_lane[2] + st.frames_lost_by_lane[2]);
     }
 
     #[test]

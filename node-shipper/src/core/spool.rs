@@ -174,9 +174,21 @@ impl Spool {
         }
     }
 
-    /// Evicts the oldest bulk batch (P3 before P2).
+    /// Evicts a bulk batch (P3 before P2): the oldest not yet sent on this connection,
+    /// or — when every bulk batch held is in flight — the oldest. A batch in flight will
+    /// likely arrive (its bytes are already in the transport's buffers), and a batch
+    /// never sent cannot have been applied anywhere, so its loss needs no batch_seq and
+    /// merges with its neighbours' (see `ShipperCore`).
     fn evict_bulk(&mut self) -> Option<Batch> {
         for lane in [3, 2] {
+            let sent = self.sent[lane];
+            if self.lanes[lane].len() > sent
+                && let Some(b) = self.lanes[lane].remove(sent)
+            {
+                self.account(lane, b.bytes.len(), false);
+                self.counters.evicted += 1;
+                return Some(b);
+            }
             if let Some(b) = self.lanes[lane].pop_front() {
                 if self.sent[lane] > 0 {
                     self.sent[lane] -= 1;
@@ -241,7 +253,8 @@ impl Spool {
                 || self.bulk_in_flight_bytes() == 0
                 || self.bulk_in_flight_bytes() + next.bytes.len() <= bulk_window_bytes
         })?;
-        let b = self.lanes[lane].get(self.sent[lane])?;
+        let b = self.lanes[lane].get_mut(self.sent[lane])?;
+        b.ever_sent = true;
         self.sent[lane] += 1;
         self.sent_bytes[lane] += b.bytes.len();
         Some((b.lane, b.batch_seq, &b.bytes))
@@ -454,7 +467,7 @@ mod tests {
     use super::*;
 
     fn batch(lane: Class, seq: u64, size: usize) -> Batch {
-        Batch { lane, batch_seq: seq, frames: 1, bytes: vec![0; size], opened_ns: 0 }
+        Batch { lane, batch_seq: seq, frames: 1, bytes: vec![0; size], opened_ns: 0, ever_sent: false }
     }
 
     fn spool() -> Spool {

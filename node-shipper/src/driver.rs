@@ -54,6 +54,10 @@ pub enum Ended {
     Shutdown,
     /// The (simulated) node died: nothing flushed.
     NodeDead,
+    /// The core's pump task failed (a panic): nothing more is shipped; what was held is
+    /// reported (`main` exits 70, for a supervisor to restart the shipper, whose next
+    /// session's `session_start` accounts for the tail).
+    Failed,
 }
 
 /// What a run did.
@@ -179,7 +183,9 @@ pub const READER_QUEUE_BYTES: usize = 64 << 20;
 
 /// Reader → core, in order: batches are sealed in the order they were cut, and counters
 /// reach the core after every batch holding frames they count (so a heartbeat's
-/// `held_from_seq` is exact).
+/// `held_from_seq` is exact). Only staged bytes count against the queue's cap; the other
+/// messages are small and come at most one per counters read, epoch, session start,
+/// sampling change or shedding episode.
 enum ToCore {
     Staged(Staged),
     Shed(Class, Vec<LostRange>),
@@ -461,7 +467,7 @@ pub async fn run_and_return_source(
 
     // The pump: the reader's messages into the core, and the core's timers.
     let (stop_pump_tx, stop_pump_rx) = watch::channel(false);
-    let pump = tokio::spawn(pump(Arc::clone(&shared), from_reader, writers_back, stop_pump_rx));
+    let mut pump = tokio::spawn(pump(Arc::clone(&shared), from_reader, writers_back, stop_pump_rx));
 
     // Network task.
     let (stop_net_tx, stop_net_rx) = watch::channel(false);
@@ -473,23 +479,34 @@ pub async fn run_and_return_source(
         stop_net_rx,
     ));
 
+    let mut pumped = None;
     let ended = tokio::select! {
         () = shutdown => Ended::Shutdown,
         _ = reader_done_rx.wait_for(|d| *d) => Ended::NodeDead,
+        r = &mut pump => {
+            // The pump only returns when told to stop: this is a panic.
+            tracing::error!(error = ?r.as_ref().err(), "the core pump failed: the shipper stops");
+            pumped = Some(r);
+            Ended::Failed
+        }
     };
     stop_reading.store(true, Ordering::Relaxed);
     let (source, state) = tokio::task::spawn_blocking(move || reader.join()).await.ok().and_then(Result::ok).unzip();
     // Everything the reader queued (it flushed its open batches as it stopped) reaches
     // the core before the shutdown steps below.
     let _ = stop_pump_tx.send(true);
-    if let Ok((rx, back)) = pump.await {
+    let pumped = match pumped {
+        Some(r) => r,
+        None => pump.await,
+    };
+    if let Ok((rx, back)) = pumped {
         let now = shared.now();
         let mut core = shared.core();
         while let Ok(msg) = rx.try_recv() {
             apply(&shared, &mut core, msg, &back, now);
         }
     }
-    let ended = if state == Some(SourceState::NodeDead) { Ended::NodeDead } else { ended };
+    let ended = if state == Some(SourceState::NodeDead) && ended != Ended::Failed { Ended::NodeDead } else { ended };
     let rings = source.as_ref().and_then(|s| s.ring_stats());
 
     let flushed;

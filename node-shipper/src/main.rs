@@ -98,7 +98,7 @@ fn main() -> ExitCode {
                     "shutdown deadline passed with unacked batches: given up as shipper_shutdown (reported above)"
                 );
             }
-            ExitCode::SUCCESS
+            if r.ended == node_shipper::driver::Ended::Failed { ExitCode::from(70) } else { ExitCode::SUCCESS }
         }
         Err(e) => {
             eprintln!("node-shipper: {e}");

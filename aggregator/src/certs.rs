@@ -23,6 +23,10 @@ pub enum CertError {
     Rcgen(#[from] rcgen::Error),
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error(
+        "{dir} is not empty ({files} entries): refusing to replace a certificate set (node certificates signed by the old CA would be left beside a new one); give --force to replace the whole set"
+    )]
+    NotEmpty { dir: PathBuf, files: usize },
 }
 
 /// The paths of a certificate set.
@@ -63,6 +67,39 @@ fn write(path: PathBuf, text: &str) -> Result<(), CertError> {
     std::fs::write(&path, text).map_err(|source| CertError::Io { path, source })
 }
 
+/// Writes a private key readable by its owner only (0600, from creation on).
+fn write_key(path: PathBuf, text: &str) -> Result<(), CertError> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let io = |source| CertError::Io { path: path.clone(), source };
+    let mut f =
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path).map_err(io)?;
+    // An existing file keeps its mode through `open`: set it.
+    f.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)
+}
+
+/// [`init`], refusing a directory that is not empty unless `force`, which removes the
+/// old set's `.pem` and `.key` files first (the whole set is replaced: no node
+/// certificate of an old CA stays beside the new one).
+///
+/// # Errors
+/// As [`init`], or [`CertError::NotEmpty`].
+pub fn init_checked(dir: &Path, nodes: &[String], force: bool) -> Result<CertSet, CertError> {
+    let io = |source| CertError::Io { path: dir.to_path_buf(), source };
+    if dir.exists() {
+        let entries: Vec<PathBuf> =
+            std::fs::read_dir(dir).map_err(io)?.filter_map(Result::ok).map(|e| e.path()).collect();
+        if !entries.is_empty() && !force {
+            return Err(CertError::NotEmpty { dir: dir.to_path_buf(), files: entries.len() });
+        }
+        for p in entries.iter().filter(|p| p.extension().is_some_and(|e| e == "pem" || e == "key")) {
+            std::fs::remove_file(p).map_err(|source| CertError::Io { path: p.clone(), source })?;
+        }
+    }
+    init(dir, nodes)
+}
+
 /// A CA (self-signed) whose certificates are written as `<stem>.pem`/`<stem>.key`.
 fn new_ca(dir: &Path, stem: &str, common_name: &str) -> Result<CertifiedIssuer<'static, KeyPair>, CertError> {
     let mut params = CertificateParams::new(Vec::<String>::new())?;
@@ -73,7 +110,7 @@ fn new_ca(dir: &Path, stem: &str, common_name: &str) -> Result<CertifiedIssuer<'
     let key_pem = key.serialize_pem();
     let ca = CertifiedIssuer::self_signed(params, key)?;
     write(dir.join(format!("{stem}.pem")), &ca.pem())?;
-    write(dir.join(format!("{stem}.key")), &key_pem)?;
+    write_key(dir.join(format!("{stem}.key")), &key_pem)?;
     Ok(ca)
 }
 
@@ -93,7 +130,7 @@ fn issue(
     let key = KeyPair::generate()?;
     let cert = params.signed_by(&key, ca)?;
     write(dir.join(format!("{stem}.pem")), &cert.pem())?;
-    write(dir.join(format!("{stem}.key")), &key.serialize_pem())?;
+    write_key(dir.join(format!("{stem}.key")), &key.serialize_pem())?;
     Ok(())
 }
 

@@ -14,6 +14,7 @@
 
 pub mod api;
 pub mod certs;
+pub mod config;
 pub mod ingest;
 pub mod snapshots;
 pub mod state;
@@ -61,6 +62,8 @@ pub struct AggregatorConfig {
     /// the previous release in tests).
     pub max_control_version: u16,
     pub snapshot_interval_ms: u64,
+    /// The HTTP listener's header-read timeout and connection cap.
+    pub http_limits: ringwatch_transport::http::HttpLimits,
     /// Aggregator time per real time (1 in production; `loadgen --time-scale` compresses
     /// simulated runs, whose node clocks run as fast).
     pub time_scale: f64,
@@ -85,6 +88,7 @@ impl AggregatorConfig {
             snapshot_path: None,
             max_control_version: proto_flat::control::CONTROL_VERSION,
             snapshot_interval_ms: 10_000,
+            http_limits: ringwatch_transport::http::HttpLimits::default(),
             time_scale: 1.0,
         }
     }
@@ -201,6 +205,7 @@ impl Aggregator {
             .map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let http_addr = listener.local_addr().map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let router = api::router(Arc::clone(&shared));
+        let (limits, http_counters) = (cfg.http_limits, Arc::clone(&shared.http));
         let ep = endpoint.clone();
         let sh = Arc::clone(&shared);
         let mut tasks = vec![
@@ -213,7 +218,7 @@ impl Aggregator {
             supervise::spawn_io_task(
                 Arc::clone(&shared),
                 |s| &s.tasks.http,
-                move || serve_http(listener.try_clone(), router.clone()),
+                move || serve_http(listener.try_clone(), router.clone(), limits, Arc::clone(&http_counters)),
             ),
         ];
         if let Some(path) = cfg.snapshot_path.clone() {
@@ -271,8 +276,13 @@ fn scaled_downtime(snapshot_ns: u64, now_ns: u64, time_scale: f64) -> u64 {
     snapshot_ns.saturating_add(state::scale_ns(now_ns.saturating_sub(snapshot_ns), time_scale))
 }
 
-/// Serves the API on (a clone of) the listener until it fails.
-async fn serve_http(listener: std::io::Result<std::net::TcpListener>, router: axum::Router) {
+/// Serves the API on (a clone of) the listener, with its limits.
+async fn serve_http(
+    listener: std::io::Result<std::net::TcpListener>,
+    router: axum::Router,
+    limits: ringwatch_transport::http::HttpLimits,
+    counters: Arc<ringwatch_transport::http::HttpCounters>,
+) {
     let listener = match listener.and_then(tokio::net::TcpListener::from_std) {
         Ok(l) => l,
         Err(e) => {
@@ -280,9 +290,7 @@ async fn serve_http(listener: std::io::Result<std::net::TcpListener>, router: ax
             return;
         }
     };
-    if let Err(e) = axum::serve(listener, router).await {
-        tracing::error!(error = %e, "HTTP server stopped");
-    }
+    ringwatch_transport::http::serve(listener, router, limits, counters).await;
 }
 
 /// Writes a snapshot every `interval_ms`.
@@ -297,6 +305,7 @@ async fn snapshot_loop(shared: Arc<Shared>, path: PathBuf, interval_ms: u64) {
             Ok(false) => {}
             Err(e) => {
                 state::Counters::inc(&shared.counters.snapshot_failures);
+                state::Counters::inc(&shared.counters.snapshot_failures_in_a_row);
                 if e.is_panic() {
                     // As a panic of this task: counted and restarted by its supervisor,
                     // or the core fails if the panic held its lock.
@@ -339,6 +348,7 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
                 newer
             });
             state::Counters::inc(&shared.counters.snapshots_written);
+            shared.counters.snapshot_failures_in_a_row.store(0, Relaxed);
             shared.counters.last_snapshot_bytes.store(bytes as u64, Relaxed);
             shared.counters.last_snapshot_hold_us.store(hold_us, Relaxed);
             shared.counters.last_snapshot_at_ms.store(now / 1_000_000, Relaxed);
@@ -346,7 +356,8 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
         }
         Err(e) => {
             state::Counters::inc(&shared.counters.snapshot_failures);
-            tracing::warn!(error = %e, "snapshot failed");
+            let in_a_row = shared.counters.snapshot_failures_in_a_row.fetch_add(1, Relaxed).saturating_add(1);
+            tracing::warn!(error = %e, in_a_row, "snapshot failed");
             false
         }
     }

@@ -1,144 +1,64 @@
 //! `aggregator` binary: `aggregator run ...` serves; `aggregator certs init` writes a dev
-//! certificate set. Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage, 70
+//! certificate set. Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage or
+//! configuration (every problem listed, the files it names checked too), 70
 //! the core failed (a panic while it was being updated): no snapshot is written, so a
 //! supervisor's restart resumes from the last good one.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use aggregator::{Aggregator, AggregatorConfig, certs};
+use aggregator::{Aggregator, certs, config};
 use clap::{Arg, ArgAction, Command, value_parser};
 
 fn command() -> Command {
+    let mut run = Command::new("run")
+        .about("serve shippers (QUIC + mTLS) and the HTTP API")
+        .after_help(
+            "Precedence: flag > environment (RINGWATCH_AGGREGATOR_<FIELD>) > --config file > default.\n\
+             Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage or configuration error, 70 the core failed.",
+        )
+        .arg(Arg::new("config").long("config").value_name("FILE").help("TOML configuration file"))
+        .arg(
+            Arg::new("check-config")
+                .long("check-config")
+                .action(ArgAction::SetTrue)
+                .help("validate the configuration and the files it names, print it, exit"),
+        );
+    for (name, help) in config::fields() {
+        // clap wants 'static names; a few short strings, built once per process.
+        let long: &'static str = name.replace('_', "-").leak();
+        run = run.arg(Arg::new(name).long(long).value_name("VALUE").help(help));
+    }
+    let run = run
+        .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
+        .arg(
+            // Tests: 2 stands in for the previous release (refuses protocol 3).
+            Arg::new("test-max-control-version")
+                .long("test-max-control-version")
+                .value_parser(value_parser!(u16).range(2..=3))
+                .hide(true),
+        )
+        .arg(
+            Arg::new("test-hold-acks-after-ms")
+                .long("test-hold-acks-after-ms")
+                .value_parser(value_parser!(u64))
+                .hide(true),
+        );
     Command::new("aggregator")
         .about("ringwatch central service: QUIC ingest, verdicts over HTTP")
         .subcommand_required(true)
-        .subcommand(
-            Command::new("run")
-                .about("serve shippers (QUIC + mTLS) and the HTTP API")
-                .arg(
-                    Arg::new("listen")
-                        .long("listen")
-                        .default_value("0.0.0.0:4433")
-                        .value_parser(value_parser!(SocketAddr))
-                        .help("QUIC listen address"),
-                )
-                .arg(
-                    Arg::new("http")
-                        .long("http")
-                        .default_value("127.0.0.1:8080")
-                        .value_parser(value_parser!(SocketAddr))
-                        .help("HTTP listen address"),
-                )
-                .arg(
-                    Arg::new("certs")
-                        .long("certs")
-                        .value_name("DIR")
-                        .value_parser(value_parser!(PathBuf))
-                        .help("a directory written by `certs init` (ca.pem, aggregator.pem, aggregator.key)"),
-                )
-                .arg(
-                    Arg::new("ca")
-                        .long("ca")
-                        .value_parser(value_parser!(PathBuf))
-                        .help("CA that signs node certificates (overrides --certs)"),
-                )
-                .arg(
-                    Arg::new("cert")
-                        .long("cert")
-                        .value_parser(value_parser!(PathBuf))
-                        .help("server certificate (overrides --certs)"),
-                )
-                .arg(
-                    Arg::new("key")
-                        .long("key")
-                        .value_parser(value_parser!(PathBuf))
-                        .help("server key (overrides --certs)"),
-                )
-                .arg(
-                    Arg::new("snapshot")
-                        .long("snapshot")
-                        .value_name("FILE")
-                        .value_parser(value_parser!(PathBuf))
-                        .help("snapshot the core here periodically, and restore from it at start; P0/P1 batches are then acked durable once a snapshot holds them (hello: durability snapshot), and shippers keep them until then"),
-                )
-                .arg(
-                    Arg::new("snapshot-interval-ms")
-                        .long("snapshot-interval-ms")
-                        .default_value("10000")
-                        .value_parser(value_parser!(u64).range(10..=3_600_000)),
-                )
-                .arg(
-                    Arg::new("dedup-window")
-                        .long("dedup-window")
-                        .value_name("HOLES")
-                        .value_parser(value_parser!(u32).range(1..=1_048_576))
-                        .help("per shipper session, holes (unsettled batch ranges) remembered before batches are refused [default: 8192]"),
-                )
-                .arg(
-                    Arg::new("expect-nodes")
-                        .long("expect-nodes")
-                        .value_name("N")
-                        .value_parser(value_parser!(u32).range(1..=1_000_000))
-                        .help("the cluster's node count: a rank that never reports (no profiler shim) is then final as indeterminate(uninstrumented) once every node's data is in, instead of after the stuck deadline"),
-                )
-                .arg(
-                    Arg::new("verdict-retention-s")
-                        .long("verdict-retention-s")
-                        .value_name("SECONDS")
-                        .default_value("3600")
-                        .value_parser(value_parser!(u64).range(1..=30 * 86_400))
-                        .help("an op's verdicts are forgotten this long after their last update"),
-                )
-                .arg(
-                    Arg::new("verdict-store-mb")
-                        .long("verdict-store-mb")
-                        .value_name("MIB")
-                        .default_value("256")
-                        .value_parser(value_parser!(u64).range(1..=1_048_576))
-                        .help("the verdict store's size cap (estimated); the least recently updated ops go first past it"),
-                )
-                .arg(
-                    Arg::new("final-memory-s")
-                        .long("final-memory-s")
-                        .value_name("SECONDS")
-                        .default_value("600")
-                        .value_parser(value_parser!(u64).range(1..=86_400))
-                        .help("how long a final op is remembered, so a late frame for it is counted and ignored (at most 65,536 ops)"),
-                )
-                .arg(
-                    Arg::new("dead-after-s")
-                        .long("dead-after-s")
-                        .value_name("SECONDS")
-                        .default_value("300")
-                        .value_parser(value_parser!(u64).range(0..=86_400))
-                        .help("how long an unreachable node still gates finality: its ranks' unknown_silent verdicts are final once it is back and its watermark passes, or after this (presumed dead)"),
-                )
-                .arg(Arg::new("log-format").long("log-format").default_value("text").value_parser(["text", "json"]))
-                .arg(Arg::new("test-hold-acks").long("test-hold-acks").action(ArgAction::SetTrue).hide(true))
-                .arg(
-                    // Tests: 2 stands in for the previous release (refuses protocol 3).
-                    Arg::new("test-max-control-version")
-                        .long("test-max-control-version")
-                        .value_parser(value_parser!(u16).range(2..=3))
-                        .hide(true),
-                )
-                .arg(
-                    Arg::new("test-hold-acks-after-ms")
-                        .long("test-hold-acks-after-ms")
-                        .value_parser(value_parser!(u64))
-                        .hide(true),
-                ),
-        )
+        .subcommand(run)
         .subcommand(
             Command::new("certs").about("certificate set-up").subcommand_required(true).subcommand(
                 Command::new("init")
-                    .about("write a dev CA, a server certificate and per-node client certificates")
+                    .about("write a dev CA, a server certificate and per-node client certificates (keys mode 0600)")
                     .arg(Arg::new("dir").long("dir").required(true).value_parser(value_parser!(PathBuf)))
                     .arg(
                         Arg::new("nodes").long("nodes").required(true).value_parser(value_parser!(u32).range(1..=4096)),
-                    ),
+                    )
+                    .arg(Arg::new("force").long("force").action(ArgAction::SetTrue).help(
+                        "replace a non-empty directory's whole set (its files ending .pem or .key are removed first)",
+                    )),
             ),
         )
 }
@@ -154,7 +74,7 @@ fn main() -> ExitCode {
             let dir = i.get_one::<PathBuf>("dir").cloned().unwrap_or_default();
             let n = i.get_one::<u32>("nodes").copied().unwrap_or(1);
             let names: Vec<String> = (0..n).map(certs::node_name).collect();
-            match certs::init(&dir, &names) {
+            match certs::init_checked(&dir, &names, i.get_flag("force")) {
                 Ok(set) => {
                     println!(
                         "wrote {} (CA), {} (server), {} node certificates in {}",
@@ -165,6 +85,10 @@ fn main() -> ExitCode {
                     );
                     ExitCode::SUCCESS
                 }
+                Err(e @ certs::CertError::NotEmpty { .. }) => {
+                    eprintln!("aggregator: {e}");
+                    ExitCode::from(2)
+                }
                 Err(e) => {
                     eprintln!("aggregator: {e}");
                     ExitCode::from(1)
@@ -172,50 +96,27 @@ fn main() -> ExitCode {
             }
         }
         Some(("run", r)) => {
-            ringwatch_transport::shell::init_logs(r.get_one::<String>("log-format").is_some_and(|f| f == "json"));
-            let dir = r.get_one::<PathBuf>("certs");
-            let set = dir.map(|d| certs::CertSet::at(d));
-            let pick = |flag: &str, from_set: Option<PathBuf>| r.get_one::<PathBuf>(flag).cloned().or(from_set);
-            let (Some(ca), Some(cert), Some(key)) = (
-                pick("ca", set.as_ref().map(|s| s.ca.clone())),
-                pick("cert", set.as_ref().map(|s| s.server_cert.clone())),
-                pick("key", set.as_ref().map(|s| s.server_key.clone())),
-            ) else {
-                eprintln!("aggregator: give --certs DIR, or --ca, --cert and --key");
-                return ExitCode::from(2);
+            let loaded = ringwatch_transport::config::load::<config::Aggregator>(
+                r.get_one::<String>("config").map(String::as_str),
+                |name| r.get_one::<String>(name).cloned(),
+            );
+            let validated = match loaded {
+                Ok(c) => c,
+                Err(e) => {
+                    eprint!("aggregator: {e}");
+                    return ExitCode::from(2);
+                }
             };
-            let mut cfg = AggregatorConfig {
-                ca,
-                cert,
-                key,
-                ..AggregatorConfig::local(&certs::CertSet::at(std::path::Path::new(".")))
-            };
-            cfg.listen = r.get_one::<SocketAddr>("listen").copied().unwrap_or(cfg.listen);
-            cfg.http = r.get_one::<SocketAddr>("http").copied().unwrap_or(cfg.http);
+            if r.get_flag("check-config") {
+                println!("{:#?}", validated.service);
+                return ExitCode::SUCCESS;
+            }
+            ringwatch_transport::shell::init_logs(validated.log_json);
+            let mut cfg = validated.service;
             cfg.hold_acks = r.get_flag("test-hold-acks");
             cfg.hold_acks_after_ms = r.get_one::<u64>("test-hold-acks-after-ms").copied();
-            cfg.snapshot_path = r.get_one::<PathBuf>("snapshot").cloned();
             if let Some(&v) = r.get_one::<u16>("test-max-control-version") {
                 cfg.max_control_version = v;
-            }
-            cfg.snapshot_interval_ms = r.get_one::<u64>("snapshot-interval-ms").copied().unwrap_or(10_000);
-            if let Some(&w) = r.get_one::<u32>("dedup-window") {
-                cfg.ingest.dedup.window = w;
-            }
-            if let Some(&s) = r.get_one::<u64>("verdict-retention-s") {
-                cfg.store.retention_ns = s.saturating_mul(1_000_000_000);
-            }
-            if let Some(&mb) = r.get_one::<u64>("verdict-store-mb") {
-                cfg.store.max_bytes = mb.saturating_mul(1 << 20);
-            }
-            if let Some(&s) = r.get_one::<u64>("final-memory-s") {
-                cfg.matcher.final_memory_ns = s.saturating_mul(1_000_000_000);
-            }
-            if let Some(&s) = r.get_one::<u64>("dead-after-s") {
-                cfg.matcher.dead_after_ns = s.saturating_mul(1_000_000_000);
-            }
-            if let Some(&n) = r.get_one::<u32>("expect-nodes") {
-                cfg.matcher.expected_nodes = n;
             }
             // The snapshot task serializes on a blocking thread every 10 s, with rkyv's
             // thread-local scratch arena; tokio's default 10 s keep-alive can let that

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use dashmap::DashMap;
@@ -40,6 +40,8 @@ pub struct Counters {
     pub connections_closed_abuse: AtomicU64,
     pub snapshots_written: AtomicU64,
     pub snapshot_failures: AtomicU64,
+    /// Snapshot attempts that failed since the last one that succeeded.
+    pub snapshot_failures_in_a_row: AtomicU64,
     pub last_snapshot_bytes: AtomicU64,
     /// How long the last snapshot held the core's lock (µs), and when it was taken.
     pub last_snapshot_hold_us: AtomicU64,
@@ -166,13 +168,50 @@ pub fn scale_ns(ns: u64, time_scale: f64) -> u64 {
     scaled
 }
 
+/// How often a throttled log line may repeat.
+pub const LOG_SUMMARY_MS: u64 = 10_000;
+
+/// A log line that repeats at most once per period; what it held back is counted and
+/// said in the next one.
+#[derive(Debug, Default)]
+pub struct LogThrottle {
+    /// Real ms of the last line (none yet).
+    last_ms: std::sync::Mutex<Option<u64>>,
+    suppressed: AtomicU64,
+}
+
+impl LogThrottle {
+    /// Whether to log now (`now_ms`, real time); `Some(n)`: yes, and `n` lines were held
+    /// back since the last one.
+    pub fn allow(&self, now_ms: u64, period_ms: u64) -> Option<u64> {
+        let mut last = self.last_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|l| now_ms.saturating_sub(l) < period_ms) {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *last = Some(now_ms);
+        Some(self.suppressed.swap(0, Ordering::Relaxed))
+    }
+}
+
 /// One node as the registry knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeEntry {
     pub name: String,
-    pub connected: bool,
+    /// Its connections open now (a reconnecting shipper's old connection may close after
+    /// its new one opened): connected while any is.
+    pub live: u32,
+    /// Connections ever accepted from it.
     pub connections: u64,
     pub last_shipper_session: u64,
+}
+
+impl NodeEntry {
+    /// Whether any of its connections is open.
+    #[must_use]
+    pub fn connected(&self) -> bool {
+        self.live > 0
+    }
 }
 
 /// Everything shared.
@@ -214,6 +253,11 @@ pub struct Shared {
     /// panics, holding the core's lock, at its next turn.
     pub test_panic_timer: AtomicBool,
     pub tasks: Tasks,
+    /// The HTTP listener's counters (connections, the cap, header timeouts).
+    pub http: Arc<ringwatch_transport::http::HttpCounters>,
+    /// Handshake failures and refused identities are logged one line per
+    /// [`LOG_SUMMARY_MS`] at most (a storm of garbage Initials must not flood the log).
+    pub handshake_log: LogThrottle,
     /// The snapshot task's buffers, kept from one snapshot to the next.
     pub snapshot_buffers: std::sync::Mutex<crate::snapshots::Buffers>,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
@@ -243,6 +287,8 @@ impl Shared {
             hold_acks_from_ns,
             test_panic_timer: AtomicBool::new(false),
             tasks: Tasks::default(),
+            http: Arc::default(),
+            handshake_log: LogThrottle::default(),
             snapshot_buffers: std::sync::Mutex::new(crate::snapshots::Buffers::default()),
             failure: tokio::sync::watch::Sender::new(None),
         }
@@ -357,5 +403,21 @@ impl Shared {
         }
         let now = self.now();
         self.store().apply(now, events);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttled_line_repeats_once_per_period_and_says_what_it_held_back() {
+        let t = LogThrottle::default();
+        assert_eq!(t.allow(1_000, LOG_SUMMARY_MS), Some(0), "the first line goes out");
+        for ms in [1_001, 5_000, 10_999] {
+            assert_eq!(t.allow(ms, LOG_SUMMARY_MS), None);
+        }
+        assert_eq!(t.allow(11_000, LOG_SUMMARY_MS), Some(3), "the next says three were held back");
+        assert_eq!(t.allow(11_001, LOG_SUMMARY_MS), None);
     }
 }

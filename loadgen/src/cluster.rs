@@ -340,6 +340,10 @@ pub fn shipper_config(
         log_json: false,
         reader_cpus: Vec::new(),
         sampling: node_shipper::core::SamplingConfig::default(),
+        http_listen: None,
+        // Eight shippers in one process would watch one cgroup: the demo runs without.
+        psi: None,
+        psi_bulk_share_pct: 25,
     }
 }
 

@@ -1,57 +1,22 @@
 //! The shipper's configuration: flags, environment and a TOML file, validated into one
-//! type, with every problem reported at once.
-//!
-//! Precedence, highest first: command-line flag, environment variable
-//! (`RINGWATCH_SHIPPER_<FIELD>`, upper case), TOML file (`--config`), built-in default.
-//! Each layer is read as text per field and parsed once, here, so a bad value in any layer
-//! is reported with the layer it came from; unknown TOML keys are errors too (a typo must
-//! not silently fall back to a default).
+//! type, with every problem reported at once (the layering is
+//! `ringwatch_transport::config`'s: flag > `RINGWATCH_SHIPPER_<FIELD>` > TOML > default).
 //!
 //! Pure: callers hand in the file's text and the environment; nothing here reads either.
+//! The files the configuration names are checked apart ([`check_files`]).
 
-use std::collections::BTreeMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+
+pub use ringwatch_transport::config::{ConfigError, ConfigErrors, Layer};
+use ringwatch_transport::config::{Field, Kind, Schema, Values};
 
 use crate::core::batcher::BatcherConfig;
 use crate::core::spool::SpoolConfig;
 
-/// Where a value came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Layer {
-    Default,
-    File,
-    Env,
-    Flag,
-}
-
-impl fmt::Display for Layer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Default => "default",
-            Self::File => "config file",
-            Self::Env => "environment",
-            Self::Flag => "command line",
-        })
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Text,
-    /// Text that may be empty (an optional value).
-    OptText,
-    Addr,
-    Int {
-        min: u64,
-        max: u64,
-    },
-}
-
 /// Every field: name (TOML key; flag `--name-with-dashes`; env upper case), kind, default,
 /// help.
-const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
+const FIELDS: &[Field] = &[
     ("aggregator", Kind::Addr, None, "aggregator address, host:port (IP literal)"),
     ("server_name", Kind::Text, Some("aggregator"), "name in the aggregator's certificate"),
     ("node_name", Kind::Text, None, "this node's name; must equal its client certificate's DNS SAN"),
@@ -136,7 +101,49 @@ const FIELDS: &[(&str, Kind, Option<&str>, &str)] = &[
         "bulk_sampling_max_level",
         Kind::Int { min: 0, max: 15 },
         Some("8"),
-        "spool pressure may raise bulk sampling up to this level",
+        "spool pressure may raise bulk sampling up to this level (at least bulk_sampling_level)",
+    ),
+    (
+        "http_listen",
+        Kind::OptText,
+        Some(""),
+        "address (ip:port) of the shipper's HTTP listener for /healthz and /readyz (empty: none; give one under hostNetwork only deliberately)",
+    ),
+    (
+        "psi",
+        Kind::Text,
+        Some("on"),
+        "memory pressure: on (PSI triggers on this process's cgroup memory.pressure; bulk shed under pressure) or off",
+    ),
+    (
+        "psi_window_ms",
+        Kind::Int { min: 500, max: 10_000 },
+        Some("2000"),
+        "PSI trigger window (without CAP_SYS_RESOURCE the kernel takes only whole multiples of 2000)",
+    ),
+    (
+        "psi_some_stall_ms",
+        Kind::Int { min: 1, max: 10_000 },
+        Some("100"),
+        "enter `some` pressure when tasks stalled on memory this long within a window",
+    ),
+    (
+        "psi_full_stall_ms",
+        Kind::Int { min: 1, max: 10_000 },
+        Some("100"),
+        "enter `full` pressure when all tasks stalled on memory at once this long within a window",
+    ),
+    (
+        "psi_quiet_windows",
+        Kind::Int { min: 1, max: 100 },
+        Some("3"),
+        "windows in a row without a trigger (and stall growth under half the some threshold) before pressure steps down a level",
+    ),
+    (
+        "psi_bulk_share_pct",
+        Kind::Int { min: 0, max: 100 },
+        Some("25"),
+        "under `some` pressure bulk may hold this % of its spool share (under `full`: none); the rest is shed as psi_shed",
     ),
 ];
 
@@ -148,8 +155,10 @@ pub fn fields() -> impl Iterator<Item = (&'static str, &'static str)> {
 /// The environment variable of a field.
 #[must_use]
 pub fn env_name(field: &str) -> String {
-    format!("RINGWATCH_SHIPPER_{}", field.to_ascii_uppercase())
+    ringwatch_transport::config::env_name(ENV_PREFIX, field)
 }
+
+const ENV_PREFIX: &str = "RINGWATCH_SHIPPER_";
 
 /// Where the frames come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,290 +191,249 @@ pub struct ShipperConfig {
     pub reader_cpus: Vec<usize>,
     /// Bulk sampling: the floor and how far spool pressure may raise it.
     pub sampling: crate::core::SamplingConfig,
+    /// The HTTP listener for `/healthz` and `/readyz` (none: not served).
+    pub http_listen: Option<SocketAddr>,
+    /// The memory-pressure watcher (none: `psi = "off"`).
+    pub psi: Option<ringwatch_transport::psi::PsiConfig>,
+    /// Under `some` pressure, the % of bulk's spool share bulk may hold.
+    pub psi_bulk_share_pct: u8,
 }
 
-/// One problem.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub field: String,
-    pub layer: Layer,
-    pub message: String,
-}
+/// The shipper's schema for [`Inputs`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shipper;
 
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({}): {}", self.field, self.layer, self.message)
+/// The raw inputs of the shipper's configuration.
+pub type Inputs = ringwatch_transport::config::Inputs<Shipper>;
+
+impl Schema for Shipper {
+    type Output = ShipperConfig;
+    const ENV_PREFIX: &'static str = ENV_PREFIX;
+    const FIELDS: &'static [Field] = FIELDS;
+
+    fn build(v: &mut Values) -> Option<ShipperConfig> {
+        build(v)
+    }
+
+    fn check_files(c: &ShipperConfig) -> Vec<ConfigError> {
+        check_files(c)
     }
 }
 
-/// Every problem found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigErrors(pub Vec<ConfigError>);
-
-impl fmt::Display for ConfigErrors {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "{} configuration problem(s):", self.0.len())?;
-        for e in &self.0 {
-            writeln!(f, "  {e}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for ConfigErrors {}
-
-/// The raw inputs, one text value per field and layer.
-#[derive(Debug, Default, Clone)]
-pub struct Inputs {
-    values: BTreeMap<&'static str, (Layer, String)>,
-    errors: Vec<ConfigError>,
-}
-
-fn field(name: &str) -> Option<&'static str> {
-    FIELDS.iter().map(|f| f.0).find(|&f| f == name)
-}
-
-impl Inputs {
-    fn set(&mut self, name: &'static str, layer: Layer, value: String) {
-        if self.values.get(name).is_none_or(|(l, _)| *l <= layer) {
-            self.values.insert(name, (layer, value));
-        }
-    }
-
-    /// A TOML file's text.
-    pub fn file(&mut self, text: &str) {
-        let table = match text.parse::<toml::Table>() {
-            Ok(t) => t,
-            Err(e) => {
-                self.errors.push(ConfigError {
-                    field: "(file)".into(),
-                    layer: Layer::File,
-                    message: e.to_string().trim().to_string(),
-                });
-                return;
-            }
-        };
-        for (key, value) in table {
-            let Some(name) = field(&key) else {
-                self.errors.push(ConfigError { field: key, layer: Layer::File, message: "unknown key".into() });
-                continue;
-            };
-            let text = match value {
-                toml::Value::String(s) => s,
-                toml::Value::Integer(i) => i.to_string(),
-                other => {
-                    self.errors.push(ConfigError {
-                        field: key,
-                        layer: Layer::File,
-                        message: format!("expected a string or an integer, found {}", other.type_str()),
-                    });
-                    continue;
-                }
-            };
-            self.set(name, Layer::File, text);
-        }
-    }
-
-    /// The environment (only `RINGWATCH_SHIPPER_*` variables are looked at; unknown ones
-    /// with that prefix are errors).
-    pub fn env<'a>(&mut self, vars: impl IntoIterator<Item = (&'a str, &'a str)>) {
-        for (k, v) in vars {
-            let Some(rest) = k.strip_prefix("RINGWATCH_SHIPPER_") else { continue };
-            match field(&rest.to_ascii_lowercase()) {
-                Some(name) => self.set(name, Layer::Env, v.to_string()),
-                None => self.errors.push(ConfigError {
-                    field: k.to_string(),
-                    layer: Layer::Env,
-                    message: "unknown variable".into(),
-                }),
-            }
-        }
-    }
-
-    /// A command-line value for `name` (a field name).
-    pub fn flag(&mut self, name: &str, value: &str) {
-        match field(name) {
-            Some(f) => self.set(f, Layer::Flag, value.to_string()),
-            None => self.errors.push(ConfigError {
-                field: name.to_string(),
-                layer: Layer::Flag,
-                message: "unknown option".into(),
+#[allow(clippy::too_many_lines, reason = "one field after another")]
+fn build(v: &mut Values) -> Option<ShipperConfig> {
+    let int = |v: &Values, n: &str| v.int(n).unwrap_or(0);
+    let node = u32::try_from(int(v, "source_node")).unwrap_or(u32::MAX);
+    let source = v.text("source").map(str::to_owned).and_then(|s| {
+        let parsed = match s.split_once(':') {
+            Some(("capture", p)) if !p.is_empty() => Some(Source::Capture {
+                path: PathBuf::from(p),
+                node,
+                speed_pct: v.int("replay_speed_pct").unwrap_or(100),
             }),
-        }
-    }
-
-    /// Validates everything, reporting every problem.
-    ///
-    /// # Errors
-    /// All problems found, each with its field and layer.
-    pub fn validate(&self) -> Result<ShipperConfig, ConfigErrors> {
-        let mut errors = self.errors.clone();
-        let mut text: BTreeMap<&str, (Layer, String)> = BTreeMap::new();
-        let mut ints: BTreeMap<&str, u64> = BTreeMap::new();
-        let mut addr = None;
-        for &(name, kind, default, _) in FIELDS {
-            let Some((layer, value)) =
-                self.values.get(name).cloned().or_else(|| default.map(|d| (Layer::Default, d.to_string())))
-            else {
-                // A value that was given but unreadable is already reported.
-                if !self.errors.iter().any(|e| e.field == name) {
-                    errors.push(ConfigError { field: name.into(), layer: Layer::Default, message: "required".into() });
-                }
-                continue;
-            };
-            let bad = |message: String| ConfigError { field: name.into(), layer, message };
-            match kind {
-                Kind::Text if value.trim().is_empty() => errors.push(bad("must not be empty".into())),
-                Kind::Text | Kind::OptText => {
-                    text.insert(name, (layer, value));
-                }
-                Kind::Addr => match value.parse::<SocketAddr>() {
-                    Ok(a) => addr = Some(a),
-                    Err(_) => errors.push(bad(format!("{value:?} is not ip:port"))),
-                },
-                Kind::Int { min, max } => match value.trim().parse::<u64>() {
-                    Ok(v) if (min..=max).contains(&v) => {
-                        ints.insert(name, v);
-                    }
-                    Ok(v) => errors.push(bad(format!("{v} is outside {min}..={max}"))),
-                    Err(_) => errors.push(bad(format!("{value:?} is not a whole number"))),
-                },
-            }
-        }
-        let node = u32::try_from(ints.get("source_node").copied().unwrap_or(0)).unwrap_or(u32::MAX);
-        let source = text.get("source").and_then(|(layer, s)| {
-            let parsed = match s.split_once(':') {
-                Some(("capture", p)) if !p.is_empty() => Some(Source::Capture {
-                    path: PathBuf::from(p),
-                    node,
-                    speed_pct: ints.get("replay_speed_pct").copied().unwrap_or(100),
-                }),
-                Some(("sim", n)) if !n.is_empty() => Some(Source::Sim {
-                    scenario: n.to_string(),
-                    node,
-                    bulk_scale_ppm: ints.get("sim_bulk_scale_ppm").copied().unwrap_or(1000),
-                    seed: ints.get("sim_seed").copied().filter(|&s| s != 0),
-                }),
-                None if s == "bpf" => Some(Source::Bpf(crate::bpf::BpfConfig {
-                    pin_dir: PathBuf::from(text.get("bpf_pin_dir").map(|t| t.1.clone()).unwrap_or_default()),
-                    p0_ring_bytes: u32::try_from(ints.get("p0_ring_bytes").copied().unwrap_or(0)).unwrap_or(0),
-                    bulk_ring_bytes: u32::try_from(ints.get("bulk_ring_bytes").copied().unwrap_or(0)).unwrap_or(0),
-                    object: text.get("bpf_object").map(|t| t.1.trim()).filter(|t| !t.is_empty()).map(PathBuf::from),
-                    kernel_btf: PathBuf::from(text.get("kernel_btf").map(|t| t.1.clone()).unwrap_or_default()),
-                    drain_interval_us: ints.get("ring_drain_interval_us").copied().unwrap_or(1000),
-                    counters_interval_ms: ints.get("heartbeat_interval_ms").copied().unwrap_or(1000),
-                    xdp_interfaces: text
-                        .get("xdp_interfaces")
-                        .map(|t| t.1.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect())
-                        .unwrap_or_default(),
-                    nccl_shim: text
-                        .get("nccl_profiler_shim")
-                        .map(|t| t.1.trim())
-                        .filter(|t| !t.is_empty())
-                        .map(PathBuf::from),
-                })),
-                _ => None,
-            };
-            if parsed.is_none() {
-                errors.push(ConfigError {
-                    field: "source".into(),
-                    layer: *layer,
-                    message: format!("{s:?} is none of bpf, capture:PATH, sim:SCENARIO"),
-                });
-            }
-            parsed
-        });
-        let int = |n: &str| ints.get(n).copied().unwrap_or(0);
-        let as_usize = |n: &str| usize::try_from(int(n)).unwrap_or(usize::MAX);
-        if let Some((layer, f)) = text.get("log_format")
-            && f != "text"
-            && f != "json"
-        {
-            errors.push(ConfigError {
-                field: "log_format".into(),
-                layer: *layer,
-                message: format!("{f:?} is neither text nor json"),
-            });
-        }
-        for ring in ["p0_ring_bytes", "bulk_ring_bytes"] {
-            if let Some(&v) = ints.get(ring)
-                && let Err(e) = crate::bpf::check_ring_size(ring, u32::try_from(v).unwrap_or(u32::MAX))
-            {
-                let layer = self.values.get(ring).map_or(Layer::Default, |v| v.0);
-                errors.push(ConfigError { field: ring.into(), layer, message: e.to_string() });
-            }
-        }
-        let mut reader_cpus = Vec::new();
-        if let Some((layer, list)) = text.get("reader_cpus") {
-            for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                match part.parse::<usize>() {
-                    Ok(c) if c < 1024 => reader_cpus.push(c),
-                    _ => errors.push(ConfigError {
-                        field: "reader_cpus".into(),
-                        layer: *layer,
-                        message: format!("{part:?} is not a CPU number (0..1023)"),
-                    }),
-                }
-            }
-        }
-        if ints.contains_key("spool_bytes") && ints.contains_key("max_batch_bytes") {
-            let reserves = int("p0_reserve_bytes") + int("p1_reserve_bytes");
-            let batch = int("max_batch_bytes").max(ints.get("bulk_batch_bytes").map_or(0, |_| int("bulk_batch_bytes")));
-            // Bulk needs room for at least one whole batch beyond both reserves.
-            if reserves + 2 * batch > int("spool_bytes") {
-                let layer = self.values.get("spool_bytes").map_or(Layer::Default, |v| v.0);
-                errors.push(ConfigError {
-                    field: "spool_bytes".into(),
-                    layer,
-                    message: format!(
-                        "{} cannot hold both reserves ({reserves}) plus two batches of max_batch_bytes / bulk_batch_bytes",
-                        int("spool_bytes")
-                    ),
-                });
-            }
-        }
-        if !errors.is_empty() {
-            return Err(ConfigErrors(errors));
-        }
-        let path = |n: &str| PathBuf::from(text.get(n).map(|t| t.1.clone()).unwrap_or_default());
-        let string = |n: &str| text.get(n).map(|t| t.1.clone()).unwrap_or_default();
-        let (Some(aggregator), Some(source)) = (addr, source) else {
-            return Err(ConfigErrors(vec![ConfigError {
-                field: "(internal)".into(),
-                layer: Layer::Default,
-                message: "validated fields missing".into(),
-            }]));
+            Some(("sim", n)) if !n.is_empty() => Some(Source::Sim {
+                scenario: n.to_string(),
+                node,
+                bulk_scale_ppm: v.int("sim_bulk_scale_ppm").unwrap_or(1000),
+                seed: v.int("sim_seed").filter(|&s| s != 0),
+            }),
+            None if s == "bpf" => Some(Source::Bpf(crate::bpf::BpfConfig {
+                pin_dir: PathBuf::from(v.text("bpf_pin_dir").unwrap_or_default()),
+                p0_ring_bytes: u32::try_from(int(v, "p0_ring_bytes")).unwrap_or(0),
+                bulk_ring_bytes: u32::try_from(int(v, "bulk_ring_bytes")).unwrap_or(0),
+                object: v.opt_text("bpf_object").map(PathBuf::from),
+                kernel_btf: PathBuf::from(v.text("kernel_btf").unwrap_or_default()),
+                drain_interval_us: v.int("ring_drain_interval_us").unwrap_or(1000),
+                counters_interval_ms: v.int("heartbeat_interval_ms").unwrap_or(1000),
+                xdp_interfaces: v
+                    .text("xdp_interfaces")
+                    .map(|t| t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect())
+                    .unwrap_or_default(),
+                nccl_shim: v.opt_text("nccl_profiler_shim").map(PathBuf::from),
+            })),
+            _ => None,
         };
-        Ok(ShipperConfig {
-            aggregator,
-            server_name: string("server_name"),
-            node_name: string("node_name"),
-            ca: path("ca"),
-            cert: path("cert"),
-            key: path("key"),
-            source,
-            batcher: BatcherConfig {
-                max_batch_bytes: as_usize("max_batch_bytes"),
-                bulk_batch_bytes: as_usize("bulk_batch_bytes"),
-                flush_interval_ns: int("flush_interval_ms") * 1_000_000,
-                ..BatcherConfig::default()
-            },
-            spool: SpoolConfig {
-                cap_bytes: as_usize("spool_bytes"),
-                p0_reserve_bytes: as_usize("p0_reserve_bytes"),
-                p1_reserve_bytes: as_usize("p1_reserve_bytes"),
-            },
-            heartbeat_interval_ms: int("heartbeat_interval_ms"),
-            shutdown_deadline_ms: int("shutdown_deadline_ms"),
-            log_json: string("log_format") == "json",
-            reader_cpus,
-            sampling: crate::core::SamplingConfig {
-                floor: u8::try_from(int("bulk_sampling_level")).unwrap_or(0),
-                ceiling: u8::try_from(int("bulk_sampling_max_level")).unwrap_or(0),
-                ..crate::core::SamplingConfig::default()
-            },
-        })
+        if parsed.is_none() {
+            v.problem("source", format!("{s:?} is none of bpf, capture:PATH, sim:SCENARIO"));
+        }
+        parsed
+    });
+    if let Some(f) = v.text("log_format").map(str::to_owned)
+        && f != "text"
+        && f != "json"
+    {
+        v.problem("log_format", format!("{f:?} is neither text nor json"));
     }
+    for ring in ["p0_ring_bytes", "bulk_ring_bytes"] {
+        if let Some(x) = v.int(ring)
+            && let Err(e) = crate::bpf::check_ring_size(ring, u32::try_from(x).unwrap_or(u32::MAX))
+        {
+            v.problem(ring, e.to_string());
+        }
+    }
+    let mut reader_cpus = Vec::new();
+    if let Some(list) = v.text("reader_cpus").map(str::to_owned) {
+        for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part.parse::<usize>() {
+                Ok(c) if c < 1024 => reader_cpus.push(c),
+                _ => v.problem("reader_cpus", format!("{part:?} is not a CPU number (0..1023)")),
+            }
+        }
+    }
+    if let (Some(spool), Some(max_batch)) = (v.int("spool_bytes"), v.int("max_batch_bytes")) {
+        let reserves = int(v, "p0_reserve_bytes") + int(v, "p1_reserve_bytes");
+        let batch = max_batch.max(int(v, "bulk_batch_bytes"));
+        // Bulk needs room for at least one whole batch beyond both reserves.
+        if reserves + 2 * batch > spool {
+            v.problem(
+                "spool_bytes",
+                format!(
+                    "{spool} cannot hold both reserves ({reserves}) plus two batches of max_batch_bytes / bulk_batch_bytes"
+                ),
+            );
+        }
+    }
+    // Contradictions: a value that would be silently adjusted is refused instead.
+    if let (Some(floor), Some(ceiling)) = (v.int("bulk_sampling_level"), v.int("bulk_sampling_max_level"))
+        && floor > ceiling
+    {
+        v.problem(
+            "bulk_sampling_max_level",
+            format!("{ceiling} is below bulk_sampling_level ({floor}): the ceiling must be at least the floor"),
+        );
+    }
+    if let (Some(batch), Some(bulk)) = (v.int("max_batch_bytes"), v.int("bulk_batch_bytes"))
+        && bulk < batch
+    {
+        v.problem("bulk_batch_bytes", format!("{bulk} is below max_batch_bytes ({batch})"));
+    }
+    let psi_on = match v.text("psi") {
+        Some("on") => true,
+        Some("off") | None => false,
+        Some(other) => {
+            let other = other.to_owned();
+            v.problem("psi", format!("{other:?} is neither on nor off"));
+            false
+        }
+    };
+    if let Some(window) = v.int("psi_window_ms") {
+        for f in ["psi_some_stall_ms", "psi_full_stall_ms"] {
+            if let Some(stall) = v.int(f)
+                && stall > window
+            {
+                v.problem(f, format!("{stall} is above psi_window_ms ({window})"));
+            }
+        }
+    }
+    let http_listen = match v.opt_text("http_listen").map(str::to_owned) {
+        None => None,
+        Some(a) => match a.parse::<SocketAddr>() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                v.problem("http_listen", format!("{a:?} is not ip:port"));
+                None
+            }
+        },
+    };
+    if v.has_problems() {
+        return None;
+    }
+    let path = |n: &str| PathBuf::from(v.text(n).unwrap_or_default());
+    let string = |n: &str| v.text(n).unwrap_or_default().to_owned();
+    let as_usize = |n: &str| usize::try_from(int(v, n)).unwrap_or(usize::MAX);
+    Some(ShipperConfig {
+        aggregator: v.addr("aggregator")?,
+        server_name: string("server_name"),
+        node_name: string("node_name"),
+        ca: path("ca"),
+        cert: path("cert"),
+        key: path("key"),
+        source: source?,
+        batcher: BatcherConfig {
+            max_batch_bytes: as_usize("max_batch_bytes"),
+            bulk_batch_bytes: as_usize("bulk_batch_bytes"),
+            flush_interval_ns: int(v, "flush_interval_ms") * 1_000_000,
+            ..BatcherConfig::default()
+        },
+        spool: SpoolConfig {
+            cap_bytes: as_usize("spool_bytes"),
+            p0_reserve_bytes: as_usize("p0_reserve_bytes"),
+            p1_reserve_bytes: as_usize("p1_reserve_bytes"),
+        },
+        heartbeat_interval_ms: int(v, "heartbeat_interval_ms"),
+        shutdown_deadline_ms: int(v, "shutdown_deadline_ms"),
+        log_json: string("log_format") == "json",
+        reader_cpus,
+        sampling: crate::core::SamplingConfig {
+            floor: u8::try_from(int(v, "bulk_sampling_level")).unwrap_or(0),
+            ceiling: u8::try_from(int(v, "bulk_sampling_max_level")).unwrap_or(0),
+            ..crate::core::SamplingConfig::default()
+        },
+        http_listen,
+        psi: psi_on.then(|| {
+            let trigger = |f: &str| ringwatch_transport::psi::TriggerSpec {
+                stall_us: int(v, f) * 1000,
+                window_us: int(v, "psi_window_ms") * 1000,
+            };
+            let some = trigger("psi_some_stall_ms");
+            ringwatch_transport::psi::PsiConfig {
+                some,
+                full: trigger("psi_full_stall_ms"),
+                policy: ringwatch_transport::pressure::PolicyConfig {
+                    quiet_windows: u32::try_from(int(v, "psi_quiet_windows")).unwrap_or(3),
+                    quiet_stall_us: some.stall_us / 2,
+                },
+                file: None,
+            }
+        }),
+        psi_bulk_share_pct: u8::try_from(int(v, "psi_bulk_share_pct")).unwrap_or(25),
+    })
+}
+
+/// Checks the files the configuration names, every problem at once: the CA, the node's
+/// certificate and key (PEM, valid now, the key matching, the DNS SAN equal to
+/// `node_name`), the source's capture file, scenario file or NCCL shim, and the PSI
+/// triggers against this process's capabilities. Reads the filesystem (the rest of this
+/// module does not).
+#[must_use]
+pub fn check_files(cfg: &ShipperConfig) -> Vec<ConfigError> {
+    use ringwatch_transport::check;
+    let mut problems = check::ca("ca", &cfg.ca);
+    problems.extend(check::identity("cert", &cfg.cert, "key", &cfg.key, Some(&cfg.node_name)));
+    let exists = |field: &'static str, p: &std::path::Path, problems: &mut Vec<(&'static str, String)>| {
+        if let Err(e) = std::fs::metadata(p) {
+            problems.push((field, format!("{}: {e}", p.display())));
+        }
+    };
+    match &cfg.source {
+        Source::Capture { path, .. } => exists("source", path, &mut problems),
+        Source::Sim { scenario, .. } => {
+            if loadgen_sim::builtin::builtin(scenario).is_none() {
+                exists("source", std::path::Path::new(scenario), &mut problems);
+            }
+        }
+        Source::Bpf(b) => {
+            if let Some(shim) = &b.nccl_shim {
+                exists("nccl_profiler_shim", shim, &mut problems);
+            }
+            if let Some(obj) = &b.object {
+                exists("bpf_object", obj, &mut problems);
+            }
+        }
+    }
+    if let Some(psi) = &cfg.psi {
+        // The kernel's rules for triggers depend on this process's capabilities.
+        let privileged = ringwatch_transport::psi::has_cap_sys_resource();
+        if let Err(e) = psi.some.validate(privileged) {
+            problems.push(("psi_window_ms", e));
+        } else if let Err(e) = psi.full.validate(privileged) {
+            problems.push(("psi_full_stall_ms", e));
+        }
+    }
+    problems
+        .into_iter()
+        .map(|(field, message)| ConfigError { field: field.to_owned(), layer: Layer::Check, message })
+        .collect()
 }
 
 #[cfg(test)]

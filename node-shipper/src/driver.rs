@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 
 use proto_flat::control::{CONTROL_VERSION, MIN_CONTROL_VERSION, control_preface};
 use proto_flat::control::{ControlMessage, parse_control};
+use ringwatch_transport::pressure::Level;
+use ringwatch_transport::psi::PressureState;
 use ringwatch_transport::{TlsFiles, Tuning, close, lane_priority};
 use tokio::sync::{Notify, Semaphore, watch};
 
@@ -38,7 +40,7 @@ use crate::config::ShipperConfig;
 use crate::core::backoff::Backoff;
 use crate::core::batcher::{SessionMeta, Staged, Stager};
 use crate::core::loss::LostRange;
-use crate::core::shipper::{BatchEvent, LatencySummary};
+use crate::core::shipper::{BatchEvent, LatencySummary, Pressure};
 use crate::core::spool::SpoolCounters;
 use crate::core::{CoreConfig, ShipperCore, ShipperStats, Unflushed};
 use crate::core::{EpochStart, SourceCounters};
@@ -67,6 +69,11 @@ pub struct Report {
     pub node_name: String,
     pub shipper_session: u64,
     pub connections: u64,
+    /// Connection attempts, and those the aggregator refused (a certificate it does not
+    /// accept, or an abuse close), with the last refusal's reason.
+    pub connect_attempts: u64,
+    pub connections_refused: u64,
+    pub last_refusal: Option<String>,
     /// Ring frames read from the source.
     pub frames_in: u64,
     /// Frames acked, all lanes, and per lane (P1 holds the shipper's own frames).
@@ -75,6 +82,14 @@ pub struct Report {
     pub own_frames_lost: u64,
     pub frames_lost_spool_full: u64,
     pub frames_lost_rejected: u64,
+    /// Bulk frames shed under memory pressure (named in `psi_shed` loss records), and
+    /// the spool's bulk batches shed for it.
+    pub frames_lost_psi_shed: u64,
+    pub batches_shed_pressure: u64,
+    /// The memory-pressure watcher: its state at the end (`None`: off or unavailable,
+    /// see `pressure_unavailable`).
+    pub pressure: Option<PressureDto>,
+    pub pressure_unavailable: Option<String>,
     /// Ring frames given up at shutdown (named in `shipper_shutdown` loss records, or
     /// unflushed when even those could not be delivered).
     pub frames_lost_shutdown: u64,
@@ -157,6 +172,13 @@ pub struct RunOptions {
     /// The cap on staged bytes between the reader and the core (default
     /// [`READER_QUEUE_BYTES`]); tests set it small to make the reader shed.
     pub reader_queue_bytes: Option<usize>,
+    /// Test hook: the core's pump panics once it applied this many of the reader's
+    /// messages (the run must end `Ended::Failed`, not shed into a dead queue).
+    #[doc(hidden)]
+    pub test_panic_pump_after: Option<u64>,
+    /// A bound listener to serve `/healthz` and `/readyz` on while the shipper runs
+    /// (the binary binds `http_listen`), with its limits.
+    pub http: Option<(Arc<std::net::TcpListener>, ringwatch_transport::http::HttpLimits)>,
 }
 
 /// What the reader thread is set up with.
@@ -173,8 +195,15 @@ struct ReaderSetup {
 /// Process-wide counters the network side keeps.
 #[derive(Debug, Default)]
 struct NetCounters {
+    /// Connection attempts, connections made (handshake done on this side), and
+    /// attempts the aggregator refused ([`refusal`]).
+    attempts: AtomicU64,
     connections: AtomicU64,
+    refused: AtomicU64,
     protocol_errors: AtomicU64,
+    /// The current connection got its `hello` (the session is established).
+    established: AtomicBool,
+    last_refusal: Mutex<Option<String>>,
 }
 
 /// What the staged bytes between the reader and the core may reach before the reader
@@ -218,10 +247,8 @@ impl ToCoreTx {
     }
 
     fn raw(&mut self, msg: ToCore) {
-        self.shared.queue_msgs.fetch_add(1, Ordering::AcqRel);
-        if self.tx.send(msg).is_err() {
-            self.shared.queue_msgs.fetch_sub(1, Ordering::AcqRel);
-        }
+        // The pump is gone only when the run ends (or failed): nothing more to do.
+        let _ = self.tx.send(msg);
         self.sent = true;
     }
 
@@ -256,14 +283,7 @@ impl ToCoreTx {
             self.shed_now = true;
             let session = self.shared.session;
             for r in s.lost_ranges(LossCause::ShipperSpoolFull, session) {
-                match self.shed.iter_mut().rev().find(|p| p.stream_id == r.stream_id) {
-                    Some(p) if p.last_seq.checked_add(1) == Some(r.first_seq) => {
-                        p.last_seq = r.last_seq;
-                        p.count = p.count.saturating_add(r.count);
-                        p.last_ts = p.last_ts.max(r.last_ts);
-                    }
-                    _ => self.shed.push(r),
-                }
+                LostRange::merge_into(&mut self.shed, r);
             }
             stager_back.push(s.writer);
             if self.shed.len() >= MAX_SHED_RANGES {
@@ -294,9 +314,8 @@ const MAX_SHED_RANGES: usize = 1024;
 
 struct Shared {
     core: Mutex<ShipperCore>,
-    /// Staged bytes and messages in the reader's queue, and the bytes' cap.
+    /// Staged bytes in the reader's queue, and their cap (see [`ToCore`] for what is uncapped).
     queue_bytes: AtomicUsize,
-    queue_msgs: AtomicUsize,
     queue_cap: usize,
     /// The spool's bytes as of the pump's last turn (the reader's sampling decision and
     /// shedding), and what bulk may use of it (the cap less both reserves).
@@ -319,6 +338,27 @@ struct Shared {
     poison_from: Mutex<Option<u64>>,
     /// The newest control protocol to offer.
     max_control_version: u16,
+    /// The memory-pressure level ([`Level::code`]) the reader acts on: above nominal it
+    /// raises bulk sampling as if the spool were full.
+    pressure_level: std::sync::atomic::AtomicU8,
+    /// The watcher's state (none: off or unavailable).
+    pressure: Mutex<Option<watch::Receiver<PressureState>>>,
+    /// Why there is no watcher (said once at start).
+    pressure_unavailable: Mutex<Option<String>>,
+}
+
+/// The memory-pressure watcher's state, as `/healthz` and the report show it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PressureDto {
+    pub level: &'static str,
+    pub file: String,
+    pub some_avg10: f64,
+    pub full_avg10: f64,
+    pub some_total_us: u64,
+    pub full_total_us: u64,
+    /// Triggers fired (`some`, `full`) and level changes.
+    pub fired: [u64; 2],
+    pub transitions: u64,
 }
 
 impl Shared {
@@ -335,6 +375,49 @@ impl Shared {
 
     fn now(&self) -> u64 {
         u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn pressure_dto(&self) -> Option<PressureDto> {
+        let rx = self.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let s = rx.as_ref()?.borrow().clone();
+        Some(PressureDto {
+            level: s.level.name(),
+            file: s.file.display().to_string(),
+            some_avg10: s.reading.some.avg10,
+            full_avg10: s.reading.full.avg10,
+            some_total_us: s.reading.some.total_us,
+            full_total_us: s.reading.full.total_us,
+            fired: s.fired,
+            transitions: s.transitions,
+        })
+    }
+}
+
+/// Applies the watcher's state to the core: the pressure for heartbeats, and bulk's
+/// limit in the spool (under `some`, `share_pct` % of bulk's share; under `full`, none).
+/// Runs until the watcher ends (it logs why); the state then stays as it was last set.
+async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<PressureState>, share_pct: u8) {
+    loop {
+        let s = state.borrow_and_update().clone();
+        let pressure = Pressure {
+            level: s.level,
+            some_avg10_ppm: s.reading.some.avg10_ppm(),
+            full_avg10_ppm: s.reading.full.avg10_ppm(),
+        };
+        let limit = match s.level {
+            Level::Nominal => None,
+            Level::Some => Some(shared.bulk_share / 100 * usize::from(share_pct.min(100))),
+            Level::Full => Some(0),
+        };
+        shared.pressure_level.store(s.level.code(), Ordering::Relaxed);
+        {
+            let now = shared.now();
+            shared.core().set_pressure(pressure, limit, now);
+        }
+        shared.ready.notify_one();
+        if state.changed().await.is_err() {
+            return;
+        }
     }
 }
 
@@ -400,7 +483,6 @@ pub async fn run_and_return_source(
     let meta = SessionMeta { node_id: proto_flat::node_id_of(&cfg.node_name), epoch: 0, shipper_session: session };
     let shared = Arc::new(Shared {
         queue_bytes: AtomicUsize::new(0),
-        queue_msgs: AtomicUsize::new(0),
         queue_cap: options.reader_queue_bytes.unwrap_or(READER_QUEUE_BYTES),
         spool_used: AtomicUsize::new(0),
         bulk_share: cfg
@@ -425,8 +507,30 @@ pub async fn run_and_return_source(
             .max_control_version
             .unwrap_or(CONTROL_VERSION)
             .clamp(MIN_CONTROL_VERSION, CONTROL_VERSION),
+        pressure_level: std::sync::atomic::AtomicU8::new(0),
+        pressure: Mutex::new(None),
+        pressure_unavailable: Mutex::new(None),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
+
+    // Memory pressure: the watcher, and a task applying its state to the core.
+    let pressure_task = match &cfg.psi {
+        None => None,
+        Some(psi_cfg) => match ringwatch_transport::psi::start(psi_cfg) {
+            Ok(w) => {
+                tracing::info!(file = %w.state.borrow().file.display(), "memory pressure watcher armed");
+                *shared.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(w.state.clone());
+                let follow = tokio::spawn(follow_pressure(Arc::clone(&shared), w.state, cfg.psi_bulk_share_pct));
+                Some((w.task, follow))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "memory pressure watcher unavailable: running without it");
+                *shared.pressure_unavailable.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    Some(e.to_string());
+                None
+            }
+        },
+    };
 
     // Reader thread.
     let stop_reading = Arc::new(AtomicBool::new(false));
@@ -467,7 +571,8 @@ pub async fn run_and_return_source(
 
     // The pump: the reader's messages into the core, and the core's timers.
     let (stop_pump_tx, stop_pump_rx) = watch::channel(false);
-    let mut pump = tokio::spawn(pump(Arc::clone(&shared), from_reader, writers_back, stop_pump_rx));
+    let mut pump =
+        tokio::spawn(pump(Arc::clone(&shared), from_reader, writers_back, stop_pump_rx, options.test_panic_pump_after));
 
     // Network task.
     let (stop_net_tx, stop_net_rx) = watch::channel(false);
@@ -478,6 +583,20 @@ pub async fn run_and_return_source(
         Arc::clone(&shared),
         stop_net_rx,
     ));
+
+    let http = options.http.as_ref().and_then(|(listener, limits)| {
+        let listener = listener.try_clone().and_then(tokio::net::TcpListener::from_std);
+        match listener {
+            Ok(l) => {
+                let router = health_router(Arc::clone(&shared), cfg.aggregator);
+                Some(tokio::spawn(ringwatch_transport::http::serve(l, router, *limits, Arc::default())))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "HTTP listener unusable: /healthz and /readyz are not served");
+                None
+            }
+        }
+    });
 
     let mut pumped = None;
     let ended = tokio::select! {
@@ -562,6 +681,13 @@ pub async fn run_and_return_source(
     }
     let _ = stop_net_tx.send(true);
     let _ = net.await;
+    if let Some(h) = http {
+        h.abort();
+    }
+    if let Some((watcher, follow)) = pressure_task {
+        watcher.abort();
+        follow.abort();
+    }
     let code = if ended == Ended::Shutdown { close::SHUTDOWN } else { close::PROTOCOL };
     endpoint.close(code.into(), b"shipper stopping");
     let _ = tokio::time::timeout(Duration::from_millis(500), endpoint.wait_idle()).await;
@@ -576,12 +702,23 @@ pub async fn run_and_return_source(
         node_name: cfg.node_name.clone(),
         shipper_session: session,
         connections: shared.net.connections.load(Ordering::Relaxed),
+        connect_attempts: shared.net.attempts.load(Ordering::Relaxed),
+        connections_refused: shared.net.refused.load(Ordering::Relaxed),
+        last_refusal: shared.net.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
         frames_in: stats.frames_in,
         frames_acked: stats.frames_acked,
         frames_acked_by_lane: stats.frames_acked_by_lane,
         own_frames_lost: stats.own_frames_lost,
         frames_lost_spool_full: slot(proto_flat::LossCause::ShipperSpoolFull),
         frames_lost_rejected: slot(proto_flat::LossCause::Rejected),
+        frames_lost_psi_shed: slot(proto_flat::LossCause::PsiShed),
+        batches_shed_pressure: spool.shed_pressure,
+        pressure: shared.pressure_dto(),
+        pressure_unavailable: shared
+            .pressure_unavailable
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone(),
         frames_lost_shutdown: slot(proto_flat::LossCause::ShipperShutdown),
         frames_in_by_lane: stats.frames_in_by_lane,
         frames_lost_by_lane: stats.frames_lost_by_lane,
@@ -699,7 +836,13 @@ fn reader_loop(
         if counters_seen {
             // Once per counters read: spool pressure (and what waits for the spool)
             // moves the kernel's bulk sampling.
-            let used = shared.spool_used.load(Ordering::Acquire) + shared.queue_bytes.load(Ordering::Acquire);
+            // Memory pressure counts as a full spool: sampling goes up a step per read.
+            let pressured = shared.pressure_level.load(Ordering::Relaxed) != 0;
+            let used = if pressured {
+                reader.spool_cap
+            } else {
+                shared.spool_used.load(Ordering::Acquire) + shared.queue_bytes.load(Ordering::Acquire)
+            };
             let before = sampling.level();
             let level = sampling.decide(used, reader.spool_cap);
             if level != before {
@@ -749,7 +892,6 @@ fn reader_loop(
 
 /// Applies one message from the reader to the core.
 fn apply(shared: &Shared, core: &mut ShipperCore, msg: ToCore, back: &std::sync::mpsc::Sender<BatchWriter>, now: u64) {
-    shared.queue_msgs.fetch_sub(1, Ordering::AcqRel);
     match msg {
         ToCore::Staged(mut st) => {
             shared.queue_bytes.fetch_sub(st.payload_len(), Ordering::AcqRel);
@@ -774,7 +916,9 @@ async fn pump(
     rx: std::sync::mpsc::Receiver<ToCore>,
     back: std::sync::mpsc::Sender<BatchWriter>,
     mut stop: watch::Receiver<bool>,
+    panic_after: Option<u64>,
 ) -> (std::sync::mpsc::Receiver<ToCore>, std::sync::mpsc::Sender<BatchWriter>) {
+    let mut total = 0u64;
     loop {
         let mut applied = 0usize;
         let next = {
@@ -789,6 +933,8 @@ async fn pump(
                 core.handle_timeout(shared.node_mono(now), now);
             }
             shared.spool_used.store(core.spool().used_bytes(), Ordering::Release);
+            total = total.saturating_add(u64::try_from(applied).unwrap_or(u64::MAX));
+            assert!(panic_after.is_none_or(|n| total < n), "test hook: the pump panics after {total} messages");
             let by_lane = core.stats().lane_resends_by_lane;
             shared.resends.send_if_modified(|g| {
                 let changed = *g != by_lane;
@@ -818,7 +964,7 @@ async fn network(
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut backoff = Backoff::new(100, 5_000);
+    let mut backoff = Backoff::new(BACKOFF_BASE_MS, BACKOFF_CAP_MS);
     let mut rng_state = new_session_id();
     // The control protocol to offer next: the newest, or — after an aggregator closed a
     // connection before its hello for the protocol (one a release older answers so) —
@@ -826,30 +972,43 @@ async fn network(
     // the newest again.
     let mut offer = shared.max_control_version;
     while !*stop.borrow() {
+        shared.net.attempts.fetch_add(1, Ordering::Relaxed);
         let attempt = endpoint.connect(addr, &server_name);
         let conn = match attempt {
             Ok(connecting) => tokio::select! {
-                c = connecting => c.map_err(|e| e.to_string()),
+                c = connecting => c.map_err(|e| (refusal(&e), e.to_string())),
                 _ = stop.changed() => return,
             },
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err((None, e.to_string())),
         };
-        match conn {
+        let refused = match conn {
             Ok(conn) => {
-                backoff.reset();
                 shared.net.connections.fetch_add(1, Ordering::Relaxed);
-                let hellos = {
+                let (hellos, acked) = {
                     let mut core = shared.core();
                     core.reconnected();
-                    core.stats().hellos
+                    (core.stats().hellos, core.stats().batches_acked)
                 };
-                tracing::info!(%addr, control_protocol = offer, "connected");
+                tracing::debug!(%addr, control_protocol = offer, "connected");
                 let why = connection(&conn, &shared, &mut stop, offer).await;
-                tracing::info!(%addr, reason = %why, "connection ended");
+                shared.net.established.store(false, Ordering::Relaxed);
                 if *stop.borrow() {
                     return;
                 }
-                let answered = shared.core().stats().hellos > hellos;
+                let (answered, acked_any) = {
+                    let core = shared.core();
+                    (core.stats().hellos > hellos, core.stats().batches_acked > acked)
+                };
+                // Only a connection the aggregator acked a batch on proves the set-up
+                // good: a TLS 1.3 handshake completes on the client before the server
+                // checks the client's certificate, so "connected" proves nothing.
+                if acked_any {
+                    backoff.reset();
+                }
+                let refused = conn.close_reason().as_ref().and_then(refusal);
+                if refused.is_none() {
+                    tracing::info!(%addr, reason = %why, "connection ended");
+                }
                 let refused_protocol = matches!(
                     conn.close_reason(),
                     Some(quinn::ConnectionError::ApplicationClosed(ref c))
@@ -862,8 +1021,17 @@ async fn network(
                 } else {
                     shared.max_control_version
                 };
+                refused
             }
-            Err(e) => tracing::warn!(%addr, error = %e, "connect failed"),
+            Err((refused, e)) => {
+                if refused.is_none() {
+                    tracing::warn!(%addr, error = %e, retry_step_ms = backoff.step_ms(), "connect failed");
+                }
+                refused
+            }
+        };
+        if refused.is_some() {
+            backoff.to_cap();
         }
         // xorshift for the jitter draw: no shared RNG needed for a reconnect delay.
         rng_state ^= rng_state << 13;
@@ -872,10 +1040,48 @@ async fn network(
         #[allow(clippy::cast_precision_loss, reason = "a uniform draw needs 53 bits")]
         let unit = (rng_state >> 11) as f64 / (1u64 << 53) as f64;
         let delay = Duration::from_millis(backoff.next_ms(unit));
+        if let Some(why) = refused {
+            // One line per attempt, and attempts after a refusal are at least half the
+            // cap apart.
+            let n = shared.net.refused.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+            tracing::warn!(
+                %addr,
+                reason = %why,
+                refusals = n,
+                retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                "the aggregator refused this shipper; retrying at the backoff cap"
+            );
+            *shared.net.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+        }
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// Reconnect backoff: from 100 ms, doubling to 5 s; a refusal jumps to the cap (so a
+/// refused shipper tries at most once per 2.5–5 s).
+pub const BACKOFF_BASE_MS: u64 = 100;
+pub const BACKOFF_CAP_MS: u64 = 5_000;
+
+/// Why a connection's end means the aggregator refuses this shipper (retrying soon cannot
+/// help): its TLS handshake failed on a certificate (a TLS alert, QUIC crypto error
+/// 0x100–0x1ff, from either side), or the aggregator closed it `refused` (no usable
+/// identity, node cap) or `abuse` (too many rejected batches, e.g. `node_mismatch`).
+fn refusal(e: &quinn::ConnectionError) -> Option<String> {
+    let crypto = |code: quinn::TransportErrorCode| (0x100..=0x1ff).contains(&u64::from(code));
+    match e {
+        quinn::ConnectionError::ApplicationClosed(c)
+            if c.error_code == close::REFUSED.into() || c.error_code == close::ABUSE.into() =>
+        {
+            Some(format!("closed by the aggregator: {}", String::from_utf8_lossy(&c.reason)))
+        }
+        quinn::ConnectionError::ConnectionClosed(c) if crypto(c.error_code) => {
+            Some(format!("TLS refused by the aggregator: {c}"))
+        }
+        quinn::ConnectionError::TransportError(t) if crypto(t.code) => Some(format!("TLS: {t}")),
+        _ => None,
     }
 }
 
@@ -1048,6 +1254,7 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
                             durability,
                         } => {
                             core.handle_hello(aggregator_instance, aggregator_epoch, control_version, durability);
+                            shared.net.established.store(true, Ordering::Relaxed);
                         }
                         ControlMessage::Ack { shipper_session, status, ranges: r } => {
                             if shipper_session == core.batcher().meta().shipper_session {
@@ -1077,4 +1284,92 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
         buf.drain(..used);
         shared.ready.notify_one();
     }
+}
+
+/// The shipper's own HTTP surface: `GET /healthz` (200 while the shipper runs, with what
+/// its network side counted) and `GET /readyz` (200 while a connection to the aggregator
+/// has its session established, else 503 with why). Errors as JSON, unknown query
+/// parameters refused, like the aggregator's API.
+fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
+    use axum::extract::State;
+    use axum::http::{StatusCode, Uri};
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::get;
+    use ringwatch_transport::http;
+
+    #[derive(serde::Serialize)]
+    struct Health {
+        status: &'static str,
+        aggregator: String,
+        connected: bool,
+        uptime_ms: u64,
+        connect_attempts: u64,
+        connections: u64,
+        connections_refused: u64,
+        last_refusal: Option<String>,
+        spool_used_bytes: usize,
+        frames_in: u64,
+        frames_acked: u64,
+        pressure: Option<PressureDto>,
+        pressure_unavailable: Option<String>,
+        frames_lost_psi_shed: u64,
+    }
+    #[derive(serde::Serialize)]
+    struct Ready {
+        ready: bool,
+        reasons: Vec<String>,
+    }
+    async fn healthz(State((s, agg)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
+        if let Err(r) = http::params(&uri, &[]) {
+            return r.into_response();
+        }
+        let (frames_in, frames_acked, frames_lost_psi_shed) = {
+            let core = s.core();
+            let st = core.stats();
+            let psi = proto_flat::LossCause::PsiShed.drop_slot().and_then(|i| st.frames_lost.get(i).copied());
+            (st.frames_in, st.frames_acked, psi.unwrap_or(0))
+        };
+        axum::Json(Health {
+            status: "ok",
+            aggregator: agg.to_string(),
+            connected: s.net.established.load(Ordering::Relaxed),
+            uptime_ms: s.now() / 1_000_000,
+            connect_attempts: s.net.attempts.load(Ordering::Relaxed),
+            connections: s.net.connections.load(Ordering::Relaxed),
+            connections_refused: s.net.refused.load(Ordering::Relaxed),
+            last_refusal: s.net.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+            spool_used_bytes: s.spool_used.load(Ordering::Relaxed),
+            frames_in,
+            frames_acked,
+            pressure: s.pressure_dto(),
+            pressure_unavailable: s
+                .pressure_unavailable
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+            frames_lost_psi_shed,
+        })
+        .into_response()
+    }
+    async fn readyz(State((s, agg)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
+        if let Err(r) = http::params(&uri, &[]) {
+            return r.into_response();
+        }
+        let mut reasons = Vec::new();
+        if !s.net.established.load(Ordering::Relaxed) {
+            let last = s.net.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            reasons.push(match last {
+                Some(why) => format!("no session with the aggregator {agg}; its last refusal: {why}"),
+                None => format!("no session with the aggregator {agg}"),
+            });
+        }
+        let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        (code, axum::Json(Ready { ready: reasons.is_empty(), reasons })).into_response()
+    }
+    axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
+        .with_state((shared, aggregator))
 }

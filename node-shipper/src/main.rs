@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use clap::{Arg, ArgAction, Command};
-use node_shipper::config::{self, Inputs};
+use node_shipper::config;
 use node_shipper::driver::RunOptions;
 
 fn command() -> Command {
@@ -21,7 +21,7 @@ fn command() -> Command {
             Arg::new("check-config")
                 .long("check-config")
                 .action(ArgAction::SetTrue)
-                .help("validate the configuration, print it, exit"),
+                .help("validate the configuration and the files it names, print it, exit"),
         );
     for (name, help) in config::fields() {
         // clap wants 'static names; 14 short strings, built once per process.
@@ -33,24 +33,13 @@ fn command() -> Command {
 
 fn main() -> ExitCode {
     let m = command().get_matches(); // usage errors: clap prints them and exits 2
-    let mut inputs = Inputs::default();
-    if let Some(path) = m.get_one::<String>("config") {
-        match std::fs::read_to_string(path) {
-            Ok(text) => inputs.file(&text),
-            Err(e) => {
-                eprintln!("node-shipper: cannot read --config {path}: {e}");
-                return ExitCode::from(2);
-            }
-        }
-    }
-    let env: Vec<(String, String)> = std::env::vars().collect();
-    inputs.env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-    for (name, _) in config::fields() {
-        if let Some(v) = m.get_one::<String>(name) {
-            inputs.flag(name, v);
-        }
-    }
-    let cfg = match inputs.validate() {
+    // Every problem at once, the files it names included (a node name that is not the
+    // certificate's DNS SAN among them: every batch would be refused).
+    let loaded = ringwatch_transport::config::load::<config::Shipper>(
+        m.get_one::<String>("config").map(String::as_str),
+        |name| m.get_one::<String>(name).cloned(),
+    );
+    let cfg = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprint!("node-shipper: {e}");
@@ -81,12 +70,24 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let report = rt.block_on(node_shipper::driver::run(
-        &cfg,
-        RunOptions::default(),
-        source,
-        ringwatch_transport::shell::terminated(),
-    ));
+    let mut options = RunOptions::default();
+    if let Some(addr) = cfg.http_listen {
+        match std::net::TcpListener::bind(addr).and_then(|l| l.set_nonblocking(true).map(|()| l)) {
+            Ok(l) => {
+                // Scripts read this line to find the port (`http_listen` may say :0).
+                if let Ok(a) = l.local_addr() {
+                    println!("http http://{a}");
+                }
+                options.http = Some((std::sync::Arc::new(l), ringwatch_transport::http::HttpLimits::default()));
+            }
+            Err(e) => {
+                eprintln!("node-shipper: http_listen {addr}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let report =
+        rt.block_on(node_shipper::driver::run(&cfg, options, source, ringwatch_transport::shell::terminated()));
     match report {
         Ok(r) => {
             println!("{}", serde_json::to_string(&r).unwrap_or_default());

@@ -519,13 +519,20 @@ fn kernel_loader_errors_each_say_what_to_do() {
     let bin = tmp.join("node-shipper");
     std::fs::copy(env!("CARGO_BIN_EXE_node-shipper"), &bin).expect("copy the binary where nobody can run it");
     set_mode(&tmp, 0o755);
+    // Certificates `nobody` can read (keys are written 0600): the binary checks them
+    // before it loads anything.
+    let tls = certs::init(&tmp.join("certs"), &[certs::node_name(0)]).expect("certs");
+    set_mode(&tmp.join("certs"), 0o755);
+    for f in std::fs::read_dir(tmp.join("certs")).expect("certs dir") {
+        set_mode(&f.expect("entry").path(), 0o644);
+    }
     let open_pins = Pins::new("nobody");
     std::fs::create_dir_all(&open_pins.0).expect("pin dir");
     set_mode(&open_pins.0, 0o777);
     let out = Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
         .arg(&bin)
-        .args(shipper_args_without_tls(&open_pins.0, &[]))
+        .args(shipper_args(&open_pins.0, &tls, &[]))
         .output()
         .expect("setpriv runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -542,7 +549,7 @@ fn kernel_loader_errors_each_say_what_to_do() {
                 .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
                 .arg("sh")
                 .arg(&bin)
-                .args(shipper_args_without_tls(&big_pins.0, &["--bulk-ring-bytes", "268435456"]))
+                .args(shipper_args(&big_pins.0, &tls, &["--bulk-ring-bytes", "268435456"]))
                 .output()
                 .expect("sh runs");
             let stderr = String::from_utf8_lossy(&out.stderr);
@@ -564,7 +571,7 @@ fn kernel_loader_errors_each_say_what_to_do() {
                 .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
                 .arg("sh")
                 .arg(&bin)
-                .args(shipper_args_without_tls(&ok_pins.0, &["--bulk-ring-bytes", &fits.to_string()]))
+                .args(shipper_args(&ok_pins.0, &tls, &["--bulk-ring-bytes", &fits.to_string()]))
                 .stderr(Stdio::piped())
                 .stdout(Stdio::null())
                 .spawn()
@@ -743,26 +750,19 @@ fn set_mode(p: &Path, mode: u32) {
 }
 
 /// Flags for a shipper that fails (or not) at the eBPF load, before it reads any TLS file.
-fn shipper_args_without_tls(pins: &Path, extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "--aggregator",
-        "127.0.0.1:9",
-        "--node-name",
-        "node-00",
-        "--ca",
-        "/nonexistent/ca.pem",
-        "--cert",
-        "/nonexistent/c.pem",
-        "--key",
-        "/nonexistent/k.pem",
-        "--source",
-        "bpf",
-        "--bpf-pin-dir",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    v.push(pins.display().to_string());
+/// Flags for the binary: node-00 of `set` (files it checks before loading anything; no
+/// aggregator listens at the address), the eBPF source pinned at `pins`.
+fn shipper_args(pins: &Path, set: &certs::CertSet, extra: &[&str]) -> Vec<String> {
+    let (cert, key) = set.node("node-00");
+    let mut v: Vec<String> = ["--aggregator", "127.0.0.1:9", "--node-name", "node-00", "--source", "bpf"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    for (flag, path) in [("--ca", &set.ca), ("--cert", &cert), ("--key", &key), ("--bpf-pin-dir", &pins.to_path_buf())]
+    {
+        v.push(flag.to_owned());
+        v.push(path.display().to_string());
+    }
     v.extend(extra.iter().map(|s| (*s).to_owned()));
     v
 }

@@ -1588,6 +1588,7 @@ impl Pair {
                         name,
                         node_id: format!("{:016x}", sh.id.0),
                         connected: false,
+                        live_connections: 0,
                         liveness: String::new(),
                         health: String::new(),
                         connections: sh.connections,
@@ -1601,6 +1602,7 @@ impl Pair {
                         prior_instance: 0,
                         p0_frames_lost: 0,
                         p0_frames_attempted: 0,
+                        shipper: None,
                         streams: self.core.trackers(sh.id).map(aggregator::api::dto::StreamDto::from_tracker).collect(),
                     }
                 })

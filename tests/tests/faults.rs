@@ -356,3 +356,30 @@ async fn net_an_unthrottled_source_is_read_on_and_every_frame_not_shipped_is_acc
         );
     }
 }
+
+/// The core's pump panics (a test hook) while a source keeps producing: the run ends
+/// `Ended::Failed` at once — the reader is stopped, not left shedding into a queue nobody
+/// reads — and the report still says what was read (the binary then exits 70).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_a_failed_core_pump_ends_the_run_instead_of_shedding_forever() {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+    let dir = TempDir::new("pump-panic");
+    let set = cert_set(dir.path(), 1);
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let halt = Arc::new(AtomicBool::new(false));
+    let source = node_shipper::source::SyntheticSource::new(200_000.0, 2, 100_000_000, Arc::clone(&halt));
+    let placeholder = Source::Sim { scenario: "synthetic".into(), node: 0, bulk_scale_ppm: 0, seed: None };
+    let cfg = shipper_config(&set, agg.quic_addr, 0, placeholder);
+    let opts = RunOptions { test_panic_pump_after: Some(20), ..RunOptions::default() };
+    // No stop signal is ever sent: the run must end by itself.
+    let (_never, task) = spawn_shipper(cfg, Box::new(source), opts);
+    let report = tokio::time::timeout(ringwatch_tests::STATE_LIMIT, task)
+        .await
+        .expect("the run ends by itself after the pump failed")
+        .expect("shipper task");
+    halt.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(report.ended, node_shipper::driver::Ended::Failed, "{report:?}");
+    assert!(report.frames_in > 0, "{report:?}");
+    agg.shutdown();
+}

@@ -18,6 +18,12 @@
 //! - every batch travels on its own unidirectional stream (the stream's end delimits it),
 //!   with priority by lane ([`lane_priority`]): P0 above P1 above bulk.
 
+pub mod check;
+pub mod config;
+pub mod http;
+pub mod pressure;
+pub mod psi;
+
 use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;
 use std::sync::Arc;

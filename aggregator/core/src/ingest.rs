@@ -137,6 +137,39 @@ pub struct NodeState {
     open_streams: usize,
     /// What the trackers of retired epochs counted.
     pub retired: RetiredStreams,
+    /// The shipper's state from its last heartbeat: spool, memory pressure, sampling.
+    /// Not snapshotted (the next heartbeat, within a second, says it again).
+    #[rkyv(with = rkyv::with::Skip)]
+    pub shipper: Option<ShipperState>,
+}
+
+/// A shipper's own state, from a heartbeat's `shipper_state` section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShipperState {
+    pub spool_bytes: u64,
+    pub spool_cap_bytes: u64,
+    /// Memory pressure: `memory.pressure` some/full avg10 (ppm of the time), and what it
+    /// sheds (0 nothing, 1 P3, 2 P2 too, 3 P1 coalesced too).
+    pub psi_some_avg10_ppm: u32,
+    pub psi_full_avg10_ppm: u32,
+    pub shed_tier: u8,
+    pub sampling_level: u8,
+    /// When it arrived (aggregator ns).
+    pub at_ns: u64,
+}
+
+impl ShipperState {
+    /// The pressure level the shed tier stands for: `nominal`, `some` (P3/P2 shed),
+    /// `full` (P1 coalesced too), or `unknown` (a tier this build does not know).
+    #[must_use]
+    pub const fn pressure_level(&self) -> &'static str {
+        match self.shed_tier {
+            0 => "nominal",
+            1 | 2 => "some",
+            3 => "full",
+            _ => "unknown",
+        }
+    }
 }
 
 /// The totals of a node's retired trackers (closed epochs past `closed_epochs_kept`).
@@ -615,6 +648,7 @@ impl Ingest {
                 pending_close: None,
                 open_streams: 0,
                 retired: RetiredStreams::default(),
+                shipper: None,
             },
         );
         true
@@ -938,6 +972,19 @@ impl Ingest {
                                         snapshot_cluster_ns: clock.to_cluster(snapshot),
                                         received_at_ns: now,
                                     }));
+                                }
+                            }
+                            Section::ShipperState(entries) => {
+                                if let (Some(e), Some(n)) = (entries.iter().next(), self.nodes.get_mut(&node)) {
+                                    n.shipper = Some(ShipperState {
+                                        spool_bytes: e.spool_bytes.get(),
+                                        spool_cap_bytes: e.spool_cap_bytes.get(),
+                                        psi_some_avg10_ppm: e.psi_some_avg10_ppm.get(),
+                                        psi_full_avg10_ppm: e.psi_full_avg10_ppm.get(),
+                                        shed_tier: e.shed_tier,
+                                        sampling_level: e.sampling_level,
+                                        at_ns: now,
+                                    });
                                 }
                             }
                             _ => {}

@@ -63,6 +63,21 @@ pub enum Outcome {
     Indeterminate(Indeterminate),
 }
 
+/// The outcome names up to their first `(`: what `Outcome::name` starts with, and what
+/// the API's `outcome=` filter takes (one of these, or one followed by `(…`).
+pub const OUTCOME_KINDS: [&str; 10] = [
+    "completed",
+    "completed_inferred",
+    "entered_inferred",
+    "in_flight",
+    "waiting_on",
+    "not_joined",
+    "stuck",
+    "blocked_by",
+    "unknown_silent",
+    "indeterminate",
+];
+
 impl Outcome {
     /// Short name as DESIGN spells it.
     #[must_use]
@@ -220,4 +235,38 @@ pub enum MatcherEvent {
         node: Option<NodeId>,
         after_ms: u64,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_outcome_name_starts_with_one_of_the_kinds() {
+        let comm = Comm { hash: 1, disambiguator: 2, instance: 3 };
+        let all = [
+            Outcome::Completed,
+            Outcome::CompletedInferred,
+            Outcome::EnteredInferred,
+            Outcome::InFlight,
+            Outcome::WaitingOn(Some(3)),
+            Outcome::WaitingOn(None),
+            Outcome::NotJoined,
+            Outcome::NotJoinedExited,
+            Outcome::Stuck,
+            Outcome::BlockedBy(OpRef::Coll { comm, seq: 1 }),
+            Outcome::BlockedBy(OpRef::P2p { comm, src: 0, dst: 1, p2p_seq: 2 }),
+            Outcome::BlockedBy(OpRef::Graph { comm, graph_id: 1, graph_node: 2, replay_idx: 3 }),
+            Outcome::UnknownSilent,
+            Outcome::Indeterminate(Indeterminate::NoCompletionSource),
+            Outcome::Indeterminate(Indeterminate::Uninstrumented),
+            Outcome::Indeterminate(Indeterminate::KeyCollision),
+            Outcome::Indeterminate(Indeterminate::AggregatorGap),
+        ];
+        for o in all {
+            let name = o.name();
+            let kind = name.split('(').next().unwrap_or_default();
+            assert!(OUTCOME_KINDS.contains(&kind), "{name}");
+        }
+    }
 }

@@ -43,6 +43,10 @@ pub struct HealthzDto {
     pub durability: String,
     /// Why the core failed (status `failed`).
     pub failure: Option<String>,
+    /// Why the status is not `ok` (the same list `/readyz` gives): a failed core, a task
+    /// not running or stalled, snapshots failing in a row.
+    #[serde(default)]
+    pub reasons: Vec<String>,
     /// Every long-lived task: `timers` (the core's), `ingest` (QUIC accept loop),
     /// `http`, `snapshots` (alive only when snapshots are configured).
     pub tasks: Vec<TaskDto>,
@@ -154,6 +158,24 @@ pub struct IngestDto {
     pub connections_protocol_2: u64,
     #[serde(default)]
     pub protocol_refused: u64,
+    /// The HTTP listener itself.
+    #[serde(default)]
+    pub http: HttpDto,
+}
+
+/// The HTTP listener's counters (`/v1/ingest` `http`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HttpDto {
+    /// Connections accepted and served, and open now.
+    pub connections: u64,
+    pub open: u64,
+    /// Turned away at the connection cap (answered 503 and closed).
+    pub refused_at_cap: u64,
+    /// Closed for not sending a request head within the header-read timeout (idle
+    /// keep-alive connections included).
+    pub header_timeouts: u64,
+    /// `accept` failures (the process's file limit, most often).
+    pub accept_errors: u64,
 }
 
 /// One bounded map's size against its cap (`/v1/ingest` `maps`).
@@ -178,13 +200,19 @@ pub struct NodeDto {
     pub name: String,
     /// First 8 bytes of SHA-256(name), hex.
     pub node_id: String,
+    /// Whether any of its connections is open (`live_connections` > 0).
     pub connected: bool,
+    /// Its connections open now: a reconnecting shipper's old connection may close after
+    /// its new one opened.
+    #[serde(default)]
+    pub live_connections: u32,
     /// `fresh`, `silent`, `unreachable`.
     pub liveness: String,
     /// Worst health over its GPUs: `healthy`, `healthy_lossy`, `suspect`, `degraded`,
     /// `silent`, `unreachable`; an otherwise healthy node whose P0 streams lost frames is
     /// `healthy_lossy` (loss rate: `p0_frames_lost` / `p0_frames_attempted`).
     pub health: String,
+    /// Connections ever accepted from it by this instance.
     pub connections: u64,
     /// Node time (ns) through which every P0 / bulk seq is received or resolved: no
     /// verdict about this node rests on anything later.
@@ -209,7 +237,31 @@ pub struct NodeDto {
     /// Frames its P0 streams attempted as far as this instance knows (received, lost,
     /// another instance's, pending or in transit).
     pub p0_frames_attempted: u64,
+    /// The shipper's own state from its last heartbeat (absent before the first one
+    /// this instance received): memory pressure — a separate dimension from `health`:
+    /// shedding under pressure is accounted `psi_shed` bulk loss and never makes a node
+    /// `degraded`, but a node under `full` pressure is one a scheduler may act on.
+    #[serde(default)]
+    pub shipper: Option<ShipperStateDto>,
     pub streams: Vec<StreamDto>,
+}
+
+/// A shipper's state, from its last heartbeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShipperStateDto {
+    /// `nominal`, `some` (bulk shed), `full` (bulk shed, P1 coalesced), `unknown`.
+    pub pressure: String,
+    /// The node cgroup's `memory.pressure` avg10s, percent of the time.
+    pub psi_some_avg10: f64,
+    pub psi_full_avg10: f64,
+    /// The heartbeat's shed tier (0 nothing, 1 P3, 2 P2 too, 3 P1 coalesced too).
+    pub shed_tier: u8,
+    /// The kernel's bulk sampling level (bulk keeps 1 in 2^level).
+    pub sampling_level: u8,
+    pub spool_bytes: u64,
+    pub spool_cap_bytes: u64,
+    /// How long ago it arrived, ms.
+    pub age_ms: u64,
 }
 
 /// One GPU's health.

@@ -7,8 +7,14 @@
 //! handler that panics is answered `500`, counted (`/healthz` `handler_panics`) and
 //! logged; the server goes on.
 //!
-//! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX`
-//! (`stuck`, `waiting_on`, …), `final=true|false`, `limit=N` (1..=100000, default
+//! Every route refuses unknown query parameters and a parameter given twice (`400`
+//! naming it); unknown paths get `404` and other methods than GET `405`, each with a JSON
+//! error body. The listener's limits (header-read timeout, connection cap) are
+//! `ringwatch_transport::http`'s.
+//!
+//! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX` (one of
+//! `ringwatch_core::verdict::OUTCOME_KINDS` — `stuck`, `waiting_on`, … — optionally
+//! followed by `(…`, e.g. `indeterminate(uninstrumented)`), `final=true|false`, `limit=N` (1..=100000, default
 //! 10000), `cursor=TOKEN` (the previous page's `next_cursor`). Pages are in (op, rank)
 //! order; a page ends early, with a `next_cursor`, after [`VERDICT_SCAN_BUDGET`]
 //! verdicts looked at.
@@ -24,8 +30,8 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{Query, Request, State};
-use axum::http::StatusCode;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -37,6 +43,7 @@ use self::dto::{
     TIMER_STALL_MS, TaskDto, VerdictDto, VerdictStoreDto, VerdictsDto, health_name, liveness_name,
 };
 use crate::state::{CoreFailed, Shared};
+use ringwatch_transport::http;
 
 /// The router.
 pub fn router(shared: Arc<Shared>) -> Router {
@@ -48,7 +55,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/ingest", get(ingest));
     #[cfg(feature = "test-hooks")]
     let r = r.route("/test/panic", get(test_panic)).route("/test/arm-timer-panic", get(arm_timer_panic));
-    r.layer(middleware::from_fn_with_state(Arc::clone(&shared), catch_panics)).with_state(shared)
+    r.fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
+        .layer(middleware::from_fn_with_state(Arc::clone(&shared), catch_panics))
+        .with_state(shared)
 }
 
 /// Test hook: a handler that panics (without the core's lock).
@@ -88,7 +98,7 @@ async fn catch_panics(State(s): State<Arc<Shared>>, req: Request, next: Next) ->
 }
 
 fn bad(msg: String) -> Response {
-    (StatusCode::BAD_REQUEST, Json(ErrorDto { error: msg })).into_response()
+    http::error(StatusCode::BAD_REQUEST, msg)
 }
 
 fn unavailable(e: CoreFailed) -> Response {
@@ -116,11 +126,20 @@ fn tasks(s: &Shared) -> Vec<TaskDto> {
         .collect()
 }
 
+/// Snapshot attempts failing in a row that make the aggregator not ready: past them a
+/// restart would lose what the failed snapshots should have held, and with durability
+/// `snapshot` no P0/P1 batch is acked durable (shippers' spools fill).
+pub const SNAPSHOT_FAILURES_NOT_READY: u64 = 3;
+
 /// Why the aggregator is not serving (empty: it is).
 fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
     let mut why = Vec::new();
     if let Some(f) = s.failure() {
         why.push(format!("core failed: {f}"));
+    }
+    let failed = s.counters.snapshot_failures_in_a_row.load(Relaxed);
+    if failed >= SNAPSHOT_FAILURES_NOT_READY {
+        why.push(format!("the last {failed} snapshots failed (the log says why): P0/P1 batches are not acked durable"));
     }
     for t in tasks {
         if t.name != "snapshots" && !t.alive {
@@ -133,12 +152,16 @@ fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
     why
 }
 
-async fn healthz(State(s): State<Arc<Shared>>) -> Response {
+async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
+    if let Err(r) = http::params(&uri, &[]) {
+        return r.into_response();
+    }
     let tasks = tasks(&s);
     let failure = s.failure();
+    let reasons = not_ready(&s, &tasks);
     let status = if failure.is_some() {
         "failed"
-    } else if not_ready(&s, &tasks).is_empty() {
+    } else if reasons.is_empty() {
         "ok"
     } else {
         "degraded"
@@ -149,7 +172,7 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Response {
         instance: format!("{:016x}", s.instance),
         aggregator_epoch: s.epoch,
         uptime_ms: s.now() / 1_000_000,
-        nodes_connected: s.nodes.iter().filter(|e| e.connected).count() as u64,
+        nodes_connected: s.nodes.iter().filter(|e| e.connected()).count() as u64,
         restored: s.restored,
         snapshot_skipped: s
             .snapshot_skipped
@@ -157,6 +180,7 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Response {
             .map(|(version, kept_at)| dto::SnapshotSkippedDto { version: *version, kept_at: kept_at.clone() }),
         durability: s.durability.to_string(),
         failure,
+        reasons,
         tasks,
         connection_panics: s.tasks.connection_panics.load(Relaxed),
         handler_panics: s.tasks.handler_panics.load(Relaxed),
@@ -164,13 +188,19 @@ async fn healthz(State(s): State<Arc<Shared>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-async fn readyz(State(s): State<Arc<Shared>>) -> Response {
+async fn readyz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
+    if let Err(r) = http::params(&uri, &[]) {
+        return r.into_response();
+    }
     let reasons = not_ready(&s, &tasks(&s));
     let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(ReadyzDto { ready: reasons.is_empty(), reasons })).into_response()
 }
 
-async fn ingest(State(s): State<Arc<Shared>>) -> Response {
+async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
+    if let Err(r) = http::params(&uri, &[]) {
+        return r.into_response();
+    }
     let c = &s.counters;
     let (stats, matcher, dedup, evictions, mut maps) = {
         let core = match s.core() {
@@ -255,17 +285,24 @@ async fn ingest(State(s): State<Arc<Shared>>) -> Response {
         durable_untracked: c.durable_untracked.load(Relaxed),
         connections_protocol_2: c.connections_protocol_2.load(Relaxed),
         protocol_refused: c.protocol_refused.load(Relaxed),
+        http: dto::HttpDto {
+            connections: s.http.connections.load(Relaxed),
+            open: s.http.open.load(Relaxed),
+            refused_at_cap: s.http.refused_at_cap.load(Relaxed),
+            header_timeouts: s.http.header_timeouts.load(Relaxed),
+            accept_errors: s.http.accept_errors.load(Relaxed),
+        },
     })
     .into_response()
 }
 
-async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, String>>) -> Response {
-    if let Some(k) = q.keys().next() {
-        return bad(format!("unknown query parameter {k:?} (/v1/nodes takes none)"));
+async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
+    if let Err(r) = http::params(&uri, &[]) {
+        return r.into_response();
     }
     let now = s.now();
-    let registry: Vec<(NodeId, String, bool, u64)> =
-        s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.connected, e.connections)).collect();
+    let registry: Vec<(NodeId, String, u32, u64)> =
+        s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.live, e.connections)).collect();
     let core = match s.core() {
         Ok(c) => c,
         Err(e) => return unavailable(e),
@@ -277,17 +314,17 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
     // restart must not vanish from the answer.
     let mut registry = registry;
     let named: std::collections::BTreeSet<NodeId> = registry.iter().map(|r| r.0).collect();
-    registry
-        .extend(core.node_ids().filter(|id| !named.contains(id)).map(|id| (id, format!("{:016x}", id.0), false, 0)));
+    registry.extend(core.node_ids().filter(|id| !named.contains(id)).map(|id| (id, format!("{:016x}", id.0), 0, 0)));
     let mut out: Vec<NodeDto> = registry
         .into_iter()
-        .map(|(id, name, connected, connections)| {
+        .map(|(id, name, live, connections)| {
             let state = core.node_state(id);
             let p0 = core.p0_loss(id);
             NodeDto {
                 name,
                 node_id: format!("{:016x}", id.0),
-                connected,
+                connected: live > 0,
+                live_connections: live,
                 liveness: state.map_or("unreachable", |n| liveness_name(n.liveness)).into(),
                 health: health_name(health.get(&id).copied().unwrap_or(ringwatch_core::Health::Healthy)).into(),
                 connections,
@@ -312,6 +349,16 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
                 prior_instance: core.trackers(id).fold(0u64, |a, t| a.saturating_add(t.counts().prior_instance)),
                 p0_frames_lost: p0.0,
                 p0_frames_attempted: p0.1,
+                shipper: state.and_then(|n| n.shipper).map(|st| dto::ShipperStateDto {
+                    pressure: st.pressure_level().into(),
+                    psi_some_avg10: f64::from(st.psi_some_avg10_ppm) / 10_000.0,
+                    psi_full_avg10: f64::from(st.psi_full_avg10_ppm) / 10_000.0,
+                    shed_tier: st.shed_tier,
+                    sampling_level: st.sampling_level,
+                    spool_bytes: st.spool_bytes,
+                    spool_cap_bytes: st.spool_cap_bytes,
+                    age_ms: now.saturating_sub(st.at_ns) / 1_000_000,
+                }),
                 streams: core.trackers(id).map(StreamDto::from_tracker).collect(),
             }
         })
@@ -321,7 +368,11 @@ async fn nodes(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, St
     Json(NodesDto { api_version: API_VERSION.into(), nodes: out }).into_response()
 }
 
-async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
+    let q = match http::params(&uri, &["node", "outcome", "final", "limit", "cursor"]) {
+        Ok(q) => q,
+        Err(r) => return r.into_response(),
+    };
     if s.failure().is_some() {
         return unavailable(CoreFailed);
     }
@@ -333,7 +384,16 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String,
     for (k, v) in &q {
         match k.as_str() {
             "node" => node = Some(v.clone()),
-            "outcome" => outcome = Some(v.clone()),
+            "outcome" => {
+                let kind = v.split('(').next().unwrap_or_default();
+                if !ringwatch_core::verdict::OUTCOME_KINDS.contains(&kind) {
+                    return bad(format!(
+                        "outcome={v:?}: expected one of {}, optionally followed by (…)",
+                        ringwatch_core::verdict::OUTCOME_KINDS.join(", ")
+                    ));
+                }
+                outcome = Some(v.clone());
+            }
             "final" => match v.as_str() {
                 "true" => fin = Some(true),
                 "false" => fin = Some(false),
@@ -347,17 +407,14 @@ async fn verdicts(State(s): State<Arc<Shared>>, Query(q): Query<BTreeMap<String,
                 Ok(c) => after = Some(c),
                 Err(e) => return bad(e),
             },
-            _ => return bad(format!("unknown query parameter {k:?} (node, outcome, final, limit, cursor)")),
+            _ => {}
         }
     }
     let names: BTreeMap<u64, String> = s.nodes.iter().map(|e| (e.key().0, e.name.clone())).collect();
     let node_id = match &node {
         Some(n) => match names.iter().find(|(_, name)| *name == n) {
             Some((id, _)) => Some(NodeId(*id)),
-            None => {
-                return (StatusCode::NOT_FOUND, Json(ErrorDto { error: format!("no node named {n:?}") }))
-                    .into_response();
-            }
+            None => return http::error(StatusCode::NOT_FOUND, format!("no node named {n:?}")),
         },
         None => None,
     };

@@ -36,7 +36,7 @@ use ringwatch_transport::{CONTROL_PREFACE, close, peer_name};
 use tokio::sync::mpsc;
 use zerocopy::FromBytes;
 
-use crate::state::{Counters, NodeEntry, Shared};
+use crate::state::{Counters, LOG_SUMMARY_MS, NodeEntry, Shared};
 use crate::supervise::guard;
 
 /// After this many rejected batches a connection is closed (a broken or hostile peer
@@ -61,6 +61,7 @@ pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     while let Some(incoming) = endpoint.accept().await {
         shared.progress(&shared.tasks.ingest);
         let shared = Arc::clone(&shared);
+        let remote = incoming.remote_address();
         tokio::spawn(async move {
             match incoming.await {
                 Ok(conn) => {
@@ -71,7 +72,15 @@ pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
                 }
                 Err(e) => {
                     Counters::inc(&shared.counters.handshake_failures);
-                    tracing::info!(error = %e, "handshake failed");
+                    if let Some(held_back) = shared.handshake_log.allow(shared.real_ms(), LOG_SUMMARY_MS) {
+                        tracing::warn!(
+                            %remote,
+                            error = %e,
+                            held_back,
+                            total = shared.counters.handshake_failures.load(Ordering::Relaxed),
+                            "handshake failed (one line per 10 s at most: held_back failed since the last)"
+                        );
+                    }
                 }
             }
         });
@@ -99,7 +108,9 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         Ok(n) => n,
         Err(e) => {
             Counters::inc(&shared.counters.identity_refused);
-            tracing::warn!(%remote, error = %e, "peer refused");
+            if let Some(held_back) = shared.handshake_log.allow(shared.real_ms(), LOG_SUMMARY_MS) {
+                tracing::warn!(%remote, error = %e, held_back, "peer refused");
+            }
             conn.close(close::REFUSED.into(), e.to_string().as_bytes());
             return;
         }
@@ -110,10 +121,10 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         .nodes
         .entry(node)
         .and_modify(|e| {
-            e.connected = true;
+            e.live = e.live.saturating_add(1);
             e.connections = e.connections.saturating_add(1);
         })
-        .or_insert_with(|| NodeEntry { name: name.clone(), connected: true, connections: 1, last_shipper_session: 0 });
+        .or_insert_with(|| NodeEntry { name: name.clone(), live: 1, connections: 1, last_shipper_session: 0 });
     tracing::info!(%remote, node = %name, "shipper connected");
     // However this task ends — a return, or a panic caught by its supervisor — the node
     // is marked disconnected.
@@ -293,9 +304,15 @@ impl Drop for Registered {
     }
 }
 
+/// One of `node`'s connections ended: the node is disconnected (and unreachable for the
+/// core) only when it was the last one open.
 fn closed(shared: &Shared, node: NodeId) {
-    if let Some(mut e) = shared.nodes.get_mut(&node) {
-        e.connected = false;
+    let last = shared.nodes.get_mut(&node).is_none_or(|mut e| {
+        e.live = e.live.saturating_sub(1);
+        e.live == 0
+    });
+    if !last {
+        return;
     }
     let now = shared.now();
     if let Ok(mut core) = shared.core() {

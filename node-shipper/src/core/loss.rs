@@ -24,6 +24,31 @@ pub struct LostRange {
 }
 
 impl LostRange {
+    /// Extends this range by `r` when `r` continues it: the same stream, cause and reason,
+    /// and `r` starts one past this range's last seq. Returns whether it did.
+    pub fn extend_if_adjacent(&mut self, r: &Self) -> bool {
+        let adjacent = self.stream_id == r.stream_id
+            && self.cause == r.cause
+            && self.reason == r.reason
+            && self.last_seq.checked_add(1) == Some(r.first_seq);
+        if adjacent {
+            self.last_seq = r.last_seq;
+            self.count = self.count.saturating_add(r.count);
+            self.last_ts = self.last_ts.max(r.last_ts);
+        }
+        adjacent
+    }
+
+    /// Adds `r` to `ranges`: merged into the last range of its stream when it continues
+    /// it (one record per stream for a run of lost batches), appended otherwise.
+    pub fn merge_into(ranges: &mut Vec<Self>, r: Self) {
+        let merged =
+            ranges.iter_mut().rev().find(|p| p.stream_id == r.stream_id).is_some_and(|p| p.extend_if_adjacent(&r));
+        if !merged {
+            ranges.push(r);
+        }
+    }
+
     /// A stream-summary entry's frames, lost: `(shipper_session, batch_seq)` names the
     /// batch (`batch_seq` 0: one never numbered or sent).
     #[must_use]
@@ -105,5 +130,32 @@ mod tests {
         let f = r[1].to_frame(StreamId::new(Class::P1, 0, 0), 4, 77);
         assert_eq!((f.first_seq.get(), f.count.get(), f.cause.get()), (5, 7, LossCause::ShipperSpoolFull.code()));
         assert!(lost_ranges(&batch.bytes[..20], LossCause::ShipperSpoolFull, 0).is_err(), "corruption is an error");
+    }
+
+    #[test]
+    fn merge_into_joins_a_streams_adjacent_runs_and_keeps_gaps_causes_and_streams_apart() {
+        let r = |stream_id, first_seq, last_seq, cause| LostRange {
+            stream_id,
+            first_seq,
+            last_seq,
+            count: last_seq - first_seq + 1,
+            first_ts: first_seq.saturating_mul(10),
+            last_ts: last_seq.saturating_mul(10),
+            shipper_session: 1,
+            batch_seq: 0,
+            cause,
+            reason: 0,
+        };
+        let spool = LossCause::ShipperSpoolFull;
+        let mut v = Vec::new();
+        LostRange::merge_into(&mut v, r(1, 0, 9, spool));
+        LostRange::merge_into(&mut v, r(2, 0, 4, spool));
+        LostRange::merge_into(&mut v, r(1, 10, 19, spool)); // continues stream 1 past stream 2's
+        LostRange::merge_into(&mut v, r(2, 6, 7, spool)); // a gap: seq 5 was not lost
+        LostRange::merge_into(&mut v, r(1, 20, 20, LossCause::ShipperShutdown)); // another cause
+        let got: Vec<_> = v.iter().map(|x| (x.stream_id, x.first_seq, x.last_seq, x.count, x.last_ts)).collect();
+        assert_eq!(got, [(1, 0, 19, 20, 190), (2, 0, 4, 5, 40), (2, 6, 7, 2, 70), (1, 20, 20, 1, 200)]);
+        let mut last = r(3, u64::MAX, u64::MAX, spool);
+        assert!(!last.extend_if_adjacent(&r(3, 0, 0, spool)), "seq arithmetic never wraps");
     }
 }

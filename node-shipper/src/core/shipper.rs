@@ -5,7 +5,8 @@
 //! - inputs: [`ShipperCore::handle_frame`] (a ring record), [`ShipperCore::handle_epoch`],
 //!   [`ShipperCore::handle_counters`] (kernel counters, after every frame they cover was
 //!   handed in), [`ShipperCore::handle_ack`] / [`ShipperCore::handle_nack`] /
-//!   [`ShipperCore::handle_hello`] (control messages), [`ShipperCore::reconnected`];
+//!   [`ShipperCore::handle_hello`] (control messages), [`ShipperCore::reconnected`],
+//!   [`ShipperCore::set_pressure`] (memory pressure: bulk limited, shed as `psi_shed`);
 //! - timers: [`ShipperCore::poll_timeout`] then [`ShipperCore::handle_timeout`];
 //! - outputs: [`ShipperCore::poll_transmit`] (the next batch to put on the wire);
 //! - at every connection: [`ShipperCore::resume`] (where the session stands, sent right
@@ -37,6 +38,29 @@ use zerocopy::{FromBytes, FromZeros, IntoBytes};
 use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta, Staged};
 use super::loss::{LostRange, lost_ranges};
 use super::spool::{Spool, SpoolConfig};
+use ringwatch_transport::pressure::Level;
+
+/// Memory pressure as the shipper's PSI watcher sees it; heartbeats carry it
+/// (`shipper_state`: `shed_tier` and the two `avg10`s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pressure {
+    pub level: Level,
+    pub some_avg10_ppm: u32,
+    pub full_avg10_ppm: u32,
+}
+
+impl Pressure {
+    /// The heartbeat's `shed_tier`: 0 nothing shed, 2 P2 (and P3) shed, 3 P1 coalesced
+    /// too. (1, P3 alone, is never sent: every pressured level sheds P2.)
+    #[must_use]
+    pub const fn shed_tier(&self) -> u8 {
+        match self.level {
+            Level::Nominal => 0,
+            Level::Some => 2,
+            Level::Full => 3,
+        }
+    }
+}
 
 /// The shipper's own P1 stream: heartbeats, loss records, epoch starts.
 pub const SHIPPER_STREAM: StreamId = StreamId::new(Class::P1, StreamId::SHIPPER_RING, 0);
@@ -311,6 +335,7 @@ pub struct ShipperCore {
     /// overload one record per stream per heartbeat, not one per batch: the records
     /// must not flood a link that is already too slow for the data.
     coalesced: Vec<LostRange>,
+    pressure: Pressure,
 }
 
 /// Merged loss ranges the core holds before it writes them out.
@@ -357,6 +382,7 @@ impl ShipperCore {
             released: BTreeMap::new(),
             resume_streams_dropped: 0,
             coalesced: Vec::new(),
+            pressure: Pressure::default(),
         }
     }
 
@@ -443,18 +469,7 @@ impl ShipperCore {
     /// Adds a never-sent batch's range to the merged ones (batch_seq 0: no batch of
     /// it can have been applied).
     fn coalesce(&mut self, r: &LostRange, now: u64) {
-        let merged = self.coalesced.iter_mut().rev().find(|p| p.stream_id == r.stream_id).is_some_and(|p| {
-            let adjacent = p.cause == r.cause && p.reason == r.reason && p.last_seq.checked_add(1) == Some(r.first_seq);
-            if adjacent {
-                p.last_seq = r.last_seq;
-                p.count = p.count.saturating_add(r.count);
-                p.last_ts = p.last_ts.max(r.last_ts);
-            }
-            adjacent
-        });
-        if !merged {
-            self.coalesced.push(LostRange { batch_seq: 0, ..*r });
-        }
+        LostRange::merge_into(&mut self.coalesced, LostRange { batch_seq: 0, ..*r });
         if self.coalesced.len() >= MAX_COALESCED {
             self.write_coalesced(now);
         }
@@ -742,6 +757,27 @@ impl ShipperCore {
         self.sampling_level = level;
     }
 
+    /// Memory pressure changed (or its averages moved): reported in heartbeats, and bulk
+    /// held to `bulk_limit` bytes while it lasts (`None`: lifted). Bulk over a new limit
+    /// leaves at once as loss records of cause `psi_shed`, like every bulk batch shed
+    /// while it lasts; P0 and P1 are never shed.
+    pub fn set_pressure(&mut self, pressure: Pressure, bulk_limit: Option<usize>, now: u64) {
+        self.pressure = pressure;
+        if self.spool.bulk_limit() == bulk_limit {
+            return;
+        }
+        for b in self.spool.set_bulk_limit(bulk_limit) {
+            self.lose(b, LossCause::PsiShed, 0, now);
+        }
+        self.offer_cut(now);
+    }
+
+    /// The pressure last handed in.
+    #[must_use]
+    pub const fn pressure(&self) -> Pressure {
+        self.pressure
+    }
+
     // ---------------------------------------------------------------- timers
 
     /// When [`Self::handle_timeout`] is next due.
@@ -950,9 +986,9 @@ impl ShipperCore {
         let state = ShipperStateEntry {
             spool_bytes: U64::new(self.spool.used_bytes() as u64),
             spool_cap_bytes: U64::new(self.config.spool.cap_bytes as u64),
-            psi_some_avg10_ppm: U32::ZERO,
-            psi_full_avg10_ppm: U32::ZERO,
-            shed_tier: 0,
+            psi_some_avg10_ppm: U32::new(self.pressure.some_avg10_ppm),
+            psi_full_avg10_ppm: U32::new(self.pressure.full_avg10_ppm),
+            shed_tier: self.pressure.shed_tier(),
             sampling_level: self.sampling_level,
             _reserved0: [0; 6],
         };
@@ -979,6 +1015,9 @@ impl ShipperCore {
                 let adm = self.spool.offer(b);
                 for dropped in adm.dropped {
                     self.lose(dropped, LossCause::ShipperSpoolFull, 0, now);
+                }
+                for shed in adm.shed {
+                    self.lose(shed, LossCause::PsiShed, 0, now);
                 }
                 for released in adm.released {
                     self.stats.released_undurable += 1;
@@ -1022,7 +1061,9 @@ impl ShipperCore {
             match lost_ranges(&b.bytes, cause, reason) {
                 Ok(ranges) => {
                     for r in &ranges {
-                        if b.ever_sent || cause != LossCause::ShipperSpoolFull {
+                        let never_applied =
+                            !b.ever_sent && matches!(cause, LossCause::ShipperSpoolFull | LossCause::PsiShed);
+                        if !never_applied {
                             self.loss_record(r, now);
                         } else {
                             self.coalesce(r, now);
@@ -1114,6 +1155,61 @@ mod tests {
         c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 0);
         assert!(c.spool().is_empty());
         assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
+    }
+
+    #[test]
+    fn memory_pressure_sheds_bulk_as_psi_shed_loss_records_and_heartbeats_say_so() {
+        let mut c = core(1 << 20);
+        for seq in 0..100 {
+            c.handle_frame(&bulk(0, seq), seq * MS / 10);
+        }
+        c.flush(20 * MS); // bulk batches of at most 480 bytes, none sent
+        let p = Pressure { level: Level::Some, some_avg10_ppm: 125_000, full_avg10_ppm: 0 };
+        c.set_pressure(p, Some(2 * 480), 21 * MS);
+        // Held: the newest batches that fit 960 bytes; the others shed at once.
+        for seq in 100..120 {
+            c.handle_frame(&bulk(0, seq), 30 * MS);
+        }
+        c.flush(40 * MS); // more: each evicts older ones
+        c.handle_timeout(0, 2_000 * MS); // a heartbeat: merged ranges become records
+        let sent = transmit(&mut c);
+        let mut delivered = 0;
+        let (mut shed, mut records, mut tier) = (0, 0, None);
+        for f in frames_of(&sent) {
+            match f {
+                Frame::LossRecord(r) => {
+                    assert_eq!(r.cause(), LossCause::PsiShed);
+                    shed += r.count.get();
+                    records += 1;
+                }
+                Frame::Heartbeat(h) => {
+                    for sec in h.sections() {
+                        if let Section::ShipperState(st) = sec {
+                            let st = st.iter().next().unwrap();
+                            tier = Some((st.shed_tier, st.psi_some_avg10_ppm.get()));
+                        }
+                    }
+                }
+                f if f.header().stream().class_code() == Class::P2.code() => delivered += 1,
+                _ => {}
+            }
+        }
+        // At most two batches' bytes of bulk held (the newest), everything else shed.
+        assert_eq!(delivered + shed, 120, "delivered + shed = handed in");
+        assert!(shed >= 100 && (1..=20).contains(&delivered), "kept {delivered}, shed {shed}");
+        assert_eq!(records, 1, "contiguous never-sent batches of one stream: one record");
+        assert_eq!(c.stats().frames_lost[LossCause::PsiShed.drop_slot().unwrap()], shed);
+        let shed_batches = c.spool().counters().shed_pressure;
+        assert!(shed_batches >= 10, "{shed_batches}");
+        assert_eq!(c.spool().counters().evicted, 0, "not spool-full evictions");
+        assert_eq!(tier, Some((2, 125_000)), "the heartbeat carries the pressure");
+        // Lifted: nothing more is shed.
+        c.set_pressure(Pressure::default(), None, 3_000 * MS);
+        for seq in 120..200 {
+            c.handle_frame(&bulk(0, seq), 3_000 * MS);
+        }
+        c.flush(3_010 * MS);
+        assert_eq!(c.spool().counters().shed_pressure, shed_batches);
     }
 
     #[test]

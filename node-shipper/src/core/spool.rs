@@ -13,6 +13,11 @@
 //! anything is refused (it was applied; only a crash of the aggregator before its next
 //! snapshot could lose it): counted `released_undurable`.
 //!
+//! Memory pressure (issue 23): [`Spool::set_bulk_limit`] caps what bulk (P2, P3) may hold
+//! while the pressure lasts; bulk over it is evicted at once (oldest unsent first) and
+//! returned to the caller, whose loss records say `psi_shed`; a bulk batch offered over
+//! it evicts older bulk, or is shed itself. P0 and P1 are never limited by it.
+//!
 //! Invariants:
 //! - `used_bytes ≤ cap_bytes`, and P2 never uses the `p0_reserve + p1_reserve` room;
 //! - an incoming P0/P1 batch evicts P2 batches (oldest first) before it can be refused;
@@ -57,6 +62,9 @@ pub struct Admission {
     /// Applied batches that were awaiting a durable ack, released to make room: they
     /// leave as acked.
     pub released: Vec<Batch>,
+    /// Bulk batches shed for the pressure limit ([`Spool::set_bulk_limit`]; the offered
+    /// batch itself when it alone is over it): loss records of cause `psi_shed`.
+    pub shed: Vec<Batch>,
 }
 
 /// A batch an applied ack moved to *awaiting durable*.
@@ -68,11 +76,13 @@ pub struct Kept {
     pub opened_ns: u64,
 }
 
-/// Counters (exported as metrics by the shipper).
+/// Counters (in the shipper's report).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SpoolCounters {
     pub accepted: u64,
     pub evicted: u64,
+    /// Bulk batches shed for the memory-pressure limit (evicted or refused).
+    pub shed_pressure: u64,
     pub refused_p0: u64,
     pub refused_p1: u64,
     pub refused_p2: u64,
@@ -100,6 +110,8 @@ pub struct Spool {
     /// bytes count in `lane_bytes` and `used`).
     awaiting: [VecDeque<Batch>; 2],
     used: usize,
+    /// What bulk may hold while memory pressure lasts (`None`: only the cap).
+    bulk_limit: Option<usize>,
     counters: SpoolCounters,
 }
 
@@ -119,6 +131,7 @@ impl Spool {
             sent_bytes: [0; 4],
             awaiting: Default::default(),
             used: 0,
+            bulk_limit: None,
             counters: SpoolCounters::default(),
         }
     }
@@ -186,7 +199,6 @@ impl Spool {
                 && let Some(b) = self.lanes[lane].remove(sent)
             {
                 self.account(lane, b.bytes.len(), false);
-                self.counters.evicted += 1;
                 return Some(b);
             }
             if let Some(b) = self.lanes[lane].pop_front() {
@@ -195,11 +207,38 @@ impl Spool {
                     self.sent_bytes[lane] -= b.bytes.len();
                 }
                 self.account(lane, b.bytes.len(), false);
-                self.counters.evicted += 1;
                 return Some(b);
             }
         }
         None
+    }
+
+    /// Bytes of bulk (P2, P3) held.
+    #[must_use]
+    pub fn bulk_bytes(&self) -> usize {
+        self.lane_bytes[2] + self.lane_bytes[3]
+    }
+
+    /// Sets what bulk may hold while memory pressure lasts (`None`: lifted). Returns the
+    /// bulk batches evicted to get under a new limit (oldest unsent first, P3 before P2):
+    /// the caller turns them into loss records of cause `psi_shed`.
+    pub fn set_bulk_limit(&mut self, limit: Option<usize>) -> Vec<Batch> {
+        self.bulk_limit = limit;
+        let mut out = Vec::new();
+        if let Some(limit) = limit {
+            while self.bulk_bytes() > limit {
+                let Some(b) = self.evict_bulk() else { break };
+                self.counters.shed_pressure += 1;
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    /// The pressure limit in force.
+    #[must_use]
+    pub fn bulk_limit(&self) -> Option<usize> {
+        self.bulk_limit
     }
 
     /// Offers a cut batch.
@@ -207,10 +246,25 @@ impl Spool {
         let size = batch.bytes.len();
         let class = batch.lane;
         let mut out = Admission::default();
+        if let (Class::P2 | Class::P3, Some(limit)) = (class, self.bulk_limit) {
+            // Under memory pressure bulk keeps to its limit: older bulk goes first; a
+            // batch over the limit on its own is shed.
+            while self.bulk_bytes() + size > limit {
+                let Some(b) = self.evict_bulk() else { break };
+                self.counters.shed_pressure += 1;
+                out.shed.push(b);
+            }
+            if self.bulk_bytes() + size > limit {
+                self.counters.shed_pressure += 1;
+                out.shed.push(batch);
+                return out;
+            }
+        }
         // Make room: nobody takes another class's unused reserve; bulk is evicted (oldest,
         // P3 before P2) before anything is refused.
         while self.used + size + self.held_back_from(class) > self.config.cap_bytes {
             if let Some(b) = self.evict_bulk() {
+                self.counters.evicted += 1;
                 out.dropped.push(b);
                 continue;
             }
@@ -489,6 +543,39 @@ mod tests {
         let a = s.offer(batch(Class::P2, 9, 800));
         assert!(!a.accepted);
         assert_eq!(s.counters().refused_p2, 1);
+    }
+
+    #[test]
+    fn a_pressure_limit_sheds_bulk_at_once_and_on_offer_and_never_touches_p0_p1() {
+        let mut s = spool();
+        for seq in 1..=6 {
+            s.offer(batch(Class::P2, seq, 100));
+        }
+        s.offer(batch(Class::P0, 7, 100));
+        s.offer(batch(Class::P1, 8, 100));
+        let sent = s.next_to_send(1000).map(|x| x.1);
+        assert_eq!(sent, Some(7), "P0 first");
+        // Pressure: bulk may hold 250 bytes. Four of six bulk batches go at once, oldest
+        // unsent first.
+        let shed = s.set_bulk_limit(Some(250));
+        assert_eq!(shed.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+        assert_eq!((s.bulk_bytes(), s.used_bytes()), (200, 400));
+        // A new bulk batch evicts the oldest held; P0 and P1 are not limited.
+        let a = s.offer(batch(Class::P2, 9, 100));
+        assert!(a.accepted && a.dropped.is_empty());
+        assert_eq!(a.shed.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), vec![5]);
+        for seq in 10..=12 {
+            assert!(s.offer(batch(Class::P1, seq, 100)).accepted);
+        }
+        // A bulk batch over the limit on its own is shed itself, after the older bulk.
+        let a = s.offer(batch(Class::P2, 13, 300));
+        assert!(!a.accepted);
+        assert_eq!(a.shed.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), vec![6, 9, 13]);
+        assert_eq!(s.counters().shed_pressure, 4 + 1 + 3);
+        assert_eq!((s.counters().evicted, s.counters().refused_p2), (0, 0), "not spool-full drops");
+        // Lifted: bulk fills up to its share of the cap again.
+        assert!(s.set_bulk_limit(None).is_empty());
+        assert!(s.offer(batch(Class::P2, 14, 300)).accepted);
     }
 
     #[test]

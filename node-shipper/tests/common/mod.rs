@@ -57,6 +57,9 @@ pub(crate) fn shipper_cfg(
         ("source", "bpf".into()),
         ("bpf_pin_dir", pins.display().to_string()),
         ("heartbeat_interval_ms", "250".into()),
+        // Memory pressure on the test machine must not shed these tests' bulk; the
+        // pressure tests turn it on.
+        ("psi", "off".into()),
     ] {
         i.flag(k, &v);
     }

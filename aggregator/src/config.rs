@@ -1,0 +1,254 @@
+//! The aggregator's configuration: flags, environment (`RINGWATCH_AGGREGATOR_<FIELD>`)
+//! and a TOML file (`--config`), layered as the shipper's (`ringwatch_transport::config`:
+//! flag > env > file > default, every problem at once with its layer, unknown keys
+//! refused), parsed into [`AggregatorConfig`].
+//!
+//! Pure, but for [`check_files`], which reads what the configuration names.
+
+use std::path::{Path, PathBuf};
+
+pub use ringwatch_transport::config::{ConfigError, ConfigErrors, Layer};
+use ringwatch_transport::config::{Field, Kind, Schema, Values};
+
+use crate::AggregatorConfig;
+use crate::certs::CertSet;
+
+const ENV_PREFIX: &str = "RINGWATCH_AGGREGATOR_";
+
+/// Every field (TOML key; flag `--name-with-dashes`; env upper case), kind, default, help.
+const FIELDS: &[Field] = &[
+    ("listen", Kind::Addr, Some("0.0.0.0:4433"), "QUIC listen address"),
+    ("http", Kind::Addr, Some("127.0.0.1:8080"), "HTTP listen address (the API)"),
+    (
+        "certs",
+        Kind::OptText,
+        Some(""),
+        "a directory written by `certs init` (ca.pem, aggregator.pem, aggregator.key); ca, cert and key override its files",
+    ),
+    ("ca", Kind::OptText, Some(""), "CA certificate (PEM) that signs node certificates"),
+    ("cert", Kind::OptText, Some(""), "the server certificate (PEM)"),
+    ("key", Kind::OptText, Some(""), "the server's private key (PEM)"),
+    (
+        "snapshot",
+        Kind::OptText,
+        Some(""),
+        "snapshot the core to this file periodically and restore from it at start (empty: no snapshots); P0/P1 batches are then acked durable once a snapshot holds them",
+    ),
+    ("snapshot_interval_ms", Kind::Int { min: 10, max: 3_600_000 }, Some("10000"), "snapshot period"),
+    (
+        "dedup_window",
+        Kind::Int { min: 1, max: 1_048_576 },
+        Some("8192"),
+        "per shipper session, holes (unsettled batch ranges) remembered before batches are refused",
+    ),
+    (
+        "expect_nodes",
+        Kind::Int { min: 0, max: 1_000_000 },
+        Some("0"),
+        "the cluster's node count (0: unknown): a rank that never reports is then final as indeterminate(uninstrumented) once every node's data is in",
+    ),
+    (
+        "verdict_retention_s",
+        Kind::Int { min: 1, max: 30 * 86_400 },
+        Some("3600"),
+        "an op's verdicts are forgotten this long after their last update",
+    ),
+    (
+        "verdict_store_mb",
+        Kind::Int { min: 1, max: 1_048_576 },
+        Some("256"),
+        "the verdict store's size cap (estimated); the least recently updated ops go first past it",
+    ),
+    (
+        "final_memory_s",
+        Kind::Int { min: 1, max: 86_400 },
+        Some("600"),
+        "how long a final op is remembered, so a late frame for it is counted and ignored",
+    ),
+    (
+        "dead_after_s",
+        Kind::Int { min: 0, max: 86_400 },
+        Some("300"),
+        "how long an unreachable node still gates finality before it is presumed dead",
+    ),
+    (
+        "http_header_timeout_ms",
+        Kind::Int { min: 100, max: 600_000 },
+        Some("10000"),
+        "an HTTP connection that has not sent a request head this long after it opened (or after its last answer) is closed",
+    ),
+    (
+        "http_max_connections",
+        Kind::Int { min: 1, max: 1_000_000 },
+        Some("1024"),
+        "HTTP connections served at once; more are answered 503 and closed",
+    ),
+    ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
+];
+
+/// The field names with their help (for the binary's flags and the docs).
+pub fn fields() -> impl Iterator<Item = (&'static str, &'static str)> {
+    FIELDS.iter().map(|&(name, _, _, help)| (name, help))
+}
+
+/// The aggregator's schema for [`Inputs`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Aggregator;
+
+/// The raw inputs of the aggregator's configuration.
+pub type Inputs = ringwatch_transport::config::Inputs<Aggregator>;
+
+/// The validated configuration: what the service starts with, and the log format.
+#[derive(Debug, Clone)]
+pub struct Validated {
+    pub service: AggregatorConfig,
+    pub log_json: bool,
+}
+
+impl Schema for Aggregator {
+    type Output = Validated;
+    const ENV_PREFIX: &'static str = ENV_PREFIX;
+    const FIELDS: &'static [Field] = FIELDS;
+
+    fn build(v: &mut Values) -> Option<Validated> {
+        let set = v.opt_text("certs").map(|d| CertSet::at(Path::new(d)));
+        let pick = |v: &Values, field: &str, from_set: Option<&PathBuf>| {
+            v.opt_text(field).map(PathBuf::from).or_else(|| from_set.cloned())
+        };
+        let ca = pick(v, "ca", set.as_ref().map(|s| &s.ca));
+        let cert = pick(v, "cert", set.as_ref().map(|s| &s.server_cert));
+        let key = pick(v, "key", set.as_ref().map(|s| &s.server_key));
+        for (field, got) in [("ca", &ca), ("cert", &cert), ("key", &key)] {
+            if got.is_none() {
+                v.problem(field, "required: give certs = DIR, or ca, cert and key");
+            }
+        }
+        if let Some(f) = v.text("log_format").map(str::to_owned)
+            && f != "text"
+            && f != "json"
+        {
+            v.problem("log_format", format!("{f:?} is neither text nor json"));
+        }
+        if let (Some(l), Some(h)) = (v.addr("listen"), v.addr("http"))
+            && l.port() != 0
+            && l == h
+        {
+            v.problem("http", format!("{h} is also the QUIC listen address"));
+        }
+        if v.has_problems() {
+            return None;
+        }
+        let int = |n: &str| v.int(n).unwrap_or(0);
+        let s_to_ns = |n: &str| int(n).saturating_mul(1_000_000_000);
+        let (ca, cert, key) = (ca?, cert?, key?);
+        let mut c = AggregatorConfig { ca, cert, key, ..AggregatorConfig::local(&CertSet::at(Path::new("."))) };
+        c.listen = v.addr("listen")?;
+        c.http = v.addr("http")?;
+        c.snapshot_path = v.opt_text("snapshot").map(PathBuf::from);
+        c.snapshot_interval_ms = int("snapshot_interval_ms");
+        c.ingest.dedup.window = u32::try_from(int("dedup_window")).unwrap_or(u32::MAX);
+        c.matcher.expected_nodes = u32::try_from(int("expect_nodes")).unwrap_or(u32::MAX);
+        c.store.retention_ns = s_to_ns("verdict_retention_s");
+        c.store.max_bytes = int("verdict_store_mb").saturating_mul(1 << 20);
+        c.matcher.final_memory_ns = s_to_ns("final_memory_s");
+        c.matcher.dead_after_ns = s_to_ns("dead_after_s");
+        c.http_limits = ringwatch_transport::http::HttpLimits {
+            header_read_timeout: std::time::Duration::from_millis(int("http_header_timeout_ms")),
+            max_connections: usize::try_from(int("http_max_connections")).unwrap_or(usize::MAX),
+        };
+        Some(Validated { service: c, log_json: v.text("log_format") == Some("json") })
+    }
+
+    fn check_files(c: &Validated) -> Vec<ConfigError> {
+        check_files(&c.service)
+    }
+}
+
+/// Checks the files the configuration names, every problem at once: the CA (PEM, CA
+/// certificates, valid now), the server certificate and key (PEM, valid now, the key
+/// matching), and the snapshot's directory (exists, writable: a snapshot that can never
+/// be written must stop the start, not fail every 10 s while `/healthz` says ok).
+#[must_use]
+pub fn check_files(c: &AggregatorConfig) -> Vec<ConfigError> {
+    use ringwatch_transport::check;
+    let mut problems = check::ca("ca", &c.ca);
+    problems.extend(check::identity("cert", &c.cert, "key", &c.key, None));
+    if let Some(snap) = &c.snapshot_path {
+        let dir = snap.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let probe = dir.join(format!(".ringwatch-write-check-{}", std::process::id()));
+        match std::fs::write(&probe, b"") {
+            Ok(()) => {
+                let _ = std::fs::remove_file(&probe);
+            }
+            Err(e) => problems.push(("snapshot", format!("directory {} is not writable: {e}", dir.display()))),
+        }
+        if snap.is_dir() {
+            problems.push(("snapshot", format!("{} is a directory, not a file", snap.display())));
+        }
+    }
+    problems
+        .into_iter()
+        .map(|(field, message)| ConfigError { field: field.to_owned(), layer: Layer::Check, message })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_cores_and_layers_apply() {
+        let mut i = Inputs::default();
+        i.file("certs = \"/etc/rw\"\nverdict_retention_s = 60\n");
+        i.env([("RINGWATCH_AGGREGATOR_VERDICT_RETENTION_S", "120"), ("HOME", "/root")]);
+        i.flag("http", "127.0.0.1:9000");
+        let v = i.validate().unwrap();
+        let c = v.service;
+        assert_eq!(c.ca, PathBuf::from("/etc/rw/ca.pem"));
+        assert_eq!(c.store.retention_ns, 120_000_000_000, "env beats file");
+        assert_eq!(c.http.port(), 9000);
+        let d = AggregatorConfig::local(&CertSet::at(Path::new(".")));
+        assert_eq!(c.ingest.dedup.window, d.ingest.dedup.window);
+        assert_eq!(c.store.max_bytes, d.store.max_bytes);
+        assert_eq!(c.matcher.final_memory_ns, d.matcher.final_memory_ns);
+        assert_eq!(c.matcher.dead_after_ns, d.matcher.dead_after_ns);
+        assert_eq!(c.matcher.expected_nodes, d.matcher.expected_nodes);
+        assert_eq!(c.snapshot_interval_ms, d.snapshot_interval_ms);
+        assert_eq!(c.http_limits, d.http_limits);
+        assert!(!v.log_json);
+    }
+
+    #[test]
+    fn the_documented_example_validates_and_names_every_field() {
+        let text = include_str!("../../deploy/aggregator.example.toml");
+        let mut i = Inputs::default();
+        i.file(text);
+        i.validate().unwrap();
+        for (name, _) in fields() {
+            assert!(text.contains(&format!("\n{name} = ")), "{name} missing from the example");
+        }
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_its_layer() {
+        let mut i = Inputs::default();
+        i.file("listen = \"nowhere\"\nsnapshot_intervall_ms = 5\n");
+        i.env([("RINGWATCH_AGGREGATOR_DEAD_AFTER_S", "soon"), ("RINGWATCH_AGGREGATOR_BOGUS", "1")]);
+        i.flag("log_format", "yaml");
+        let e = i.validate().unwrap_err();
+        let got: Vec<(String, Layer)> = e.0.iter().map(|e| (e.field.clone(), e.layer)).collect();
+        for want in [
+            ("listen", Layer::File),
+            ("snapshot_intervall_ms", Layer::File),
+            ("dead_after_s", Layer::Env),
+            ("RINGWATCH_AGGREGATOR_BOGUS", Layer::Env),
+            ("log_format", Layer::Flag),
+            ("ca", Layer::Default),
+            ("cert", Layer::Default),
+            ("key", Layer::Default),
+        ] {
+            assert!(got.contains(&(want.0.to_string(), want.1)), "missing {want:?} in {e}");
+        }
+        assert_eq!(got.len(), 8, "{e}");
+    }
+}

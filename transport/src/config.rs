@@ -1,0 +1,351 @@
+//! Layered configuration, shared by both binaries: flags, environment and a TOML file,
+//! each field parsed once into its type, with every problem reported at once.
+//!
+//! Precedence, highest first: command-line flag, environment variable (`<PREFIX><FIELD>`,
+//! upper case), TOML file (`--config`), built-in default. Each layer is read as text per
+//! field and parsed once, here, so a bad value in any layer is reported with the layer it
+//! came from; unknown TOML keys and unknown prefixed variables are errors (a typo must not
+//! silently fall back to a default).
+//!
+//! A binary describes its fields with a [`Schema`] (a table of [`Field`]s and how the
+//! parsed [`Values`] become its configuration type). Pure: callers hand in the file's
+//! text and the environment; nothing here reads either.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+
+/// Where a value came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Layer {
+    /// Not a value's layer: a problem found when the files a value names were checked.
+    Check,
+    Default,
+    File,
+    Env,
+    Flag,
+}
+
+impl fmt::Display for Layer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Check => "file check",
+            Self::Default => "default",
+            Self::File => "config file",
+            Self::Env => "environment",
+            Self::Flag => "command line",
+        })
+    }
+}
+
+/// A field's type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Text that must not be empty.
+    Text,
+    /// Text that may be empty (an optional value).
+    OptText,
+    /// `ip:port`.
+    Addr,
+    /// A whole number in `min..=max`.
+    Int { min: u64, max: u64 },
+}
+
+/// A field: name (TOML key; flag `--name-with-dashes`; env upper case), kind, default
+/// (none: required), help.
+pub type Field = (&'static str, Kind, Option<&'static str>, &'static str);
+
+/// One binary's configuration.
+pub trait Schema {
+    /// The validated configuration.
+    type Output;
+    /// Environment variable prefix, e.g. `RINGWATCH_SHIPPER_`.
+    const ENV_PREFIX: &'static str;
+    /// Every field, in documentation order.
+    const FIELDS: &'static [Field];
+
+    /// Turns parsed values into the configuration, adding the problems only the whole
+    /// can see (contradictions) to `values` (see [`Values::problem`]).
+    fn build(values: &mut Values) -> Option<Self::Output>;
+
+    /// The problems of the files a valid configuration names (they are read here, unlike
+    /// everything else in this module).
+    fn check_files(_config: &Self::Output) -> Vec<ConfigError> {
+        Vec::new()
+    }
+}
+
+/// A process's configuration: the TOML file at `config_file` (if given), the
+/// environment, and the command line (`flag` gives a field's value, by field name); then
+/// validated, and the files it names checked.
+///
+/// # Errors
+/// Every problem found (an unreadable `--config` file is one), each with its field and
+/// layer; the caller prints them and exits 2.
+pub fn load<S: Schema>(
+    config_file: Option<&str>,
+    flag: impl Fn(&str) -> Option<String>,
+) -> Result<S::Output, ConfigErrors> {
+    let mut inputs = Inputs::<S>::default();
+    if let Some(path) = config_file {
+        match std::fs::read_to_string(path) {
+            Ok(text) => inputs.file(&text),
+            Err(e) => {
+                return Err(ConfigErrors(vec![ConfigError {
+                    field: "config".into(),
+                    layer: Layer::Flag,
+                    message: format!("cannot read {path}: {e}"),
+                }]));
+            }
+        }
+    }
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    inputs.env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    for &(name, ..) in S::FIELDS {
+        if let Some(v) = flag(name) {
+            inputs.flag(name, &v);
+        }
+    }
+    let out = inputs.validate()?;
+    let problems = S::check_files(&out);
+    if problems.is_empty() { Ok(out) } else { Err(ConfigErrors(problems)) }
+}
+
+/// One problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub layer: Layer,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.field, self.layer, self.message)
+    }
+}
+
+/// Every problem found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{} configuration problem(s):", self.0.len())?;
+        for e in &self.0 {
+            writeln!(f, "  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// The raw inputs, one text value per field and layer.
+#[derive(Debug, Clone)]
+pub struct Inputs<S> {
+    values: BTreeMap<&'static str, (Layer, String)>,
+    errors: Vec<ConfigError>,
+    schema: PhantomData<S>,
+}
+
+impl<S> Default for Inputs<S> {
+    fn default() -> Self {
+        Self { values: BTreeMap::new(), errors: Vec::new(), schema: PhantomData }
+    }
+}
+
+/// The environment variable of a field.
+#[must_use]
+pub fn env_name(prefix: &str, field: &str) -> String {
+    format!("{prefix}{}", field.to_ascii_uppercase())
+}
+
+impl<S: Schema> Inputs<S> {
+    fn field(name: &str) -> Option<&'static str> {
+        S::FIELDS.iter().map(|f| f.0).find(|&f| f == name)
+    }
+
+    fn set(&mut self, name: &'static str, layer: Layer, value: String) {
+        if self.values.get(name).is_none_or(|(l, _)| *l <= layer) {
+            self.values.insert(name, (layer, value));
+        }
+    }
+
+    /// A TOML file's text.
+    pub fn file(&mut self, text: &str) {
+        let table = match text.parse::<toml::Table>() {
+            Ok(t) => t,
+            Err(e) => {
+                self.errors.push(ConfigError {
+                    field: "(file)".into(),
+                    layer: Layer::File,
+                    message: e.to_string().trim().to_string(),
+                });
+                return;
+            }
+        };
+        for (key, value) in table {
+            let Some(name) = Self::field(&key) else {
+                self.errors.push(ConfigError { field: key, layer: Layer::File, message: "unknown key".into() });
+                continue;
+            };
+            let text = match value {
+                toml::Value::String(s) => s,
+                toml::Value::Integer(i) => i.to_string(),
+                other => {
+                    self.errors.push(ConfigError {
+                        field: key,
+                        layer: Layer::File,
+                        message: format!("expected a string or an integer, found {}", other.type_str()),
+                    });
+                    continue;
+                }
+            };
+            self.set(name, Layer::File, text);
+        }
+    }
+
+    /// The environment (only variables with the schema's prefix are looked at; unknown
+    /// ones with that prefix are errors).
+    pub fn env<'a>(&mut self, vars: impl IntoIterator<Item = (&'a str, &'a str)>) {
+        for (k, v) in vars {
+            let Some(rest) = k.strip_prefix(S::ENV_PREFIX) else { continue };
+            match Self::field(&rest.to_ascii_lowercase()) {
+                Some(name) => self.set(name, Layer::Env, v.to_string()),
+                None => self.errors.push(ConfigError {
+                    field: k.to_string(),
+                    layer: Layer::Env,
+                    message: "unknown variable".into(),
+                }),
+            }
+        }
+    }
+
+    /// A command-line value for `name` (a field name).
+    pub fn flag(&mut self, name: &str, value: &str) {
+        match Self::field(name) {
+            Some(f) => self.set(f, Layer::Flag, value.to_string()),
+            None => self.errors.push(ConfigError {
+                field: name.to_string(),
+                layer: Layer::Flag,
+                message: "unknown option".into(),
+            }),
+        }
+    }
+
+    /// Parses every field, then builds the configuration, reporting every problem.
+    ///
+    /// # Errors
+    /// All problems found, each with its field and layer.
+    pub fn validate(&self) -> Result<S::Output, ConfigErrors> {
+        let mut v = Values { errors: self.errors.clone(), ..Values::default() };
+        for &(name, kind, default, _) in S::FIELDS {
+            let Some((layer, value)) =
+                self.values.get(name).cloned().or_else(|| default.map(|d| (Layer::Default, d.to_string())))
+            else {
+                // A value that was given but unreadable is already reported.
+                if !self.errors.iter().any(|e| e.field == name) {
+                    v.errors.push(ConfigError {
+                        field: name.into(),
+                        layer: Layer::Default,
+                        message: "required".into(),
+                    });
+                }
+                continue;
+            };
+            v.layers.insert(name, layer);
+            let bad = |message: String| ConfigError { field: name.into(), layer, message };
+            match kind {
+                Kind::Text if value.trim().is_empty() => v.errors.push(bad("must not be empty".into())),
+                Kind::Text | Kind::OptText => {
+                    v.text.insert(name, value);
+                }
+                Kind::Addr => match value.parse::<SocketAddr>() {
+                    Ok(a) => {
+                        v.addrs.insert(name, a);
+                    }
+                    Err(_) => v.errors.push(bad(format!("{value:?} is not ip:port"))),
+                },
+                Kind::Int { min, max } => match value.trim().parse::<u64>() {
+                    Ok(x) if (min..=max).contains(&x) => {
+                        v.ints.insert(name, x);
+                    }
+                    Ok(x) => v.errors.push(bad(format!("{x} is outside {min}..={max}"))),
+                    Err(_) => v.errors.push(bad(format!("{value:?} is not a whole number"))),
+                },
+            }
+        }
+        let out = S::build(&mut v);
+        match out {
+            Some(o) if v.errors.is_empty() => Ok(o),
+            _ if v.errors.is_empty() => Err(ConfigErrors(vec![ConfigError {
+                field: "(internal)".into(),
+                layer: Layer::Default,
+                message: "validated fields missing".into(),
+            }])),
+            _ => Err(ConfigErrors(v.errors)),
+        }
+    }
+}
+
+/// The parsed fields (those that parsed), for [`Schema::build`].
+#[derive(Debug, Default, Clone)]
+pub struct Values {
+    errors: Vec<ConfigError>,
+    layers: BTreeMap<&'static str, Layer>,
+    text: BTreeMap<&'static str, String>,
+    ints: BTreeMap<&'static str, u64>,
+    addrs: BTreeMap<&'static str, SocketAddr>,
+}
+
+impl Values {
+    /// A text field (empty optional text included), if it parsed.
+    #[must_use]
+    pub fn text(&self, name: &str) -> Option<&str> {
+        self.text.get(name).map(String::as_str)
+    }
+
+    /// An optional text field: `None` when empty or blank.
+    #[must_use]
+    pub fn opt_text(&self, name: &str) -> Option<&str> {
+        self.text(name).map(str::trim).filter(|t| !t.is_empty())
+    }
+
+    /// A whole-number field, if it parsed.
+    #[must_use]
+    pub fn int(&self, name: &str) -> Option<u64> {
+        self.ints.get(name).copied()
+    }
+
+    /// An address field, if it parsed.
+    #[must_use]
+    pub fn addr(&self, name: &str) -> Option<SocketAddr> {
+        self.addrs.get(name).copied()
+    }
+
+    /// Which layer a field's value came from.
+    #[must_use]
+    pub fn layer(&self, name: &str) -> Layer {
+        self.layers.get(name).copied().unwrap_or(Layer::Default)
+    }
+
+    /// Whether a field's value was given (by any layer but the default).
+    #[must_use]
+    pub fn given(&self, name: &str) -> bool {
+        self.layer(name) != Layer::Default
+    }
+
+    /// Reports a problem with `field` (attributed to the layer its value came from).
+    pub fn problem(&mut self, field: &str, message: impl Into<String>) {
+        let layer = self.layer(field);
+        self.errors.push(ConfigError { field: field.to_owned(), layer, message: message.into() });
+    }
+
+    /// Whether problems were found so far.
+    #[must_use]
+    pub fn has_problems(&self) -> bool {
+        !self.errors.is_empty()
+    }
+}

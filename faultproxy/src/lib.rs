@@ -11,6 +11,11 @@
 //! ([`ProxyStats`]).
 //!
 //! Not a general NAT: one upstream address; one upstream socket per client address.
+//!
+//! The other fault tests inject is memory pressure: [`cgroup`] makes a cgroup with a small
+//! memory limit and real page-cache thrash inside it.
+
+pub mod cgroup;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

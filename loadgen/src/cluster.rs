@@ -344,6 +344,8 @@ pub fn shipper_config(
         // Eight shippers in one process would watch one cgroup: the demo runs without.
         psi: None,
         psi_bulk_share_pct: 25,
+        // Likewise one cgroup limit for them all: static caps.
+        memory_budget: None,
     }
 }
 

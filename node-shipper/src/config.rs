@@ -46,7 +46,24 @@ const FIELDS: &[Field] = &[
         "payload bytes per bulk (P2/P3) batch (at least max_batch_bytes)",
     ),
     ("flush_interval_ms", Kind::Int { min: 1, max: 10_000 }, Some("5"), "longest a batch stays open"),
-    ("spool_bytes", Kind::Int { min: 1 << 20, max: 1 << 40 }, Some("268435456"), "spool cap"),
+    (
+        "spool_bytes",
+        Kind::Int { min: 1 << 20, max: 1 << 40 },
+        Some("268435456"),
+        "spool cap (with memory_budget = cgroup, a ceiling on the cap derived from the cgroup's limit)",
+    ),
+    (
+        "memory_budget",
+        Kind::Text,
+        Some("cgroup"),
+        "cgroup (the spool and reader-queue caps derived from this process's cgroup memory limit at start and on each pressure event) or static (spool_bytes as is)",
+    ),
+    (
+        "memory_headroom_bytes",
+        Kind::Int { min: 0, max: 1 << 40 },
+        Some("25165824"),
+        "memory_budget = cgroup: what the process needs besides the spool, the reader queue and the rings",
+    ),
     ("p0_reserve_bytes", Kind::Int { min: 0, max: 1 << 40 }, Some("8388608"), "spool room only P0 may use"),
     ("p1_reserve_bytes", Kind::Int { min: 0, max: 1 << 40 }, Some("8388608"), "spool room only P1 may use"),
     ("heartbeat_interval_ms", Kind::Int { min: 10, max: 60_000 }, Some("1000"), "heartbeat period"),
@@ -197,6 +214,9 @@ pub struct ShipperConfig {
     pub psi: Option<ringwatch_transport::psi::PsiConfig>,
     /// Under `some` pressure, the % of bulk's spool share bulk may hold.
     pub psi_bulk_share_pct: u8,
+    /// Caps derived from the cgroup's memory limit, with this headroom (bytes) for the
+    /// process itself (none: `memory_budget = "static"`, `spool_bytes` as configured).
+    pub memory_budget: Option<u64>,
 }
 
 /// The shipper's schema for [`Inputs`].
@@ -325,6 +345,15 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
             }
         }
     }
+    let memory_budget = match v.text("memory_budget") {
+        Some("cgroup") | None => true,
+        Some("static") => false,
+        Some(other) => {
+            let other = other.to_owned();
+            v.problem("memory_budget", format!("{other:?} is neither cgroup nor static"));
+            false
+        }
+    };
     let http_listen = match v.opt_text("http_listen").map(str::to_owned) {
         None => None,
         Some(a) => match a.parse::<SocketAddr>() {
@@ -387,6 +416,7 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
             }
         }),
         psi_bulk_share_pct: u8::try_from(int(v, "psi_bulk_share_pct")).unwrap_or(25),
+        memory_budget: memory_budget.then(|| int(v, "memory_headroom_bytes")),
     })
 }
 

@@ -25,6 +25,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -39,6 +40,7 @@ use tokio::sync::{Notify, Semaphore, watch};
 use crate::config::ShipperConfig;
 use crate::core::backoff::Backoff;
 use crate::core::batcher::{SessionMeta, Staged, Stager};
+use crate::core::budget::{Budget, BudgetInput};
 use crate::core::loss::LostRange;
 use crate::core::shipper::{BatchEvent, LatencySummary, Pressure};
 use crate::core::spool::SpoolCounters;
@@ -90,6 +92,8 @@ pub struct Report {
     /// see `pressure_unavailable`).
     pub pressure: Option<PressureDto>,
     pub pressure_unavailable: Option<String>,
+    /// The memory budget in force at the end (`None`: `memory_budget = "static"`).
+    pub memory_budget: Option<BudgetDto>,
     /// Ring frames given up at shutdown (named in `shipper_shutdown` loss records, or
     /// unflushed when even those could not be delivered).
     pub frames_lost_shutdown: u64,
@@ -151,6 +155,10 @@ pub enum ShipperError {
     Transport(#[from] ringwatch_transport::TransportError),
     #[error("server name {0:?} is not a valid DNS name")]
     ServerName(String),
+    /// The cgroup's memory limit cannot hold the spool's floor (a configuration error:
+    /// `main` exits 2).
+    #[error("memory budget: {0}")]
+    Budget(#[from] crate::core::budget::TooSmall),
 }
 
 /// How to run: transport tuning, live counters, and test hooks.
@@ -345,6 +353,28 @@ struct Shared {
     pressure: Mutex<Option<watch::Receiver<PressureState>>>,
     /// Why there is no watcher (said once at start).
     pressure_unavailable: Mutex<Option<String>>,
+    /// The memory budget: what it is derived from, and the caps in force (`None`:
+    /// static caps).
+    budget: Mutex<Option<(BudgetInput, Budget, Option<PathBuf>)>>,
+    spool_cap_at_start: u64,
+    reserves: u64,
+    budget_rederived: AtomicU64,
+    /// Why the watcher stopped, if it did.
+    pressure_ended: Mutex<Option<String>>,
+}
+
+/// The memory budget, as `/healthz` and the report show it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BudgetDto {
+    /// The limit and the file it came from (`None`: no limit found).
+    pub limit_bytes: Option<u64>,
+    pub limit_file: Option<String>,
+    pub ring_bytes: u64,
+    pub headroom_bytes: u64,
+    pub spool_cap_bytes: u64,
+    pub reader_queue_cap_bytes: u64,
+    /// Times the limit was read again (on pressure events) and found to change the caps.
+    pub rederived: u64,
 }
 
 /// The memory-pressure watcher's state, as `/healthz` and the report show it.
@@ -377,6 +407,58 @@ impl Shared {
         u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
+    fn budget_dto(&self) -> Option<BudgetDto> {
+        let b = self.budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (input, budget, file) = b.as_ref()?;
+        Some(BudgetDto {
+            limit_bytes: budget.limit_bytes,
+            limit_file: file.as_ref().map(|f| f.display().to_string()),
+            ring_bytes: input.ring_bytes,
+            headroom_bytes: input.headroom_bytes,
+            spool_cap_bytes: budget.spool_cap_bytes,
+            reader_queue_cap_bytes: budget.reader_queue_cap_bytes,
+            rederived: self.budget_rederived.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Reads the cgroup's limit again and derives the caps from it. The spool's own cap
+    /// was fixed at start, so a lower budget is applied as a ceiling on bulk's share;
+    /// returns that ceiling (`None`: the start's caps stand). A limit that no longer
+    /// holds the floor keeps the floor (the shipper is already running: it says so).
+    fn rederive_budget(&self) -> Option<usize> {
+        let mut b = self.budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (input, budget, file) = b.as_mut()?;
+        let limit = ringwatch_transport::memcg::own_limit();
+        let fresh = BudgetInput { limit_bytes: limit.as_ref().map(|l| l.bytes), ..*input };
+        if fresh.limit_bytes != input.limit_bytes {
+            match crate::core::budget::derive(fresh) {
+                Ok(new) => {
+                    tracing::warn!(
+                        limit = ?fresh.limit_bytes,
+                        spool_cap = new.spool_cap_bytes,
+                        was = budget.spool_cap_bytes,
+                        "memory limit changed: spool budget derived again"
+                    );
+                    *budget = Budget { spool_cap_bytes: new.spool_cap_bytes.min(self.spool_cap_at_start), ..new };
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "memory limit changed below the spool's floor: keeping the floor");
+                    *budget = Budget {
+                        limit_bytes: fresh.limit_bytes,
+                        available_bytes: Some(e.available),
+                        spool_cap_bytes: e.floor,
+                        ..*budget
+                    };
+                }
+            }
+            *input = fresh;
+            *file = limit.map(|l| l.file);
+            self.budget_rederived.fetch_add(1, Ordering::Relaxed);
+        }
+        (budget.spool_cap_bytes < self.spool_cap_at_start)
+            .then(|| usize::try_from(budget.spool_cap_bytes.saturating_sub(self.reserves)).unwrap_or(usize::MAX))
+    }
+
     fn pressure_dto(&self) -> Option<PressureDto> {
         let rx = self.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let s = rx.as_ref()?.borrow().clone();
@@ -394,20 +476,30 @@ impl Shared {
 }
 
 /// Applies the watcher's state to the core: the pressure for heartbeats, and bulk's
-/// limit in the spool (under `some`, `share_pct` % of bulk's share; under `full`, none).
-/// Runs until the watcher ends (it logs why); the state then stays as it was last set.
+/// limit in the spool (under `some`, `share_pct` % of bulk's share; under `full`, none;
+/// never more than a memory budget derived again on the event allows). Runs until the
+/// watcher ends; the state then stays as it was last set, and `/healthz` says the
+/// watcher ended.
 async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<PressureState>, share_pct: u8) {
+    let mut last = None;
     loop {
         let s = state.borrow_and_update().clone();
+        // Each pressure event (a level change) reads the cgroup's limit again.
+        let ceiling = if last == Some(s.level) { None } else { shared.rederive_budget() };
+        last = Some(s.level);
         let pressure = Pressure {
             level: s.level,
             some_avg10_ppm: s.reading.some.avg10_ppm(),
             full_avg10_ppm: s.reading.full.avg10_ppm(),
         };
-        let limit = match s.level {
+        let by_level = match s.level {
             Level::Nominal => None,
             Level::Some => Some(shared.bulk_share / 100 * usize::from(share_pct.min(100))),
             Level::Full => Some(0),
+        };
+        let limit = match (by_level, ceiling) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
         shared.pressure_level.store(s.level.code(), Ordering::Relaxed);
         {
@@ -418,6 +510,46 @@ async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<Pressur
         if state.changed().await.is_err() {
             return;
         }
+    }
+}
+
+/// The memory budget from this process's cgroup (`None`: `memory_budget = "static"`),
+/// what it was derived from, and the limit's file.
+fn derive_budget(
+    cfg: &ShipperConfig,
+    queue_ceiling: usize,
+) -> Result<Option<(BudgetInput, Budget, Option<PathBuf>)>, crate::core::budget::TooSmall> {
+    let Some(headroom) = cfg.memory_budget else { return Ok(None) };
+    let limit = ringwatch_transport::memcg::own_limit();
+    let input =
+        BudgetInput { limit_bytes: limit.as_ref().map(|l| l.bytes), ..budget_input(cfg, headroom, queue_ceiling) };
+    let b = crate::core::budget::derive(input)?;
+    Ok(Some((input, b, limit.map(|l| l.file))))
+}
+
+/// The caps [`run`] will derive from this process's cgroup (`None`: static caps), for a
+/// check before the source is opened.
+///
+/// # Errors
+/// The cgroup's limit cannot hold the spool's floor.
+pub fn memory_budget(cfg: &ShipperConfig) -> Result<Option<Budget>, crate::core::budget::TooSmall> {
+    derive_budget(cfg, READER_QUEUE_BYTES).map(|b| b.map(|(_, b, _)| b))
+}
+
+/// What the memory budget is derived from, but the limit (read by the caller).
+fn budget_input(cfg: &ShipperConfig, headroom: u64, queue_ceiling: usize) -> BudgetInput {
+    let ring_bytes = match &cfg.source {
+        crate::config::Source::Bpf(b) => u64::from(b.p0_ring_bytes) + u64::from(b.bulk_ring_bytes),
+        _ => 0,
+    };
+    let batch = cfg.batcher.max_batch_bytes.max(cfg.batcher.bulk_batch_bytes);
+    BudgetInput {
+        limit_bytes: None,
+        ring_bytes,
+        headroom_bytes: headroom,
+        spool_ceiling: cfg.spool.cap_bytes as u64,
+        queue_ceiling: queue_ceiling as u64,
+        spool_floor: (cfg.spool.p0_reserve_bytes + cfg.spool.p1_reserve_bytes + 2 * batch) as u64,
     }
 }
 
@@ -470,6 +602,29 @@ pub async fn run_and_return_source(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(Report, Option<Box<dyn Source>>), ShipperError> {
     let tuning = options.tuning;
+    // The memory budget: the spool's and the reader queue's caps from the cgroup's limit.
+    let queue_ceiling = options.reader_queue_bytes.unwrap_or(READER_QUEUE_BYTES);
+    let budget = derive_budget(cfg, queue_ceiling)?;
+    let effective;
+    let cfg = match &budget {
+        None => cfg,
+        Some((_, b, file)) => {
+            tracing::info!(
+                limit = ?b.limit_bytes,
+                file = ?file,
+                spool_cap = b.spool_cap_bytes,
+                reader_queue_cap = b.reader_queue_cap_bytes,
+                "memory budget from the cgroup"
+            );
+            let mut c = cfg.clone();
+            c.spool.cap_bytes = usize::try_from(b.spool_cap_bytes).unwrap_or(usize::MAX);
+            effective = c;
+            &effective
+        }
+    };
+    let queue_cap = budget
+        .as_ref()
+        .map_or(queue_ceiling, |(_, b, _)| usize::try_from(b.reader_queue_cap_bytes).unwrap_or(usize::MAX));
     let files = TlsFiles { ca: &cfg.ca, cert: &cfg.cert, key: &cfg.key };
     let client = ringwatch_transport::client_config(files, &tuning)?;
     let bind: SocketAddr =
@@ -483,7 +638,7 @@ pub async fn run_and_return_source(
     let meta = SessionMeta { node_id: proto_flat::node_id_of(&cfg.node_name), epoch: 0, shipper_session: session };
     let shared = Arc::new(Shared {
         queue_bytes: AtomicUsize::new(0),
-        queue_cap: options.reader_queue_bytes.unwrap_or(READER_QUEUE_BYTES),
+        queue_cap,
         spool_used: AtomicUsize::new(0),
         bulk_share: cfg
             .spool
@@ -510,6 +665,11 @@ pub async fn run_and_return_source(
         pressure_level: std::sync::atomic::AtomicU8::new(0),
         pressure: Mutex::new(None),
         pressure_unavailable: Mutex::new(None),
+        spool_cap_at_start: cfg.spool.cap_bytes as u64,
+        reserves: (cfg.spool.p0_reserve_bytes + cfg.spool.p1_reserve_bytes) as u64,
+        budget: Mutex::new(budget),
+        budget_rederived: AtomicU64::new(0),
+        pressure_ended: Mutex::new(None),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
 
@@ -521,7 +681,23 @@ pub async fn run_and_return_source(
                 tracing::info!(file = %w.state.borrow().file.display(), "memory pressure watcher armed");
                 *shared.pressure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(w.state.clone());
                 let follow = tokio::spawn(follow_pressure(Arc::clone(&shared), w.state, cfg.psi_bulk_share_pct));
-                Some((w.task, follow))
+                // Supervised: a watcher that ends (its cgroup removed, a read failing)
+                // is logged and makes `/healthz` degraded; shedding stays as last set.
+                let watcher = w.task.abort_handle();
+                let sup = {
+                    let shared = Arc::clone(&shared);
+                    tokio::spawn(async move {
+                        let why = match w.task.await {
+                            Ok(Ok(())) => "ended".to_owned(),
+                            Ok(Err(e)) => format!("failed: {e}"),
+                            Err(e) if e.is_cancelled() => return,
+                            Err(e) => format!("panicked: {e}"),
+                        };
+                        tracing::error!(why = %why, "memory pressure watcher stopped: pressure is no longer followed");
+                        *shared.pressure_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+                    })
+                };
+                Some((watcher, sup, follow))
             }
             Err(e) => {
                 tracing::warn!(error = %e, "memory pressure watcher unavailable: running without it");
@@ -684,8 +860,9 @@ pub async fn run_and_return_source(
     if let Some(h) = http {
         h.abort();
     }
-    if let Some((watcher, follow)) = pressure_task {
+    if let Some((watcher, sup, follow)) = pressure_task {
         watcher.abort();
+        sup.abort();
         follow.abort();
     }
     let code = if ended == Ended::Shutdown { close::SHUTDOWN } else { close::PROTOCOL };
@@ -719,6 +896,7 @@ pub async fn run_and_return_source(
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone(),
+        memory_budget: shared.budget_dto(),
         frames_lost_shutdown: slot(proto_flat::LossCause::ShipperShutdown),
         frames_in_by_lane: stats.frames_in_by_lane,
         frames_lost_by_lane: stats.frames_lost_by_lane,
@@ -1300,6 +1478,8 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
     #[derive(serde::Serialize)]
     struct Health {
         status: &'static str,
+        /// Why the status is not `ok`.
+        reasons: Vec<String>,
         aggregator: String,
         connected: bool,
         uptime_ms: u64,
@@ -1313,6 +1493,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         pressure: Option<PressureDto>,
         pressure_unavailable: Option<String>,
         frames_lost_psi_shed: u64,
+        memory_budget: Option<BudgetDto>,
     }
     #[derive(serde::Serialize)]
     struct Ready {
@@ -1329,8 +1510,14 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
             let psi = proto_flat::LossCause::PsiShed.drop_slot().and_then(|i| st.frames_lost.get(i).copied());
             (st.frames_in, st.frames_acked, psi.unwrap_or(0))
         };
-        axum::Json(Health {
-            status: "ok",
+        let mut reasons = Vec::new();
+        if let Some(why) = s.pressure_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
+            reasons.push(format!("memory pressure watcher {why}"));
+        }
+        let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        let health = Health {
+            status: if reasons.is_empty() { "ok" } else { "degraded" },
+            reasons,
             aggregator: agg.to_string(),
             connected: s.net.established.load(Ordering::Relaxed),
             uptime_ms: s.now() / 1_000_000,
@@ -1348,8 +1535,9 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .clone(),
             frames_lost_psi_shed,
-        })
-        .into_response()
+            memory_budget: s.budget_dto(),
+        };
+        (code, axum::Json(health)).into_response()
     }
     async fn readyz(State((s, agg)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
         if let Err(r) = http::params(&uri, &[]) {

@@ -51,6 +51,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     ringwatch_transport::shell::init_logs(cfg.log_json);
+    // A cgroup too small for the spool's floor: refused before the source is opened.
+    if let Err(e) = node_shipper::driver::memory_budget(&cfg) {
+        eprintln!("node-shipper: memory budget: {e}");
+        return ExitCode::from(2);
+    }
     let source = match node_shipper::source::open(&cfg.source, std::time::Instant::now()) {
         Ok(s) => s,
         Err(e) => {
@@ -103,7 +108,9 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("node-shipper: {e}");
-            ExitCode::from(1)
+            // A cgroup too small for the configured reserves is the configuration's.
+            let code = if matches!(e, node_shipper::driver::ShipperError::Budget(_)) { 2 } else { 1 };
+            ExitCode::from(code)
         }
     }
 }

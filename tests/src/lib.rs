@@ -3,7 +3,7 @@
 //! a fresh certificate set, shipper configurations, a tiny HTTP/1.1 GET, and [`pair`]: the
 //! real shipper and aggregator state machines wired together in simulated time.
 
-pub mod cgroup;
+pub use ringwatch_faultproxy::cgroup;
 pub mod pair;
 
 use std::net::SocketAddr;

@@ -21,6 +21,7 @@
 pub mod check;
 pub mod config;
 pub mod http;
+pub mod memcg;
 pub mod pressure;
 pub mod psi;
 

@@ -10,6 +10,7 @@
 
 pub mod backoff;
 pub mod batcher;
+pub mod budget;
 pub mod loss;
 pub mod sampling;
 pub mod shipper;

@@ -92,6 +92,16 @@ impl PressureCgroup {
         s
     }
 
+    /// A command that runs `program` with `args` inside the cgroup (a shell enters it,
+    /// then `exec`s the program, so the child's pid is the program's). The caller spawns
+    /// it and owns the child; [`Self::stop_all`] and drop still kill it.
+    #[must_use]
+    pub fn command(&self, program: &Path, args: &[String]) -> Command {
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!("{} && exec \"$0\" \"$@\"", self.enter())).arg(program).args(args);
+        c
+    }
+
     /// Runs `command` (a shell line) inside the cgroup; killed on drop or by
     /// [`Self::stop_all`].
     ///
@@ -129,6 +139,16 @@ impl PressureCgroup {
         self.file = Some(file.clone());
         for _ in 0..loops {
             self.spawn(&format!("while :; do cat {} > /dev/null; done", file.display()));
+        }
+    }
+
+    /// Stops the thrashers only (what [`Self::spawn`] and [`Self::thrash`] started; a
+    /// `cat` in flight finishes its read and exits), leaving anything else in the cgroup
+    /// running.
+    pub fn stop_thrashers(&mut self) {
+        for mut c in self.thrashers.drain(..) {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 

@@ -1,0 +1,340 @@
+//! The shipper binary in a 64 MiB memory cgroup under real page-cache thrash (issue 23's
+//! acceptance): its link to the aggregator policed by the fault proxy (slow, not cut, so
+//! P0 still flows), bulk offered faster than the link so the spool fills. With the PSI
+//! watcher and the cgroup-derived budget it sheds bulk as `psi_shed`, delivers every P0
+//! frame and lives; with the watcher off and the static 256 MiB cap the OOM killer ends
+//! it. And a cgroup too small for the spool's floor is refused at start (exit 2).
+//!
+//! Named `kernel_*`: real cgroups, run alone; `CI=true` makes them mandatory.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use aggregator::api::dto::NodesDto;
+use aggregator::{Aggregator, AggregatorConfig, certs};
+use ringwatch_faultproxy::cgroup::{PressureCgroup, skip};
+use ringwatch_faultproxy::{Direction, FaultProxy, Faults};
+
+const LIMIT: u64 = 64 << 20;
+/// The policed link (client → aggregator), bytes per second.
+const LINK_BYTES_PER_S: u64 = 1_000_000;
+/// Bulk offered: 2,000 ppm of the scenario's 8 × 100 Gbps of 1500 B packets, 133 k
+/// frames/s (≈ 6 MB/s of 48 B frames), six times the link.
+const BULK_SCALE_PPM: &str = "2000";
+const RUN: Duration = Duration::from_secs(60);
+
+fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_node-shipper"))
+}
+
+/// The built-in pipeline scenario, long enough for the run.
+fn scenario(dir: &Path) -> PathBuf {
+    let text =
+        include_str!("../../loadgen/scenarios/pipeline-p2p.toml").replace("duration_ms = 6000", "duration_ms = 180000");
+    let p = dir.join("pipeline-long.toml");
+    std::fs::write(&p, text).expect("scenario");
+    p
+}
+
+fn args(set: &certs::CertSet, to: SocketAddr, scenario: &Path, extra: &[(&str, &str)]) -> Vec<String> {
+    let (cert, key) = set.node(&certs::node_name(0));
+    let mut v = Vec::new();
+    for (k, val) in [
+        ("aggregator", to.to_string()),
+        ("server-name", "localhost".into()),
+        ("node-name", certs::node_name(0)),
+        ("ca", set.ca.display().to_string()),
+        ("cert", cert.display().to_string()),
+        ("key", key.display().to_string()),
+        ("source", format!("sim:{}", scenario.display())),
+        ("sim-bulk-scale-ppm", BULK_SCALE_PPM.into()),
+        ("heartbeat-interval-ms", "250".into()),
+        ("http-listen", "127.0.0.1:0".into()),
+    ] {
+        v.push(format!("--{k}"));
+        v.push(val);
+    }
+    for (k, val) in extra {
+        v.push(format!("--{k}"));
+        v.push((*val).to_owned());
+    }
+    v
+}
+
+/// The shipper's stdout: the `http http://…` line first, the report (JSON) last.
+struct Shipper {
+    child: Child,
+    http: SocketAddr,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+fn start(cg: &PressureCgroup, args: &[String]) -> Shipper {
+    let mut child =
+        cg.command(&binary(), args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("node-shipper");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let first = lines.recv_timeout(Duration::from_secs(60)).expect("the shipper's first line");
+    let http = first.strip_prefix("http http://").and_then(|a| a.parse().ok()).unwrap_or_else(|| panic!("{first:?}"));
+    Shipper { child, http, lines }
+}
+
+async fn healthz(addr: SocketAddr) -> Option<serde_json::Value> {
+    let (_, body) = aggregator::api::client::get(addr, "/healthz").await.ok()?;
+    serde_json::from_str(&body).ok()
+}
+
+/// The `some` stall total of a pressure file, µs.
+fn some_total(file: &Path) -> u64 {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|t| t.lines().next().and_then(|l| l.rsplit_once("total=")).and_then(|(_, n)| n.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+/// The v1 memcg's OOM kills so far (`oom_kill` in `memory.oom_control`).
+fn oom_kills(cg: &PressureCgroup) -> u64 {
+    cg.v1
+        .as_ref()
+        .and_then(|d| std::fs::read_to_string(d.join("memory.oom_control")).ok())
+        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+struct Setup {
+    dir: PathBuf,
+    set: certs::CertSet,
+    agg: Aggregator,
+    proxy: FaultProxy,
+    scenario: PathBuf,
+    cg: PressureCgroup,
+}
+
+async fn setup(test: &str, tag: &str, limit: u64) -> Option<Setup> {
+    let cg = match PressureCgroup::new(tag, limit) {
+        Ok(c) => c,
+        Err(reason) => {
+            skip(test, &reason);
+            return None;
+        }
+    };
+    let dir = std::env::temp_dir().join(format!("rw-memcg-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let set = certs::init(&dir, &[certs::node_name(0)]).expect("certificates");
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], 0)), agg.quic_addr, 23).await.expect("proxy");
+    proxy.set(Direction::ToServer, Faults { rate_limit_bytes_per_s: Some(LINK_BYTES_PER_S), ..Faults::default() });
+    let scenario = scenario(&dir);
+    Some(Setup { dir, set, agg, proxy, scenario, cg })
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> Option<ExitStatus> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+/// psi_shed per class at the aggregator for node 0.
+fn shed_at_aggregator(n: &NodesDto, class: &str) -> u64 {
+    n.nodes
+        .iter()
+        .filter(|x| x.name == certs::node_name(0))
+        .flat_map(|x| &x.streams)
+        .filter(|s| s.class == class)
+        .map(|s| s.lost.get("psi_shed").copied().unwrap_or(0))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_static_caps_are_oom_killed() {
+    let test = "kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_static_caps_are_oom_killed";
+
+    // 1. Watcher on, cgroup-derived budget.
+    let Some(mut s) = setup(test, "accept", LIMIT).await else { return };
+    let mut sh = start(&s.cg, &args(&s.set, s.proxy.addr, &s.scenario, &[("psi", "on"), ("memory-budget", "cgroup")]));
+    let h = ringwatch_tests_wait(sh.http, "connected and nominal", |h| {
+        h["connected"] == true && h["pressure"]["level"] == "nominal"
+    })
+    .await;
+    println!("budget: {}", h["memory_budget"]);
+    assert_eq!(h["memory_budget"]["limit_bytes"], LIMIT, "the limit read from the cgroup: {h}");
+    let spool_cap = h["memory_budget"]["spool_cap_bytes"].as_u64().expect("spool cap");
+    assert!(
+        spool_cap + (24 << 20) <= LIMIT,
+        "the spool's cap comes from the limit less headroom, not the 256 MiB default: {h}"
+    );
+
+    let pressure_file = s.cg.pressure_file();
+    let base = some_total(&pressure_file);
+    s.cg.thrash(Path::new(env!("CARGO_TARGET_TMPDIR")), 80 << 20, 2);
+    let started = Instant::now();
+    let mut first_stall = None;
+    let mut shed_onset = None;
+    let mut levels = Vec::new();
+    let mut last_level = String::new();
+    let mut frames_at_10s = None;
+    while started.elapsed() < RUN {
+        if let Some(st) = sh.child.try_wait().expect("wait") {
+            panic!(
+                "the shipper ended under pressure after {:?}: {st:?} (oom kills {})",
+                started.elapsed(),
+                oom_kills(&s.cg)
+            );
+        }
+        if first_stall.is_none() && some_total(&pressure_file) > base {
+            first_stall = Some(started.elapsed());
+        }
+        if let Some(h) = healthz(sh.http).await {
+            let level = h["pressure"]["level"].as_str().unwrap_or("?").to_owned();
+            if level != last_level {
+                levels.push((started.elapsed(), level.clone()));
+                last_level.clone_from(&level);
+            }
+            if shed_onset.is_none() && level != "nominal" {
+                shed_onset = Some(started.elapsed());
+            }
+            if frames_at_10s.is_none() && started.elapsed() >= Duration::from_secs(10) {
+                frames_at_10s = h["frames_in"].as_u64().map(|f| (f, started.elapsed()));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let first_stall = first_stall.expect("the thrash stalled the cgroup");
+    let shed_onset = shed_onset.expect("the shipper entered pressure");
+    println!("levels: {levels:?}");
+    println!(
+        "first stall {first_stall:?}, shedding engaged {shed_onset:?} ({:?} later); oom kills {}",
+        shed_onset.saturating_sub(first_stall),
+        oom_kills(&s.cg)
+    );
+    // The trigger needs 100 ms of stall within its 2 s window; the test looks every 20 ms.
+    assert!(
+        shed_onset.saturating_sub(first_stall) <= Duration::from_secs(3),
+        "shedding within one 2 s trigger window (+1 s for the test's look) of the first stall"
+    );
+    s.cg.stop_thrashers();
+    s.proxy.heal();
+    let pid = sh.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let st = wait_exit(&mut sh.child, ringwatch_tests_limit()).expect("the shipper exits after SIGTERM");
+    assert_eq!(st.code(), Some(0), "{st:?}");
+    let report: serde_json::Value =
+        sh.lines.try_iter().filter_map(|l| serde_json::from_str(&l).ok()).last().expect("the report on stdout");
+    let shed = report["frames_lost_psi_shed"].as_u64().expect("psi_shed");
+    let p0_acked = report["frames_acked_by_lane"][0].as_u64().expect("p0 acked");
+    if let Some((f, at)) = frames_at_10s {
+        #[allow(clippy::cast_precision_loss, reason = "a rate")]
+        let rate = f as f64 / at.as_secs_f64();
+        println!("offered: {rate:.0} frames/s read in the first 10 s, link {LINK_BYTES_PER_S} B/s");
+    }
+    println!(
+        "report: frames_in {}, psi_shed {shed} ({} batches), spool_full {}, p0 acked {p0_acked}, flushed {}",
+        report["frames_in"], report["batches_shed_pressure"], report["frames_lost_spool_full"], report["flushed"]
+    );
+    assert!(shed > 0, "bulk was shed: {report}");
+    assert_eq!(report["flushed"], true, "{report}");
+    assert_eq!(report["frames_lost_by_lane"][0], 0, "P0 never lost: {report}");
+    assert_eq!(report["frames_in_by_lane"][0].as_u64(), Some(p0_acked), "every P0 frame acked: {report}");
+    let http = s.agg.http_addr;
+    let n: NodesDto =
+        wait_nodes_until(http, "the aggregator counted the shed", |n| shed_at_aggregator(n, "p2") == shed).await;
+    assert_eq!(shed_at_aggregator(&n, "p2"), shed, "the aggregator counts what the shipper shed");
+    let p0: Vec<_> = n.nodes.iter().flat_map(|x| &x.streams).filter(|x| x.class == "p0").collect();
+    assert!(!p0.is_empty());
+    assert!(p0.iter().all(|x| x.lost_total == 0), "no P0 loss at the aggregator: {p0:?}");
+    assert_eq!(p0.iter().map(|x| x.received).sum::<u64>(), p0_acked, "every P0 frame arrived");
+    assert_eq!(oom_kills(&s.cg), 0, "no OOM kill in the cgroup");
+    s.agg.shutdown();
+    drop(s.cg);
+    let _ = std::fs::remove_dir_all(&s.dir);
+
+    // 2. The same run, watcher off, static 256 MiB cap: the OOM killer ends it.
+    let Some(mut s) = setup(test, "baseline", LIMIT).await else { return };
+    let mut sh = start(&s.cg, &args(&s.set, s.proxy.addr, &s.scenario, &[("psi", "off"), ("memory-budget", "static")]));
+    s.cg.thrash(Path::new(env!("CARGO_TARGET_TMPDIR")), 80 << 20, 2);
+    let started = Instant::now();
+    let st = wait_exit(&mut sh.child, RUN);
+    let kills = oom_kills(&s.cg);
+    println!("static caps, no watcher: {st:?} after {:?}, oom kills {kills}", started.elapsed());
+    let st = st.expect("the static-cap shipper was OOM-killed within the run");
+    assert_eq!(st.signal(), Some(9), "killed by SIGKILL (exit 137): {st:?}");
+    assert!(kills >= 1, "by the OOM killer");
+    s.agg.shutdown();
+    drop(s.cg);
+    let _ = std::fs::remove_dir_all(&s.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_a_cgroup_too_small_for_the_spool_floor_exits_2_naming_the_numbers() {
+    let test = "kernel_a_cgroup_too_small_for_the_spool_floor_exits_2_naming_the_numbers";
+    // 28 MiB − 24 MiB headroom leaves 4 MiB; the floor is 16 MiB of reserves + 2 batches.
+    let Some(s) = setup(test, "floor", 28 << 20).await else { return };
+    let mut child =
+        s.cg.command(&binary(), &args(&s.set, s.proxy.addr, &s.scenario, &[("psi", "off")]))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("node-shipper");
+    let st = wait_exit(&mut child, ringwatch_tests_limit()).expect("exits");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err).expect("stderr");
+    println!("{st:?}: {err}");
+    assert_eq!(st.code(), Some(2), "{err}");
+    for n in ["29360128", "25165824", "4194304", "17301504"] {
+        assert!(err.contains(n), "{n} named in: {err}");
+    }
+    s.agg.shutdown();
+    let _ = std::fs::remove_dir_all(&s.dir);
+}
+
+/// How long a state may take to come about on a loaded machine.
+fn ringwatch_tests_limit() -> Duration {
+    Duration::from_secs(60)
+}
+
+async fn ringwatch_tests_wait(
+    addr: SocketAddr,
+    what: &str,
+    ok: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let until = Instant::now() + ringwatch_tests_limit();
+    let mut last = None;
+    while Instant::now() < until {
+        if let Some(h) = healthz(addr).await {
+            if ok(&h) {
+                return h;
+            }
+            last = Some(h);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what}: not reached; last /healthz {last:?}")
+}
+
+async fn wait_nodes_until(addr: SocketAddr, what: &str, ok: impl Fn(&NodesDto) -> bool) -> NodesDto {
+    let until = Instant::now() + ringwatch_tests_limit();
+    loop {
+        let n: NodesDto = aggregator::api::client::get_json(addr, "/v1/nodes").await.expect("/v1/nodes");
+        if ok(&n) || Instant::now() > until {
+            if !ok(&n) {
+                println!("{what}: not reached");
+            }
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -34,6 +34,8 @@ pub struct PressureCgroup {
     pub v2: PathBuf,
     /// The v1 memcg on a hybrid hierarchy (`None`: `memory.max` on the v2 cgroup).
     pub v1: Option<PathBuf>,
+    /// v2 child cgroups made by [`Self::child`] (the v1 memcg is shared).
+    children: Vec<PathBuf>,
     thrashers: Vec<Child>,
     file: Option<PathBuf>,
 }
@@ -55,7 +57,7 @@ impl PressureCgroup {
             let v2 = Path::new(V2_HYBRID).join(&name);
             let v1 = Path::new(V1_MEMORY).join(memcg.trim_start_matches('/')).join(&name);
             std::fs::create_dir(&v2).map_err(|e| format!("mkdir {}: {e}", v2.display()))?;
-            let mut cg = Self { v2, v1: None, thrashers: Vec::new(), file: None };
+            let mut cg = Self { v2, v1: None, children: Vec::new(), thrashers: Vec::new(), file: None };
             std::fs::create_dir(&v1).map_err(|e| format!("mkdir {}: {e}", v1.display()))?;
             cg.v1 = Some(v1.clone());
             std::fs::write(v1.join("memory.limit_in_bytes"), limit.to_string())
@@ -72,7 +74,7 @@ impl PressureCgroup {
         }
         let v2 = root.join(&name);
         std::fs::create_dir(&v2).map_err(|e| format!("mkdir {}: {e}", v2.display()))?;
-        let cg = Self { v2, v1: None, thrashers: Vec::new(), file: None };
+        let cg = Self { v2, v1: None, children: Vec::new(), thrashers: Vec::new(), file: None };
         std::fs::write(cg.v2.join("memory.max"), limit.to_string()).map_err(|e| format!("memory.max: {e}"))?;
         Ok(cg)
     }
@@ -83,9 +85,26 @@ impl PressureCgroup {
         self.v2.join("memory.pressure")
     }
 
+    /// Makes a v2 child cgroup `name` (a background pod, say) whose processes share this
+    /// cgroup's memory limit and pressure; removed on drop.
+    ///
+    /// # Panics
+    /// The directory cannot be made.
+    pub fn child(&mut self, name: &str) -> PathBuf {
+        let p = self.v2.join(name);
+        std::fs::create_dir(&p).unwrap_or_else(|e| panic!("mkdir {}: {e}", p.display()));
+        self.children.push(p.clone());
+        p
+    }
+
     /// The shell line that moves a shell into this cgroup (both halves).
     fn enter(&self) -> String {
-        let mut s = format!("echo $$ > {}/cgroup.procs", self.v2.display());
+        self.enter_in(&self.v2)
+    }
+
+    /// The same into `v2` (this cgroup or one of its children) and the memcg.
+    fn enter_in(&self, v2: &Path) -> String {
+        let mut s = format!("echo $$ > {}/cgroup.procs", v2.display());
         if let Some(v1) = &self.v1 {
             s.push_str(&format!(" && echo $$ > {}/cgroup.procs", v1.display()));
         }
@@ -108,9 +127,18 @@ impl PressureCgroup {
     /// # Panics
     /// The shell cannot be spawned.
     pub fn spawn(&mut self, command: &str) -> u32 {
+        let v2 = self.v2.clone();
+        self.spawn_in(&v2, command)
+    }
+
+    /// [`Self::spawn`] in `v2`: this cgroup or one of its [`Self::child`]ren.
+    ///
+    /// # Panics
+    /// The shell cannot be spawned.
+    pub fn spawn_in(&mut self, v2: &Path, command: &str) -> u32 {
         let child = Command::new("sh")
             .arg("-c")
-            .arg(format!("{} && exec sh -c '{command}'", self.enter()))
+            .arg(format!("{} && exec sh -c '{command}'", self.enter_in(v2)))
             .spawn()
             .expect("sh");
         let pid = child.id();
@@ -125,6 +153,15 @@ impl PressureCgroup {
     /// # Panics
     /// The file cannot be written.
     pub fn thrash(&mut self, dir: &Path, bytes: u64, loops: usize) {
+        let v2 = self.v2.clone();
+        self.thrash_in(&v2, dir, bytes, loops);
+    }
+
+    /// [`Self::thrash`] in `v2`: this cgroup or one of its [`Self::child`]ren.
+    ///
+    /// # Panics
+    /// The file cannot be written.
+    pub fn thrash_in(&mut self, v2: &Path, dir: &Path, bytes: u64, loops: usize) {
         let file = dir.join(format!("thrash-{}.bin", std::process::id()));
         let mib = bytes.div_ceil(1 << 20);
         let st = Command::new("sh")
@@ -138,7 +175,7 @@ impl PressureCgroup {
         assert!(st.success(), "writing {}", file.display());
         self.file = Some(file.clone());
         for _ in 0..loops {
-            self.spawn(&format!("while :; do cat {} > /dev/null; done", file.display()));
+            self.spawn_in(v2, &format!("while :; do cat {} > /dev/null; done", file.display()));
         }
     }
 
@@ -159,9 +196,13 @@ impl PressureCgroup {
             let _ = c.kill();
             let _ = c.wait();
         }
+        // A frozen child's processes die on SIGKILL, but thaw it so nothing waits on it.
+        for c in &self.children {
+            let _ = std::fs::write(c.join("cgroup.freeze"), "0");
+        }
         for _ in 0..500 {
             let mut left = 0;
-            for dir in std::iter::once(&self.v2).chain(self.v1.as_ref()) {
+            for dir in self.children.iter().chain(std::iter::once(&self.v2)).chain(self.v1.as_ref()) {
                 let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
                 for pid in procs.split_whitespace() {
                     left += 1;
@@ -179,7 +220,7 @@ impl PressureCgroup {
 impl Drop for PressureCgroup {
     fn drop(&mut self) {
         self.stop_all();
-        for dir in self.v1.iter().chain(std::iter::once(&self.v2)) {
+        for dir in self.children.iter().chain(self.v1.iter()).chain(std::iter::once(&self.v2)) {
             let _ = std::fs::remove_dir(dir);
         }
         if let Some(f) = &self.file {

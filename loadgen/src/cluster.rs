@@ -346,6 +346,7 @@ pub fn shipper_config(
         psi_bulk_share_pct: 25,
         // Likewise one cgroup limit for them all: static caps.
         memory_budget: None,
+        throttle: Vec::new(),
     }
 }
 

@@ -162,6 +162,18 @@ const FIELDS: &[Field] = &[
         Some("25"),
         "under `some` pressure bulk may hold this % of its spool share (under `full`: none); the rest is shed as psi_shed",
     ),
+    (
+        "throttle_p3",
+        Kind::OptText,
+        Some(""),
+        "background cgroup v2 directories (absolute, comma-separated) frozen or memory.high-lowered from `some` pressure on (needs psi = on)",
+    ),
+    (
+        "throttle_p2",
+        Kind::OptText,
+        Some(""),
+        "background cgroup v2 directories (absolute, comma-separated) frozen or memory.high-lowered under `full` pressure (needs psi = on)",
+    ),
 ];
 
 /// The field names, in documentation order, with their help (for `--help` and docs).
@@ -214,6 +226,9 @@ pub struct ShipperConfig {
     pub psi: Option<ringwatch_transport::psi::PsiConfig>,
     /// Under `some` pressure, the % of bulk's spool share bulk may hold.
     pub psi_bulk_share_pct: u8,
+    /// Background cgroups to throttle under pressure, by tier (checked by
+    /// [`check_files`]; empty: none).
+    pub throttle: Vec<(crate::core::throttle::Tier, PathBuf)>,
     /// Caps derived from the cgroup's memory limit, with this headroom (bytes) for the
     /// process itself (none: `memory_budget = "static"`, `spool_bytes` as configured).
     pub memory_budget: Option<u64>,
@@ -354,6 +369,22 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
             false
         }
     };
+    let mut throttle = Vec::new();
+    for (field, tier) in
+        [("throttle_p3", crate::core::throttle::Tier::P3), ("throttle_p2", crate::core::throttle::Tier::P2)]
+    {
+        let list = v.opt_text(field).map(str::to_owned).unwrap_or_default();
+        for p in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            if p.starts_with('/') {
+                throttle.push((tier, PathBuf::from(p)));
+            } else {
+                v.problem(field, format!("{p:?} is not an absolute cgroup directory"));
+            }
+        }
+    }
+    if !throttle.is_empty() && !psi_on {
+        v.problem("throttle_p3", "throttling background cgroups follows memory pressure: it needs psi = on".to_owned());
+    }
     let http_listen = match v.opt_text("http_listen").map(str::to_owned) {
         None => None,
         Some(a) => match a.parse::<SocketAddr>() {
@@ -417,6 +448,7 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
         }),
         psi_bulk_share_pct: u8::try_from(int(v, "psi_bulk_share_pct")).unwrap_or(25),
         memory_budget: memory_budget.then(|| int(v, "memory_headroom_bytes")),
+        throttle,
     })
 }
 
@@ -458,6 +490,12 @@ pub fn check_files(cfg: &ShipperConfig) -> Vec<ConfigError> {
             problems.push(("psi_window_ms", e));
         } else if let Err(e) = psi.full.validate(privileged) {
             problems.push(("psi_full_stall_ms", e));
+        }
+    }
+    let own = crate::throttle::own_cgroup_dir();
+    for (tier, path) in &cfg.throttle {
+        if let Err(e) = crate::throttle::check(*tier, path, own.as_deref()) {
+            problems.push((if *tier == crate::core::throttle::Tier::P3 { "throttle_p3" } else { "throttle_p2" }, e));
         }
     }
     problems
@@ -574,6 +612,39 @@ flush_interval_ms = 2
         let fields: Vec<&str> = e.0.iter().map(|e| e.field.as_str()).collect();
         assert_eq!(fields, ["bulk_sampling_level", "bulk_ring_bytes", "reader_cpus"], "{e}");
         assert!(e.to_string().contains("power of two"), "{e}");
+    }
+
+    #[test]
+    fn throttled_cgroups_need_absolute_paths_and_the_watcher() {
+        let mut i = Inputs::default();
+        i.file(GOOD);
+        i.flag("throttle_p3", "/sys/fs/cgroup/unified/cache, /sys/fs/cgroup/unified/prefetch");
+        i.flag("throttle_p2", "/sys/fs/cgroup/unified/batch");
+        i.flag("memory_budget", "static");
+        let c = i.validate().unwrap();
+        let tiers: Vec<_> = c.throttle.iter().map(|(t, p)| (t.name(), p.display().to_string())).collect();
+        assert_eq!(
+            tiers,
+            [
+                ("p3", "/sys/fs/cgroup/unified/cache".to_owned()),
+                ("p3", "/sys/fs/cgroup/unified/prefetch".to_owned()),
+                ("p2", "/sys/fs/cgroup/unified/batch".to_owned())
+            ]
+        );
+        assert_eq!(c.memory_budget, None);
+        let mut i = Inputs::default();
+        i.file(GOOD);
+        i.flag("throttle_p2", "batch");
+        i.flag("psi", "off");
+        i.flag("memory_budget", "lots");
+        let e = i.validate().unwrap_err();
+        let fields: Vec<&str> = e.0.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["memory_budget", "throttle_p2"], "{e}");
+        let mut i = Inputs::default();
+        i.file(GOOD);
+        i.flag("throttle_p3", "/sys/fs/cgroup/unified/cache");
+        i.flag("psi", "off");
+        assert!(i.validate().unwrap_err().to_string().contains("needs psi = on"));
     }
 
     #[test]

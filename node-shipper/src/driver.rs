@@ -44,9 +44,11 @@ use crate::core::budget::{Budget, BudgetInput};
 use crate::core::loss::LostRange;
 use crate::core::shipper::{BatchEvent, LatencySummary, Pressure};
 use crate::core::spool::SpoolCounters;
+use crate::core::throttle::{Plan, Step};
 use crate::core::{CoreConfig, ShipperCore, ShipperStats, Unflushed};
 use crate::core::{EpochStart, SourceCounters};
 use crate::source::{Source, SourceEvent, SourceState};
+use crate::throttle::{Mechanism, Target};
 use proto_flat::batch::BatchWriter;
 use proto_flat::codes::{Class, LossCause, WireEnum};
 
@@ -94,6 +96,8 @@ pub struct Report {
     pub pressure_unavailable: Option<String>,
     /// The memory budget in force at the end (`None`: `memory_budget = "static"`).
     pub memory_budget: Option<BudgetDto>,
+    /// The background-cgroup throttle (`None`: no cgroups listed).
+    pub throttle: Option<ThrottleDto>,
     /// Ring frames given up at shutdown (named in `shipper_shutdown` loss records, or
     /// unflushed when even those could not be delivered).
     pub frames_lost_shutdown: u64,
@@ -159,6 +163,9 @@ pub enum ShipperError {
     /// `main` exits 2).
     #[error("memory budget: {0}")]
     Budget(#[from] crate::core::budget::TooSmall),
+    /// A background cgroup to throttle that cannot be (a configuration error).
+    #[error("throttle: {0}")]
+    Throttle(String),
 }
 
 /// How to run: transport tuning, live counters, and test hooks.
@@ -361,6 +368,97 @@ struct Shared {
     budget_rederived: AtomicU64,
     /// Why the watcher stopped, if it did.
     pressure_ended: Mutex<Option<String>>,
+    /// The background cgroups to throttle under pressure.
+    throttle: Mutex<Throttling>,
+}
+
+/// The throttle's plan, its cgroups, and what it did.
+#[derive(Debug, Default)]
+struct Throttling {
+    plan: Plan,
+    targets: Vec<Target>,
+    holds: u64,
+    releases: u64,
+    errors: u64,
+}
+
+impl Throttling {
+    fn apply(&mut self, steps: Vec<Step>, level: Level) {
+        for step in steps {
+            let (i, holding) = match step {
+                Step::Hold(i) => (i, true),
+                Step::Release(i) => (i, false),
+            };
+            let Some(t) = self.targets.get_mut(i) else { continue };
+            let done = if holding { crate::throttle::hold(t) } else { crate::throttle::release(t) };
+            match done {
+                Ok(what) if holding => {
+                    self.holds += 1;
+                    tracing::warn!(cgroup = %t.path.display(), tier = t.tier.name(), level = level.name(), %what, "memory pressure: background cgroup throttled");
+                }
+                Ok(what) => {
+                    self.releases += 1;
+                    tracing::info!(cgroup = %t.path.display(), tier = t.tier.name(), level = level.name(), %what, "background cgroup released");
+                }
+                Err(e) => {
+                    self.errors += 1;
+                    self.plan.failed(step);
+                    tracing::error!(cgroup = %t.path.display(), holding, error = %e, "throttling a background cgroup failed");
+                }
+            }
+        }
+    }
+
+    fn follow(&mut self, level: Level) {
+        let steps = self.plan.on_level(level);
+        self.apply(steps, level);
+    }
+
+    fn release_all(&mut self) {
+        let steps = self.plan.release_all();
+        self.apply(steps, Level::Nominal);
+    }
+
+    fn dto(&self) -> Option<ThrottleDto> {
+        (!self.targets.is_empty()).then(|| ThrottleDto {
+            cgroups: self
+                .targets
+                .iter()
+                .enumerate()
+                .map(|(i, t)| ThrottledDto {
+                    path: t.path.display().to_string(),
+                    tier: t.tier.name(),
+                    mechanism: match t.mechanism {
+                        Mechanism::Freeze => "freeze",
+                        Mechanism::MemoryHigh { .. } => "memory.high",
+                    },
+                    held: self.plan.is_held(i),
+                })
+                .collect(),
+            holds: self.holds,
+            releases: self.releases,
+            errors: self.errors,
+        })
+    }
+}
+
+/// The throttle, as `/healthz` and the report show it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ThrottleDto {
+    pub cgroups: Vec<ThrottledDto>,
+    /// Holds and releases done, and cgroup writes that failed.
+    pub holds: u64,
+    pub releases: u64,
+    pub errors: u64,
+}
+
+/// One listed background cgroup.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ThrottledDto {
+    pub path: String,
+    pub tier: &'static str,
+    pub mechanism: &'static str,
+    pub held: bool,
 }
 
 /// The memory budget, as `/healthz` and the report show it.
@@ -405,6 +503,10 @@ impl Shared {
 
     fn now(&self) -> u64 {
         u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn throttling(&self) -> MutexGuard<'_, Throttling> {
+        self.throttle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn budget_dto(&self) -> Option<BudgetDto> {
@@ -507,7 +609,10 @@ async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<Pressur
             shared.core().set_pressure(pressure, limit, now);
         }
         shared.ready.notify_one();
+        shared.throttling().follow(s.level);
         if state.changed().await.is_err() {
+            // The watcher stopped: nothing would release a throttled cgroup later.
+            shared.throttling().release_all();
             return;
         }
     }
@@ -622,6 +727,14 @@ pub async fn run_and_return_source(
             &effective
         }
     };
+    let throttling = {
+        let own = crate::throttle::own_cgroup_dir();
+        let mut targets = Vec::new();
+        for (tier, path) in &cfg.throttle {
+            targets.push(crate::throttle::check(*tier, path, own.as_deref()).map_err(ShipperError::Throttle)?);
+        }
+        Throttling { plan: Plan::new(targets.iter().map(|t| t.tier).collect()), targets, ..Throttling::default() }
+    };
     let queue_cap = budget
         .as_ref()
         .map_or(queue_ceiling, |(_, b, _)| usize::try_from(b.reader_queue_cap_bytes).unwrap_or(usize::MAX));
@@ -670,6 +783,7 @@ pub async fn run_and_return_source(
         budget: Mutex::new(budget),
         budget_rederived: AtomicU64::new(0),
         pressure_ended: Mutex::new(None),
+        throttle: Mutex::new(throttling),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
 
@@ -865,6 +979,8 @@ pub async fn run_and_return_source(
         sup.abort();
         follow.abort();
     }
+    // A background cgroup left frozen would stay frozen after the shipper.
+    shared.throttling().release_all();
     let code = if ended == Ended::Shutdown { close::SHUTDOWN } else { close::PROTOCOL };
     endpoint.close(code.into(), b"shipper stopping");
     let _ = tokio::time::timeout(Duration::from_millis(500), endpoint.wait_idle()).await;
@@ -897,6 +1013,7 @@ pub async fn run_and_return_source(
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone(),
         memory_budget: shared.budget_dto(),
+        throttle: shared.throttling().dto(),
         frames_lost_shutdown: slot(proto_flat::LossCause::ShipperShutdown),
         frames_in_by_lane: stats.frames_in_by_lane,
         frames_lost_by_lane: stats.frames_lost_by_lane,
@@ -1494,6 +1611,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         pressure_unavailable: Option<String>,
         frames_lost_psi_shed: u64,
         memory_budget: Option<BudgetDto>,
+        throttle: Option<ThrottleDto>,
     }
     #[derive(serde::Serialize)]
     struct Ready {
@@ -1536,6 +1654,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
                 .clone(),
             frames_lost_psi_shed,
             memory_budget: s.budget_dto(),
+            throttle: s.throttling().dto(),
         };
         (code, axum::Json(health)).into_response()
     }

@@ -109,7 +109,14 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("node-shipper: {e}");
             // A cgroup too small for the configured reserves is the configuration's.
-            let code = if matches!(e, node_shipper::driver::ShipperError::Budget(_)) { 2 } else { 1 };
+            let code = if matches!(
+                e,
+                node_shipper::driver::ShipperError::Budget(_) | node_shipper::driver::ShipperError::Throttle(_)
+            ) {
+                2
+            } else {
+                1
+            };
             ExitCode::from(code)
         }
     }

@@ -162,3 +162,86 @@ async fn kernel_real_pressure_sheds_bulk_as_psi_shed_keeps_p0_and_the_aggregator
         assert!(!v.outcome.starts_with("stuck") && !v.outcome.starts_with("not_joined"), "{v:?}");
     }
 }
+
+/// Reads a cgroup's `cgroup.freeze` (what the throttle wrote: 1 frozen, 0 thawed).
+fn freeze_of(cg: &std::path::Path) -> String {
+    std::fs::read_to_string(cg.join("cgroup.freeze")).map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+/// The shipper, told to throttle one background cgroup (P3), watches a cgroup in which
+/// that background cgroup runs a page-cache hog and an unlisted sibling idles: the
+/// listed one is frozen when pressure enters `some`, and thawed only after the
+/// hysteresis's quiet windows once the freeze ended the stall; the unlisted one is never
+/// written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_the_throttle_freezes_a_listed_background_cgroup_under_pressure_and_thaws_it_after_the_hysteresis() {
+    use aggregator::{Aggregator, AggregatorConfig};
+    use loadgen_sim::{SimOptions, builtin};
+    use node_shipper::config::Source;
+    use node_shipper::core::throttle::Tier;
+    use node_shipper::driver::RunOptions;
+    use node_shipper::source::SimSource;
+    use ringwatch_tests::{STATE_LIMIT, TempDir, cert_set, shipper_config, spawn_shipper, stop};
+
+    let test =
+        "kernel_the_throttle_freezes_a_listed_background_cgroup_under_pressure_and_thaws_it_after_the_hysteresis";
+    let mut cg = match PressureCgroup::new("throttle", 64 << 20) {
+        Ok(c) => c,
+        Err(reason) => return skip(test, &reason),
+    };
+    let bg = cg.child("batch");
+    let other = cg.child("other");
+    if !bg.join("cgroup.freeze").exists() {
+        return skip(test, "no cgroup.freeze in cgroup v2 children (kernel < 5.2)");
+    }
+    cg.spawn_in(&other, "while :; do sleep 0.2; done");
+
+    let dir = TempDir::new("throttle");
+    let mut s = builtin::builtin("pipeline-p2p").expect("built in").expect("valid");
+    s.duration_ms = 120_000;
+    let options = SimOptions { bulk_scale: 1e-5, seed: None };
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
+    let source = SimSource::new(&s, options, 0, Instant::now()).expect("sim");
+    let placeholder = Source::Sim { scenario: s.name.clone(), node: 0, bulk_scale_ppm: 0, seed: None };
+    let mut cfg = shipper_config(&set, agg.quic_addr, 0, placeholder);
+    cfg.psi = Some(PsiConfig { file: Some(cg.pressure_file()), ..PsiConfig::default() });
+    cfg.throttle = vec![(Tier::P3, bg.clone())];
+    let shipper = spawn_shipper(cfg, Box::new(source), RunOptions::default());
+
+    // Watches the two cgroups' freeze files every 20 ms while waiting for `want` on the
+    // listed one; the unlisted one must read 0 at every look.
+    let watch = |want: &'static str| {
+        let (bg, other) = (bg.clone(), other.clone());
+        async move {
+            let until = Instant::now() + STATE_LIMIT;
+            loop {
+                assert_eq!(freeze_of(&other), "0", "the unlisted cgroup was touched");
+                if freeze_of(&bg) == want {
+                    return Instant::now();
+                }
+                assert!(Instant::now() < until, "{} never read {want}", bg.display());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    cg.thrash_in(&bg, &ringwatch_tests::repo_root().join("target"), 80 << 20, 2);
+    let hog_at = Instant::now();
+    let frozen_at = watch("1").await;
+    let events = std::fs::read_to_string(bg.join("cgroup.events")).unwrap_or_default();
+    println!("frozen {:?} after the hog began; cgroup.events: {}", frozen_at - hog_at, events.replace('\n', " "));
+    let thawed_at = watch("0").await;
+    let held = thawed_at - frozen_at;
+    println!("thawed {held:?} after the freeze (the stall ended with it; 3 quiet 2 s windows)");
+    assert!(held >= Duration::from_secs(4), "released only after quiet windows, not at once: {held:?}");
+
+    cg.stop_all();
+    let reports = stop(vec![shipper]).await;
+    agg.shutdown();
+    let t = reports[0].throttle.as_ref().expect("the throttle in the report");
+    println!("throttle: {t:?}");
+    assert!(t.holds >= 1 && t.releases >= 1 && t.errors == 0, "{t:?}");
+    assert_eq!(t.holds, t.releases, "everything held was released by the end: {t:?}");
+    assert!(t.cgroups.iter().all(|c| c.path == bg.display().to_string() && !c.held), "{t:?}");
+    assert_eq!(freeze_of(&other), "0");
+}

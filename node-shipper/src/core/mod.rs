@@ -15,6 +15,7 @@ pub mod loss;
 pub mod sampling;
 pub mod shipper;
 pub mod spool;
+pub mod throttle;
 
 pub use batcher::{Batch, Batcher, BatcherConfig, SessionMeta};
 pub use loss::{LostRange, lost_ranges};

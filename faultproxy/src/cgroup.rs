@@ -179,6 +179,30 @@ impl PressureCgroup {
         }
     }
 
+    /// OOM kills in this cgroup so far: v1 `memory.oom_control`'s `oom_kill`, or v2
+    /// `memory.events`' `oom_kill`.
+    #[must_use]
+    pub fn oom_kills(&self) -> u64 {
+        let (file, key) = match &self.v1 {
+            Some(v1) => (v1.join("memory.oom_control"), "oom_kill "),
+            None => (self.v2.join("memory.events"), "oom_kill "),
+        };
+        std::fs::read_to_string(file)
+            .ok()
+            .and_then(|t| t.lines().find_map(|l| l.strip_prefix(key)).and_then(|n| n.trim().parse().ok()))
+            .unwrap_or(0)
+    }
+
+    /// The processes in this cgroup and its children now.
+    #[must_use]
+    pub fn pids(&self) -> Vec<u32> {
+        std::iter::once(&self.v2)
+            .chain(&self.children)
+            .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+            .flat_map(|t| t.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>())
+            .collect()
+    }
+
     /// Stops the thrashers only (what [`Self::spawn`] and [`Self::thrash`] started; a
     /// `cat` in flight finishes its read and exits), leaving anything else in the cgroup
     /// running.

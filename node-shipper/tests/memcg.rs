@@ -100,15 +100,6 @@ fn some_total(file: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The v1 memcg's OOM kills so far (`oom_kill` in `memory.oom_control`).
-fn oom_kills(cg: &PressureCgroup) -> u64 {
-    cg.v1
-        .as_ref()
-        .and_then(|d| std::fs::read_to_string(d.join("memory.oom_control")).ok())
-        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok()))
-        .unwrap_or(0)
-}
-
 struct Setup {
     dir: PathBuf,
     set: certs::CertSet,
@@ -148,15 +139,28 @@ fn wait_exit(child: &mut Child, within: Duration) -> Option<ExitStatus> {
     None
 }
 
-/// psi_shed per class at the aggregator for node 0.
-fn shed_at_aggregator(n: &NodesDto, class: &str) -> u64 {
+/// Loss of `cause` per class at the aggregator for node 0.
+fn lost_at_aggregator(n: &NodesDto, class: &str, cause: &str) -> u64 {
     n.nodes
         .iter()
         .filter(|x| x.name == certs::node_name(0))
         .flat_map(|x| &x.streams)
         .filter(|s| s.class == class)
-        .map(|s| s.lost.get("psi_shed").copied().unwrap_or(0))
+        .map(|s| s.lost.get(cause).copied().unwrap_or(0))
         .sum()
+}
+
+fn shed_at_aggregator(n: &NodesDto, class: &str) -> u64 {
+    lost_at_aggregator(n, class, "psi_shed")
+}
+
+/// SIGTERM, the exit, and the report on stdout.
+fn terminate(sh: &mut Shipper) -> serde_json::Value {
+    let pid = sh.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let st = wait_exit(&mut sh.child, ringwatch_tests_limit()).expect("the shipper exits after SIGTERM");
+    assert_eq!(st.code(), Some(0), "{st:?}");
+    sh.lines.try_iter().filter_map(|l| serde_json::from_str(&l).ok()).last().expect("the report on stdout")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -192,7 +196,7 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
             panic!(
                 "the shipper ended under pressure after {:?}: {st:?} (oom kills {})",
                 started.elapsed(),
-                oom_kills(&s.cg)
+                s.cg.oom_kills()
             );
         }
         if first_stall.is_none() && some_total(&pressure_file) > base {
@@ -219,7 +223,7 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     println!(
         "first stall {first_stall:?}, shedding engaged {shed_onset:?} ({:?} later); oom kills {}",
         shed_onset.saturating_sub(first_stall),
-        oom_kills(&s.cg)
+        s.cg.oom_kills()
     );
     // The trigger needs 100 ms of stall within its 2 s window; the test looks every 20 ms.
     assert!(
@@ -228,12 +232,7 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     );
     s.cg.stop_thrashers();
     s.proxy.heal();
-    let pid = sh.child.id().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
-    let st = wait_exit(&mut sh.child, ringwatch_tests_limit()).expect("the shipper exits after SIGTERM");
-    assert_eq!(st.code(), Some(0), "{st:?}");
-    let report: serde_json::Value =
-        sh.lines.try_iter().filter_map(|l| serde_json::from_str(&l).ok()).last().expect("the report on stdout");
+    let report = terminate(&mut sh);
     let shed = report["frames_lost_psi_shed"].as_u64().expect("psi_shed");
     let p0_acked = report["frames_acked_by_lane"][0].as_u64().expect("p0 acked");
     if let Some((f, at)) = frames_at_10s {
@@ -257,7 +256,7 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     assert!(!p0.is_empty());
     assert!(p0.iter().all(|x| x.lost_total == 0), "no P0 loss at the aggregator: {p0:?}");
     assert_eq!(p0.iter().map(|x| x.received).sum::<u64>(), p0_acked, "every P0 frame arrived");
-    assert_eq!(oom_kills(&s.cg), 0, "no OOM kill in the cgroup");
+    assert_eq!(s.cg.oom_kills(), 0, "no OOM kill in the cgroup");
     s.agg.shutdown();
     drop(s.cg);
     let _ = std::fs::remove_dir_all(&s.dir);
@@ -268,7 +267,7 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     s.cg.thrash(Path::new(env!("CARGO_TARGET_TMPDIR")), 80 << 20, 2);
     let started = Instant::now();
     let st = wait_exit(&mut sh.child, RUN);
-    let kills = oom_kills(&s.cg);
+    let kills = s.cg.oom_kills();
     println!("static caps, no watcher: {st:?} after {:?}, oom kills {kills}", started.elapsed());
     let st = st.expect("the static-cap shipper was OOM-killed within the run");
     assert_eq!(st.signal(), Some(9), "killed by SIGKILL (exit 137): {st:?}");
@@ -337,4 +336,52 @@ async fn wait_nodes_until(addr: SocketAddr, what: &str, ok: impl Fn(&NodesDto) -
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Anonymous growth gives no stall signal before the OOM killer (no swap): what keeps
+/// the shipper inside its cgroup then is the budget. Its spool grows against a policed
+/// link with the watcher off and no other load; the derived cap holds it (spool
+/// pressure raises bulk sampling — counted as sampled out — and anything over the cap is
+/// evicted as `shipper_spool_full` loss, counted the same at the aggregator), and the
+/// OOM killer never comes — where the static cap was killed in seconds (above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_without_a_stall_signal_the_cgroup_budget_alone_keeps_a_growing_spool_inside_the_limit() {
+    let test = "kernel_without_a_stall_signal_the_cgroup_budget_alone_keeps_a_growing_spool_inside_the_limit";
+    let Some(s) = setup(test, "budget", LIMIT).await else { return };
+    let mut sh = start(&s.cg, &args(&s.set, s.proxy.addr, &s.scenario, &[("psi", "off"), ("memory-budget", "cgroup")]));
+    // Full enough that sampling rose: half of bulk's share (the cap less both reserves).
+    let h = ringwatch_tests_wait(sh.http, "the spool filling", |h| {
+        let cap = h["memory_budget"]["spool_cap_bytes"].as_u64().unwrap_or(u64::MAX);
+        h["spool_used_bytes"].as_u64().unwrap_or(0) * 2 >= cap.saturating_sub(16 << 20)
+    })
+    .await;
+    let cap = h["memory_budget"]["spool_cap_bytes"].as_u64().expect("cap");
+    // Twenty seconds of a spool held full.
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut peak = 0;
+    while Instant::now() < until {
+        assert!(sh.child.try_wait().expect("wait").is_none(), "the shipper ended (oom kills {})", s.cg.oom_kills());
+        if let Some(h) = healthz(sh.http).await {
+            peak = peak.max(h["spool_used_bytes"].as_u64().unwrap_or(0));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.proxy.heal();
+    let report = terminate(&mut sh);
+    let evicted = report["frames_lost_spool_full"].as_u64().expect("spool_full");
+    println!(
+        "cap {cap}, peak spool {peak}, frames in {}, acked {}, spool_full {evicted}, oom kills {}",
+        report["frames_in"],
+        report["frames_acked"],
+        s.cg.oom_kills()
+    );
+    assert!(peak <= cap, "the spool never passed its derived cap");
+    assert_eq!(s.cg.oom_kills(), 0);
+    let n = wait_nodes_until(s.agg.http_addr, "the aggregator counted the eviction", |n| {
+        lost_at_aggregator(n, "p2", "shipper_spool_full") == evicted
+    })
+    .await;
+    assert_eq!(lost_at_aggregator(&n, "p2", "shipper_spool_full"), evicted);
+    s.agg.shutdown();
+    let _ = std::fs::remove_dir_all(&s.dir);
 }

@@ -98,6 +98,8 @@ pub struct Report {
     pub memory_budget: Option<BudgetDto>,
     /// The background-cgroup throttle (`None`: no cgroups listed).
     pub throttle: Option<ThrottleDto>,
+    /// What P3 shedding did under memory pressure.
+    pub p3: P3Dto,
     /// Ring frames given up at shutdown (named in `shipper_shutdown` loss records, or
     /// unflushed when even those could not be delivered).
     pub frames_lost_shutdown: u64,
@@ -368,8 +370,37 @@ struct Shared {
     budget_rederived: AtomicU64,
     /// Why the watcher stopped, if it did.
     pressure_ended: Mutex<Option<String>>,
+    /// What P3 shedding did.
+    p3: P3Counters,
     /// The background cgroups to throttle under pressure.
     throttle: Mutex<Throttling>,
+}
+
+/// P3 shedding (entering pressure): times, buffer bytes freed from the pools, resident
+/// bytes the allocator gave back to the kernel (`malloc_trim`).
+#[derive(Debug, Default)]
+struct P3Counters {
+    sheds: AtomicU64,
+    pooled_bytes_freed: AtomicU64,
+    rss_returned_bytes: AtomicU64,
+}
+
+/// P3 shedding, as `/healthz` and the report show it.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct P3Dto {
+    pub sheds: u64,
+    pub pooled_bytes_freed: u64,
+    pub rss_returned_bytes: u64,
+}
+
+impl P3Counters {
+    fn dto(&self) -> P3Dto {
+        P3Dto {
+            sheds: self.sheds.load(Ordering::Relaxed),
+            pooled_bytes_freed: self.pooled_bytes_freed.load(Ordering::Relaxed),
+            rss_returned_bytes: self.rss_returned_bytes.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// The throttle's plan, its cgroups, and what it did.
@@ -603,10 +634,39 @@ async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<Pressur
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        shared.pressure_level.store(s.level.code(), Ordering::Relaxed);
-        {
+        let was = shared.pressure_level.swap(s.level.code(), Ordering::Relaxed);
+        let p3_freed = {
             let now = shared.now();
-            shared.core().set_pressure(pressure, limit, now);
+            let mut core = shared.core();
+            core.set_pressure(pressure, limit, now);
+            // P3 on entering pressure: pooled buffers freed, the batch log stopped;
+            // (the reader frees its spare writers when it sees the level).
+            match (was == Level::Nominal.code(), s.level == Level::Nominal) {
+                (true, false) => Some(core.shed_p3()),
+                (false, true) => {
+                    core.restore_p3();
+                    None
+                }
+                _ => None,
+            }
+        };
+        if let Some(freed) = p3_freed {
+            // Logs at WARN only while pressured, and the freed heap back to the kernel.
+            let quiet = ringwatch_transport::shell::pressure_log_floor(true);
+            let trimmed = ringwatch_transport::memcg::trim();
+            tracing::warn!(
+                pooled_bytes_freed = freed,
+                rss_returned = ?trimmed,
+                logs_at_warn = quiet,
+                "memory pressure: P3 shed (buffer pools, batch log, info logs)"
+            );
+            let p3 = &shared.p3;
+            p3.sheds.fetch_add(1, Ordering::Relaxed);
+            p3.pooled_bytes_freed.fetch_add(freed as u64, Ordering::Relaxed);
+            p3.rss_returned_bytes.fetch_add(trimmed.unwrap_or(0), Ordering::Relaxed);
+        } else if s.level == Level::Nominal && was != Level::Nominal.code() {
+            ringwatch_transport::shell::pressure_log_floor(false);
+            tracing::info!("memory pressure over: logs and buffer pooling back to normal");
         }
         shared.ready.notify_one();
         shared.throttling().follow(s.level);
@@ -783,6 +843,7 @@ pub async fn run_and_return_source(
         budget: Mutex::new(budget),
         budget_rederived: AtomicU64::new(0),
         pressure_ended: Mutex::new(None),
+        p3: P3Counters::default(),
         throttle: Mutex::new(throttling),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
@@ -1014,6 +1075,7 @@ pub async fn run_and_return_source(
             .clone(),
         memory_budget: shared.budget_dto(),
         throttle: shared.throttling().dto(),
+        p3: shared.p3.dto(),
         frames_lost_shutdown: slot(proto_flat::LossCause::ShipperShutdown),
         frames_in_by_lane: stats.frames_in_by_lane,
         frames_lost_by_lane: stats.frames_lost_by_lane,
@@ -1085,6 +1147,7 @@ fn reader_loop(
     let mut sampling = crate::core::SamplingPolicy::new(reader.sampling);
     let mut stager = Stager::new(reader.batcher, reader.meta);
     let mut spare: Vec<BatchWriter> = Vec::new();
+    let mut stager_pooling = true;
     q.send(ToCore::StreamIndex(source.shipper_stream_index()));
     if source.set_sampling_level(sampling.level()) {
         q.send(ToCore::Sampling(sampling.level()));
@@ -1101,6 +1164,12 @@ fn reader_loop(
         }
         for w in spare.drain(..) {
             stager.give_back(w);
+        }
+        // Memory pressure (P3): spare writers are freed, not kept, while it lasts.
+        let pressured = shared.pressure_level.load(Ordering::Relaxed) != 0;
+        if pressured == stager_pooling {
+            stager_pooling = !pressured;
+            stager.set_pooling(stager_pooling);
         }
         let mut events = 0usize;
         let mut counters_seen = false;
@@ -1612,6 +1681,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         frames_lost_psi_shed: u64,
         memory_budget: Option<BudgetDto>,
         throttle: Option<ThrottleDto>,
+        p3: P3Dto,
     }
     #[derive(serde::Serialize)]
     struct Ready {
@@ -1655,6 +1725,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
             frames_lost_psi_shed,
             memory_budget: s.budget_dto(),
             throttle: s.throttling().dto(),
+            p3: s.p3.dto(),
         };
         (code, axum::Json(health)).into_response()
     }

@@ -139,6 +139,7 @@ async fn kernel_real_pressure_sheds_bulk_as_psi_shed_keeps_p0_and_the_aggregator
         shed(&after, "p2")
     );
     assert!(r.frames_lost_psi_shed > 0, "bulk was shed: {r:?}");
+    assert!(r.p3.sheds >= 1 && r.p3.pooled_bytes_freed > 0, "P3 shed: {:?}", r.p3);
     assert_eq!(shed(&after, "p2"), r.frames_lost_psi_shed, "the aggregator counts what the shipper shed");
     assert_eq!(shed(&after, "p0") + shed(&after, "p1"), 0, "P0 and P1 are never shed");
     let p = r.pressure.as_ref().expect("the watcher ran");

@@ -297,15 +297,42 @@ pub fn lane_priority(lane: proto_flat::Class) -> i32 {
 
 /// What both service binaries do around their work: logs and the stop signal.
 pub mod shell {
+    use std::sync::OnceLock;
+
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Registry, reload};
+
+    /// The log filter's reload handle and the configured directives (set by
+    /// [`init_logs`]).
+    static FILTER: OnceLock<(reload::Handle<EnvFilter, Registry>, String)> = OnceLock::new();
+
     /// Logs to stderr, text or JSON lines, filtered by `RINGWATCH_LOG` (default `info`).
     pub fn init_logs(json: bool) {
-        let filter = tracing_subscriber::EnvFilter::try_from_env("RINGWATCH_LOG").unwrap_or_else(|_| "info".into());
-        let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+        let directives = std::env::var("RINGWATCH_LOG").unwrap_or_else(|_| "info".into());
+        let filter = EnvFilter::try_new(&directives).unwrap_or_else(|_| EnvFilter::new("info"));
+        let (filter, handle) = reload::Layer::new(filter);
+        let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+        let registry = tracing_subscriber::registry().with(filter);
         if json {
-            b.json().init();
+            registry.with(fmt.json()).init();
         } else {
-            b.with_ansi(false).init();
+            registry.with(fmt.with_ansi(false)).init();
         }
+        let _ = FILTER.set((handle, directives));
+    }
+
+    /// Memory pressure (P3): logs at WARN and above only (`true`), or back to the
+    /// configured filter (`false`). Returns whether the filter changed (there is none to
+    /// change without [`init_logs`]: tests, libraries).
+    pub fn pressure_log_floor(on: bool) -> bool {
+        let Some((handle, directives)) = FILTER.get() else { return false };
+        let filter = if on {
+            EnvFilter::new("warn")
+        } else {
+            EnvFilter::try_new(directives).unwrap_or_else(|_| EnvFilter::new("info"))
+        };
+        handle.reload(filter).is_ok()
     }
 
     /// Resolves on SIGTERM or SIGINT (never, if the handlers cannot be installed).

@@ -104,6 +104,9 @@ pub struct Batcher {
     next_batch_seq: u64,
     totals: RunningTotals,
     pool: Vec<Vec<u8>>,
+    /// Whether buffers back from the spool are kept for reuse (off under memory
+    /// pressure: they are freed instead).
+    pooling: bool,
     clock_mono_ns: u64,
     clock_realtime_ns: u64,
 }
@@ -125,6 +128,7 @@ impl Batcher {
             next_batch_seq: 1,
             totals: RunningTotals::default(),
             pool,
+            pooling: true,
             clock_mono_ns: 0,
             clock_realtime_ns: 0,
         }
@@ -176,9 +180,21 @@ impl Batcher {
 
     /// A buffer back from the spool (acked or evicted batch).
     pub fn recycle(&mut self, buf: Vec<u8>) {
-        if self.pool.len() < self.config.pool_size {
+        if self.pooling && self.pool.len() < self.config.pool_size {
             self.pool.push(buf);
         }
+    }
+
+    /// Memory pressure (P3): frees the pooled buffers and stops pooling (`false`), or
+    /// pools again (`true`). Returns the bytes of capacity freed.
+    pub fn set_pooling(&mut self, on: bool) -> usize {
+        self.pooling = on;
+        if on {
+            return 0;
+        }
+        let freed = self.pool.iter().map(Vec::capacity).sum();
+        self.pool = Vec::new();
+        freed
     }
 
     /// Adds one frame (exactly one ring record). Returns a batch if the frame's lane had
@@ -334,6 +350,8 @@ pub struct Stager {
     lanes: [Lane; 4],
     /// Emptied writers back from the core.
     spare: Vec<BatchWriter>,
+    /// Whether emptied writers are kept (off under memory pressure).
+    pooling: bool,
     /// Frames taken, per lane, and frames refused as malformed.
     pub frames_by_lane: [u64; 4],
     pub frames_malformed: u64,
@@ -347,6 +365,7 @@ impl Stager {
             meta,
             lanes: Default::default(),
             spare: Vec::new(),
+            pooling: true,
             frames_by_lane: [0; 4],
             frames_malformed: 0,
         }
@@ -360,9 +379,16 @@ impl Stager {
 
     /// An emptied writer back from the core, for reuse.
     pub fn give_back(&mut self, writer: BatchWriter) {
-        if self.spare.len() < self.config.pool_size {
+        if self.pooling && self.spare.len() < self.config.pool_size {
             self.spare.push(writer);
         }
+    }
+
+    /// Memory pressure (P3): frees the spare writers and stops keeping them (`false`), or
+    /// keeps them again (`true`). Returns how many were freed.
+    pub fn set_pooling(&mut self, on: bool) -> usize {
+        self.pooling = on;
+        if on { 0 } else { std::mem::take(&mut self.spare).len() }
     }
 
     /// Adds one ring record; a lane that had to be cut first to make room is handed to

@@ -772,6 +772,21 @@ impl ShipperCore {
         self.offer_cut(now);
     }
 
+    /// Memory pressure's P3 actions in the core: the batcher's pooled buffers freed and
+    /// pooling stopped, the batch log (a diagnostic) stopped for good, its entries
+    /// counted as not kept. Returns the buffer bytes freed.
+    pub fn shed_p3(&mut self) -> usize {
+        if let Some(log) = self.batch_log.take() {
+            self.batch_log_overflow = self.batch_log_overflow.saturating_add(log.len() as u64);
+        }
+        self.batcher.set_pooling(false)
+    }
+
+    /// Pressure eased: buffers are pooled again (the batch log stays off).
+    pub fn restore_p3(&mut self) {
+        self.batcher.set_pooling(true);
+    }
+
     /// The pressure last handed in.
     #[must_use]
     pub const fn pressure(&self) -> Pressure {
@@ -1155,6 +1170,31 @@ mod tests {
         c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 0);
         assert!(c.spool().is_empty());
         assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
+    }
+
+    #[test]
+    fn p3_shedding_frees_pooled_buffers_stops_pooling_and_the_batch_log_until_pressure_eases() {
+        let mut c = core(1 << 20);
+        let round = |c: &mut ShipperCore, from: u64, now: u64| {
+            for seq in from..from + 50 {
+                c.handle_frame(&bulk(0, seq), now);
+            }
+            c.flush(now);
+            let _ = transmit(c);
+            c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, now);
+        };
+        round(&mut c, 0, MS);
+        assert!(!c.batch_log().0.is_empty());
+        let freed = c.shed_p3();
+        assert!(freed > 0, "the pool was freed: {freed}");
+        assert!(c.batch_log().0.is_empty(), "the batch log stopped");
+        round(&mut c, 50, 2 * MS);
+        assert_eq!(c.shed_p3(), 0, "acked buffers were freed, not pooled, while pressured");
+        c.restore_p3();
+        round(&mut c, 100, 3 * MS);
+        assert!(c.shed_p3() > 0, "pooling again once pressure eased");
+        assert!(c.batch_log().0.is_empty(), "the batch log stays off");
+        assert_eq!(c.stats().frames_in, 150);
     }
 
     #[test]

@@ -88,7 +88,7 @@ const FIELDS: &[Field] = &[
 
 /// The field names with their help (for the binary's flags and the docs).
 pub fn fields() -> impl Iterator<Item = (&'static str, &'static str)> {
-    FIELDS.iter().map(|&(name, _, _, help)| (name, help))
+    ringwatch_transport::config::all_fields::<Aggregator>().map(|&(name, _, _, help)| (name, help))
 }
 
 /// The aggregator's schema for [`Inputs`].
@@ -109,6 +109,7 @@ impl Schema for Aggregator {
     type Output = Validated;
     const ENV_PREFIX: &'static str = ENV_PREFIX;
     const FIELDS: &'static [Field] = FIELDS;
+    const SHARED_FIELDS: &'static [Field] = ringwatch_transport::psi::CONFIG_FIELDS;
 
     fn build(v: &mut Values) -> Option<Validated> {
         let set = v.opt_text("certs").map(|d| CertSet::at(Path::new(d)));
@@ -135,6 +136,7 @@ impl Schema for Aggregator {
         {
             v.problem("http", format!("{h} is also the QUIC listen address"));
         }
+        let psi = ringwatch_transport::psi::config_from(v);
         if v.has_problems() {
             return None;
         }
@@ -146,6 +148,7 @@ impl Schema for Aggregator {
         c.http = v.addr("http")?;
         c.snapshot_path = v.opt_text("snapshot").map(PathBuf::from);
         c.snapshot_interval_ms = int("snapshot_interval_ms");
+        c.psi = psi;
         c.ingest.dedup.window = u32::try_from(int("dedup_window")).unwrap_or(u32::MAX);
         c.matcher.expected_nodes = u32::try_from(int("expect_nodes")).unwrap_or(u32::MAX);
         c.store.retention_ns = s_to_ns("verdict_retention_s");
@@ -173,6 +176,9 @@ pub fn check_files(c: &AggregatorConfig) -> Vec<ConfigError> {
     use ringwatch_transport::check;
     let mut problems = check::ca("ca", &c.ca);
     problems.extend(check::identity("cert", &c.cert, "key", &c.key, None));
+    if let Some(problem) = c.psi.as_ref().and_then(ringwatch_transport::psi::check_config) {
+        problems.push(problem);
+    }
     if let Some(snap) = &c.snapshot_path {
         let dir = snap.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let probe = dir.join(format!(".ringwatch-write-check-{}", std::process::id()));

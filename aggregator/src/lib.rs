@@ -67,6 +67,10 @@ pub struct AggregatorConfig {
     /// Aggregator time per real time (1 in production; `loadgen --time-scale` compresses
     /// simulated runs, whose node clocks run as fast).
     pub time_scale: f64,
+    /// The memory-pressure watcher on this process's cgroup (none: off). Under pressure
+    /// the aggregator sheds its P3: the verdict store keeps a quarter of its retention
+    /// and bytes, logs drop to WARN, freed heap goes back to the kernel.
+    pub psi: Option<ringwatch_transport::psi::PsiConfig>,
 }
 
 impl AggregatorConfig {
@@ -90,6 +94,9 @@ impl AggregatorConfig {
             snapshot_interval_ms: 10_000,
             http_limits: ringwatch_transport::http::HttpLimits::default(),
             time_scale: 1.0,
+            // In-process aggregators (tests, loadgen) share their process's cgroup with
+            // everything else in it: off unless asked for.
+            psi: None,
         }
     }
 }
@@ -221,6 +228,14 @@ impl Aggregator {
                 move || serve_http(listener.try_clone(), router.clone(), limits, Arc::clone(&http_counters)),
             ),
         ];
+        if let Some(psi) = cfg.psi.clone() {
+            let sh = Arc::clone(&shared);
+            tasks.push(supervise::spawn_io_task(
+                Arc::clone(&shared),
+                |s| &s.tasks.pressure,
+                move || follow_pressure(Arc::clone(&sh), psi.clone()),
+            ));
+        }
         if let Some(path) = cfg.snapshot_path.clone() {
             let (sh, interval) = (Arc::clone(&shared), cfg.snapshot_interval_ms);
             tasks.push(supervise::spawn_io_task(
@@ -359,6 +374,78 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
             let in_a_row = shared.counters.snapshot_failures_in_a_row.fetch_add(1, Relaxed).saturating_add(1);
             tracing::warn!(error = %e, in_a_row, "snapshot failed");
             false
+        }
+    }
+}
+
+/// Follows the memory-pressure watcher (started here; a restart after a panic arms it
+/// again) and sheds the aggregator's P3 while pressure lasts: the verdict store keeps a
+/// quarter of its limits, logs drop to WARN, and the freed heap goes back to the kernel.
+/// Returns when PSI is unavailable (said once; the task is then not "armed" and its end
+/// is no fault) or when the watcher stopped (logged; `/healthz` says so).
+async fn follow_pressure(shared: Arc<Shared>, cfg: ringwatch_transport::psi::PsiConfig) {
+    use ringwatch_transport::pressure::Level;
+    let w = match ringwatch_transport::psi::start(&cfg) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(error = %e, "memory pressure watcher unavailable: running without it");
+            *shared.pressure.unavailable.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(e.to_string());
+            return;
+        }
+    };
+    tracing::info!(file = %w.state.borrow().file.display(), "memory pressure watcher armed");
+    shared.pressure.armed.store(true, std::sync::atomic::Ordering::Relaxed);
+    *shared.pressure.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(w.state.clone());
+    let mut state = w.state;
+    let mut last = Level::Nominal;
+    loop {
+        let level = state.borrow_and_update().level;
+        if level != last {
+            let pressured = level != Level::Nominal;
+            if pressured != (last != Level::Nominal) {
+                let now = shared.now();
+                let (ops_before, ops_after) = {
+                    let mut store = shared.store();
+                    let before = store.pressure().ops;
+                    store.set_pressure(pressured, now);
+                    (before, store.pressure().ops)
+                };
+                if pressured {
+                    let quiet = ringwatch_transport::shell::pressure_log_floor(true);
+                    let trimmed = ringwatch_transport::memcg::trim();
+                    shared.pressure.sheds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    shared
+                        .pressure
+                        .rss_returned_bytes
+                        .fetch_add(trimmed.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        level = level.name(),
+                        store_ops_shed = ops_after - ops_before,
+                        rss_returned = ?trimmed,
+                        logs_at_warn = quiet,
+                        "memory pressure: P3 shed (verdict store to a quarter of its limits, info logs)"
+                    );
+                } else {
+                    ringwatch_transport::shell::pressure_log_floor(false);
+                    tracing::info!("memory pressure over: verdict store limits and logs back to normal");
+                }
+            }
+            last = level;
+        }
+        shared.progress(&shared.tasks.pressure);
+        if state.changed().await.is_err() {
+            let why = match w.task.await {
+                Ok(Ok(())) => "ended".to_owned(),
+                Ok(Err(e)) => format!("failed: {e}"),
+                Err(e) => format!("ended: {e}"),
+            };
+            tracing::error!(why = %why, "memory pressure watcher stopped: pressure is no longer followed");
+            // Shedding is not left on with nothing to end it.
+            let now = shared.now();
+            shared.store().set_pressure(false, now);
+            ringwatch_transport::shell::pressure_log_floor(false);
+            return;
         }
     }
 }

@@ -116,6 +116,9 @@ pub struct Tasks {
     pub http: TaskHealth,
     /// The snapshot schedule (alive only when snapshots are configured).
     pub snapshots: TaskHealth,
+    /// The memory-pressure watcher's follower (alive only when `psi` is on and PSI is
+    /// available here).
+    pub pressure: TaskHealth,
     /// Panics caught in a connection's or a batch stream's task (that connection is
     /// closed; its shipper reconnects and resends what was not acked).
     pub connection_panics: AtomicU64,
@@ -130,6 +133,7 @@ impl Default for Tasks {
             ingest: TaskHealth::new("ingest"),
             http: TaskHealth::new("http"),
             snapshots: TaskHealth::new("snapshots"),
+            pressure: TaskHealth::new("pressure"),
             connection_panics: AtomicU64::new(0),
             handler_panics: AtomicU64::new(0),
         }
@@ -139,8 +143,8 @@ impl Default for Tasks {
 impl Tasks {
     /// Every long-lived task.
     #[must_use]
-    pub fn all(&self) -> [&TaskHealth; 4] {
-        [&self.timers, &self.ingest, &self.http, &self.snapshots]
+    pub fn all(&self) -> [&TaskHealth; 5] {
+        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure]
     }
 }
 
@@ -214,6 +218,18 @@ impl NodeEntry {
     }
 }
 
+/// The aggregator's own memory pressure: the watcher's state, why there is none, and
+/// what its P3 shedding did.
+#[derive(Debug, Default)]
+pub struct PressureShared {
+    pub state: Mutex<Option<tokio::sync::watch::Receiver<ringwatch_transport::psi::PressureState>>>,
+    pub unavailable: Mutex<Option<String>>,
+    /// The watcher was armed: its follower's end is then a fault (`/healthz`).
+    pub armed: AtomicBool,
+    pub sheds: AtomicU64,
+    pub rss_returned_bytes: AtomicU64,
+}
+
 /// Everything shared.
 #[derive(Debug)]
 pub struct Shared {
@@ -229,6 +245,8 @@ pub struct Shared {
     /// the aggregator started fresh in its place, with every node's knowledge gap from
     /// its time; the file was moved aside to this path.
     pub snapshot_skipped: Option<(u32, String)>,
+    /// This process's memory pressure and its P3 shedding.
+    pub pressure: PressureShared,
     /// What an ack promises (`hello`): `snapshot` when snapshots are configured.
     pub durability: proto_flat::codes::Durability,
     /// The newest control protocol this aggregator speaks (tests set 2 to stand in for
@@ -274,6 +292,7 @@ impl Shared {
             time_scale: 1.0,
             restored: false,
             snapshot_skipped: None,
+            pressure: PressureShared::default(),
             durability: proto_flat::codes::Durability::None,
             max_control_version: proto_flat::control::CONTROL_VERSION,
             capture_gen: AtomicU64::new(0),

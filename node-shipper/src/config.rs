@@ -127,36 +127,6 @@ const FIELDS: &[Field] = &[
         "address (ip:port) of the shipper's HTTP listener for /healthz and /readyz (empty: none; give one under hostNetwork only deliberately)",
     ),
     (
-        "psi",
-        Kind::Text,
-        Some("on"),
-        "memory pressure: on (PSI triggers on this process's cgroup memory.pressure; bulk shed under pressure) or off",
-    ),
-    (
-        "psi_window_ms",
-        Kind::Int { min: 500, max: 10_000 },
-        Some("2000"),
-        "PSI trigger window (without CAP_SYS_RESOURCE the kernel takes only whole multiples of 2000)",
-    ),
-    (
-        "psi_some_stall_ms",
-        Kind::Int { min: 1, max: 10_000 },
-        Some("100"),
-        "enter `some` pressure when tasks stalled on memory this long within a window",
-    ),
-    (
-        "psi_full_stall_ms",
-        Kind::Int { min: 1, max: 10_000 },
-        Some("100"),
-        "enter `full` pressure when all tasks stalled on memory at once this long within a window",
-    ),
-    (
-        "psi_quiet_windows",
-        Kind::Int { min: 1, max: 100 },
-        Some("3"),
-        "windows in a row without a trigger (and stall growth under half the some threshold) before pressure steps down a level",
-    ),
-    (
         "psi_bulk_share_pct",
         Kind::Int { min: 0, max: 100 },
         Some("25"),
@@ -178,7 +148,7 @@ const FIELDS: &[Field] = &[
 
 /// The field names, in documentation order, with their help (for `--help` and docs).
 pub fn fields() -> impl Iterator<Item = (&'static str, &'static str)> {
-    FIELDS.iter().map(|&(name, _, _, help)| (name, help))
+    ringwatch_transport::config::all_fields::<Shipper>().map(|&(name, _, _, help)| (name, help))
 }
 
 /// The environment variable of a field.
@@ -245,6 +215,7 @@ impl Schema for Shipper {
     type Output = ShipperConfig;
     const ENV_PREFIX: &'static str = ENV_PREFIX;
     const FIELDS: &'static [Field] = FIELDS;
+    const SHARED_FIELDS: &'static [Field] = ringwatch_transport::psi::CONFIG_FIELDS;
 
     fn build(v: &mut Values) -> Option<ShipperConfig> {
         build(v)
@@ -342,24 +313,8 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
     {
         v.problem("bulk_batch_bytes", format!("{bulk} is below max_batch_bytes ({batch})"));
     }
-    let psi_on = match v.text("psi") {
-        Some("on") => true,
-        Some("off") | None => false,
-        Some(other) => {
-            let other = other.to_owned();
-            v.problem("psi", format!("{other:?} is neither on nor off"));
-            false
-        }
-    };
-    if let Some(window) = v.int("psi_window_ms") {
-        for f in ["psi_some_stall_ms", "psi_full_stall_ms"] {
-            if let Some(stall) = v.int(f)
-                && stall > window
-            {
-                v.problem(f, format!("{stall} is above psi_window_ms ({window})"));
-            }
-        }
-    }
+    let psi = ringwatch_transport::psi::config_from(v);
+    let psi_on = psi.is_some();
     let memory_budget = match v.text("memory_budget") {
         Some("cgroup") | None => true,
         Some("static") => false,
@@ -430,22 +385,7 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
             ..crate::core::SamplingConfig::default()
         },
         http_listen,
-        psi: psi_on.then(|| {
-            let trigger = |f: &str| ringwatch_transport::psi::TriggerSpec {
-                stall_us: int(v, f) * 1000,
-                window_us: int(v, "psi_window_ms") * 1000,
-            };
-            let some = trigger("psi_some_stall_ms");
-            ringwatch_transport::psi::PsiConfig {
-                some,
-                full: trigger("psi_full_stall_ms"),
-                policy: ringwatch_transport::pressure::PolicyConfig {
-                    quiet_windows: u32::try_from(int(v, "psi_quiet_windows")).unwrap_or(3),
-                    quiet_stall_us: some.stall_us / 2,
-                },
-                file: None,
-            }
-        }),
+        psi,
         psi_bulk_share_pct: u8::try_from(int(v, "psi_bulk_share_pct")).unwrap_or(25),
         memory_budget: memory_budget.then(|| int(v, "memory_headroom_bytes")),
         throttle,
@@ -483,14 +423,8 @@ pub fn check_files(cfg: &ShipperConfig) -> Vec<ConfigError> {
             }
         }
     }
-    if let Some(psi) = &cfg.psi {
-        // The kernel's rules for triggers depend on this process's capabilities.
-        let privileged = ringwatch_transport::psi::has_cap_sys_resource();
-        if let Err(e) = psi.some.validate(privileged) {
-            problems.push(("psi_window_ms", e));
-        } else if let Err(e) = psi.full.validate(privileged) {
-            problems.push(("psi_full_stall_ms", e));
-        }
+    if let Some(problem) = cfg.psi.as_ref().and_then(ringwatch_transport::psi::check_config) {
+        problems.push(problem);
     }
     let own = crate::throttle::own_cgroup_dir();
     for (tier, path) in &cfg.throttle {

@@ -93,6 +93,32 @@ pub fn truth(s: &loadgen_sim::Scenario, options: loadgen_sim::SimOptions) -> loa
 /// A shipper running in process, and how to stop it.
 pub type Running = (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<node_shipper::driver::Report>);
 
+/// One in-process shipper per node of `s`, each on its simulated source (all started at
+/// `start`), shipping to `aggregator`; `tweak` adjusts a node's configuration and run
+/// options before it starts.
+///
+/// # Panics
+/// A source that cannot be built from the scenario.
+pub fn spawn_sim_shippers(
+    s: &loadgen_sim::Scenario,
+    options: loadgen_sim::SimOptions,
+    set: &CertSet,
+    aggregator: SocketAddr,
+    start: std::time::Instant,
+    mut tweak: impl FnMut(u32, &mut ShipperConfig, &mut node_shipper::driver::RunOptions),
+) -> Vec<Running> {
+    (0..s.cluster.nodes)
+        .map(|node| {
+            let source = node_shipper::source::SimSource::new(s, options, node, start).expect("sim source");
+            let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
+            let mut cfg = shipper_config(set, aggregator, node, placeholder);
+            let mut opts = node_shipper::driver::RunOptions::default();
+            tweak(node, &mut cfg, &mut opts);
+            spawn_shipper(cfg, Box::new(source), opts)
+        })
+        .collect()
+}
+
 /// Runs a shipper in process until [`stop`].
 #[must_use]
 pub fn spawn_shipper(

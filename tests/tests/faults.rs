@@ -30,12 +30,7 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
     const CUT: u32 = 1;
 
     let start = Instant::now();
-    let mut shippers = Vec::new();
-    for node in 0..s.cluster.nodes {
-        let source = SimSource::new(&s, options, node, start).expect("sim");
-        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
-        let mut cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
-        let mut opts = RunOptions::default();
+    let shippers = ringwatch_tests::spawn_sim_shippers(&s, options, &set, agg.quic_addr, start, |node, cfg, opts| {
         if node == CUT {
             // Node 1 talks through the proxy, with a spool whose bulk share (512 KiB)
             // holds ~1.6 s of its bulk; its connection gives up after 2 s of silence.
@@ -47,8 +42,7 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
             };
             opts.tuning = Tuning { idle_timeout_ms: 2000, keep_alive_ms: 300, ..Tuning::default() };
         }
-        shippers.push(spawn_shipper(cfg, Box::new(source), opts));
-    }
+    });
     let cut_name = aggregator::certs::node_name(CUT);
     let heard = |n: &NodesDto, name: &str| {
         n.nodes.iter().any(|x| x.name == name && x.streams.iter().any(|st| st.class == "p0" && st.received > 0))

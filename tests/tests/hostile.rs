@@ -15,17 +15,12 @@ use aggregator::certs::{self, CertSet};
 use aggregator::ingest::REJECT_THRESHOLD;
 use aggregator::{Aggregator, AggregatorConfig};
 use loadgen_sim::{SimOptions, builtin};
-use node_shipper::config::Source;
-use node_shipper::driver::RunOptions;
-use node_shipper::source::SimSource;
 use proto_flat::batch::{BatchMeta, BatchWriter, RunningTotals, reseal};
 use proto_flat::codes::{Class, NackReason, WireEnum};
 use proto_flat::control::{ControlMessage, encode_resume, parse_control};
 use proto_flat::header::StreamId;
 use proto_flat::sample;
-use ringwatch_tests::{
-    TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth, wait_nodes,
-};
+use ringwatch_tests::{TempDir, cert_set, get_json, stop, streams_settled, truth, wait_nodes};
 use ringwatch_transport::{CONTROL_PREFACE, TlsFiles, Tuning};
 use rustls::pki_types::pem::PemObject;
 use zerocopy::IntoBytes;
@@ -65,13 +60,7 @@ async fn honest_shippers(
     agg: &Aggregator,
 ) -> (Vec<ringwatch_tests::Running>, loadgen_sim::GroundTruth) {
     let start = Instant::now();
-    let mut honest = Vec::new();
-    for node in 0..s.cluster.nodes {
-        let source = SimSource::new(s, options, node, start).expect("sim source");
-        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
-        let cfg = shipper_config(set, agg.quic_addr, node, placeholder);
-        honest.push(spawn_shipper(cfg, Box::new(source), RunOptions::default()));
-    }
+    let honest = ringwatch_tests::spawn_sim_shippers(s, options, set, agg.quic_addr, start, |_, _, _| {});
     let nodes = s.cluster.nodes;
     wait_nodes(agg.http_addr, "every honest node is shipping", |n| {
         (0..nodes).all(|i| n.nodes.iter().any(|x| x.name == certs::node_name(i) && !x.streams.is_empty()))

@@ -70,11 +70,9 @@ async fn kernel_real_pressure_sheds_bulk_as_psi_shed_keeps_p0_and_the_aggregator
     use aggregator::api::dto::{NodesDto, VerdictsDto};
     use aggregator::{Aggregator, AggregatorConfig};
     use loadgen_sim::{SimOptions, builtin};
-    use node_shipper::config::Source;
-    use node_shipper::driver::RunOptions;
-    use node_shipper::source::SimSource;
+
     use ringwatch_tests::wait_nodes;
-    use ringwatch_tests::{TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth};
+    use ringwatch_tests::{TempDir, cert_set, get_json, stop, streams_settled, truth};
 
     let test = "kernel_real_pressure_sheds_bulk_as_psi_shed_keeps_p0_and_the_aggregator_counts_the_same";
     let mut cg = match PressureCgroup::new("shed", 64 << 20) {
@@ -88,17 +86,12 @@ async fn kernel_real_pressure_sheds_bulk_as_psi_shed_keeps_p0_and_the_aggregator
     let set = cert_set(dir.path(), s.cluster.nodes);
     let agg = Aggregator::start(AggregatorConfig::local(&set)).await.expect("aggregator");
     let start = Instant::now();
-    let mut shippers = Vec::new();
-    for node in 0..s.cluster.nodes {
-        let source = SimSource::new(&s, options, node, start).expect("sim");
-        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
-        let mut cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
+    let shippers = ringwatch_tests::spawn_sim_shippers(&s, options, &set, agg.quic_addr, start, |node, cfg, _| {
         if node == 0 {
             cfg.psi = Some(PsiConfig { file: Some(cg.pressure_file()), ..PsiConfig::default() });
             cfg.psi_bulk_share_pct = 0;
         }
-        shippers.push(spawn_shipper(cfg, Box::new(source), RunOptions::default()));
-    }
+    });
     let name = aggregator::certs::node_name(0);
     let node0 = |n: &NodesDto| n.nodes.iter().find(|x| x.name == name).cloned();
     let pressure = move |n: &NodesDto| node0(n).and_then(|x| x.shipper).map(|st| st.pressure);
@@ -245,4 +238,71 @@ async fn kernel_the_throttle_freezes_a_listed_background_cgroup_under_pressure_a
     assert_eq!(t.holds, t.releases, "everything held was released by the end: {t:?}");
     assert!(t.cgroups.iter().all(|c| c.path == bg.display().to_string() && !c.held), "{t:?}");
     assert_eq!(freeze_of(&other), "0");
+}
+
+/// The aggregator under real memory pressure (its watcher on a cgroup with page-cache
+/// thrash; the process itself outside it): it sheds its own P3 — the verdict store keeps
+/// a quarter of its retention (here 120 s → 30 s), what goes for that counted apart in
+/// `/healthz` and `/v1/ingest` — and stays healthy; once the pressure ends the store's
+/// configured limits apply again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_the_aggregator_sheds_its_verdict_store_under_pressure_and_restores_its_limits_after() {
+    use aggregator::api::dto::{HealthzDto, IngestDto, VerdictsDto};
+    use aggregator::{Aggregator, AggregatorConfig};
+    use loadgen_sim::{SimOptions, builtin};
+    use ringwatch_tests::{TempDir, cert_set, stop, streams_settled, truth, wait_json, wait_nodes};
+
+    let test = "kernel_the_aggregator_sheds_its_verdict_store_under_pressure_and_restores_its_limits_after";
+    let mut cg = match PressureCgroup::new("aggregator", 64 << 20) {
+        Ok(c) => c,
+        Err(reason) => return skip(test, &reason),
+    };
+    let dir = TempDir::new("agg-pressure");
+    let s = builtin::builtin("pipeline-p2p").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-5, seed: None };
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let mut cfg = AggregatorConfig::local(&set);
+    cfg.store.retention_ns = 120_000_000_000;
+    cfg.psi = Some(PsiConfig { file: Some(cg.pressure_file()), ..PsiConfig::default() });
+    let agg = Aggregator::start(cfg).await.expect("aggregator");
+    let level = |h: &HealthzDto| h.pressure.as_ref().map(|p| p.level.clone());
+    wait_json(agg.http_addr, "/healthz", "the watcher armed, nominal", |h: &HealthzDto| {
+        level(h).as_deref() == Some("nominal")
+    })
+    .await;
+    let shippers = ringwatch_tests::spawn_sim_shippers(&s, options, &set, agg.quic_addr, Instant::now(), |_, _, _| {});
+    let truth = truth(&s, options);
+    wait_nodes(agg.http_addr, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
+    let _ = stop(shippers).await;
+    let before: VerdictsDto = ringwatch_tests::get_json(agg.http_addr, "/v1/verdicts?limit=1").await;
+    println!("verdicts held before the pressure: {:?}", before.stored);
+
+    cg.thrash(&ringwatch_tests::repo_root().join("target"), 80 << 20, 2);
+    // Ops older than a quarter of the retention (30 s) go while the pressure lasts.
+    let h = wait_json(agg.http_addr, "/healthz", "the store shed for pressure", |h: &HealthzDto| {
+        h.pressure.as_ref().is_some_and(|p| p.store_ops_shed > 0)
+    })
+    .await;
+    let p = h.pressure.clone().expect("pressure");
+    println!("under pressure: {p:?}");
+    assert_eq!(h.status, "ok", "shedding P3 is not a fault: {h:?}");
+    assert!(p.p3_sheds >= 1 && p.level != "nominal", "{p:?}");
+    let ingest: IngestDto = ringwatch_tests::get_json(agg.http_addr, "/v1/ingest").await;
+    assert!(
+        ingest.evictions.get("store.ops_shed_pressure").copied() >= Some(p.store_ops_shed),
+        "{:?}",
+        ingest.evictions
+    );
+    assert_eq!(ingest.evictions.get("store.ops_aged_out").copied(), Some(0), "not counted as retention");
+    let during: VerdictsDto = ringwatch_tests::get_json(agg.http_addr, "/v1/verdicts?limit=1").await;
+    assert!(during.stored < before.stored, "held {:?} → {:?}", before.stored, during.stored);
+
+    cg.stop_all();
+    let h = wait_json(agg.http_addr, "/healthz", "back to nominal", |h: &HealthzDto| {
+        level(h).as_deref() == Some("nominal")
+    })
+    .await;
+    println!("after: {:?}", h.pressure);
+    assert_eq!(h.status, "ok");
+    agg.shutdown();
 }

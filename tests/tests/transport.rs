@@ -9,13 +9,8 @@ use std::time::Instant;
 use aggregator::api::dto::{NodesDto, VerdictsDto};
 use aggregator::{Aggregator, AggregatorConfig};
 use loadgen_sim::{Scenario, SimOptions, builtin};
-use node_shipper::config::Source;
 use node_shipper::driver::RunOptions;
-use node_shipper::source::SimSource;
-use ringwatch_tests::{
-    Running, TempDir, cert_set, get_json, shipper_config, spawn_shipper, stop, streams_settled, truth, wait_json,
-    wait_nodes,
-};
+use ringwatch_tests::{Running, TempDir, cert_set, get_json, stop, streams_settled, truth, wait_json, wait_nodes};
 
 /// Runs `nodes` shippers (simulator sources, one per node, sharing one start instant)
 /// into one aggregator; returns the aggregator (still running) and the shippers'
@@ -32,13 +27,9 @@ async fn cluster(
     let cfg = loadgen::cluster::aggregator_config(&set, s, 1.0);
     let agg = Aggregator::start(agg_config(cfg)).await.expect("aggregator starts");
     let start = Instant::now();
-    let mut shippers = Vec::new();
-    for node in 0..s.cluster.nodes {
-        let source = SimSource::new(s, options, node, start).expect("sim source");
-        let placeholder = Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
-        let cfg = shipper_config(&set, agg.quic_addr, node, placeholder);
-        shippers.push(spawn_shipper(cfg, Box::new(source), run_options(node)));
-    }
+    let shippers = ringwatch_tests::spawn_sim_shippers(s, options, &set, agg.quic_addr, start, |node, _, opts| {
+        *opts = run_options(node);
+    });
     (agg, shippers)
 }
 

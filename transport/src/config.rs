@@ -64,6 +64,9 @@ pub trait Schema {
     const ENV_PREFIX: &'static str;
     /// Every field, in documentation order.
     const FIELDS: &'static [Field];
+    /// Fields shared with the other binary (e.g. [`crate::psi::CONFIG_FIELDS`]), after
+    /// [`Self::FIELDS`].
+    const SHARED_FIELDS: &'static [Field] = &[];
 
     /// Turns parsed values into the configuration, adding the problems only the whole
     /// can see (contradictions) to `values` (see [`Values::problem`]).
@@ -102,7 +105,7 @@ pub fn load<S: Schema>(
     }
     let env: Vec<(String, String)> = std::env::vars().collect();
     inputs.env(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-    for &(name, ..) in S::FIELDS {
+    for &(name, ..) in all_fields::<S>() {
         if let Some(v) = flag(name) {
             inputs.flag(name, &v);
         }
@@ -157,6 +160,11 @@ impl<S> Default for Inputs<S> {
 }
 
 /// The environment variable of a field.
+/// A schema's fields: its own, then the shared ones.
+pub fn all_fields<S: Schema>() -> impl Iterator<Item = &'static Field> {
+    S::FIELDS.iter().chain(S::SHARED_FIELDS)
+}
+
 #[must_use]
 pub fn env_name(prefix: &str, field: &str) -> String {
     format!("{prefix}{}", field.to_ascii_uppercase())
@@ -164,7 +172,7 @@ pub fn env_name(prefix: &str, field: &str) -> String {
 
 impl<S: Schema> Inputs<S> {
     fn field(name: &str) -> Option<&'static str> {
-        S::FIELDS.iter().map(|f| f.0).find(|&f| f == name)
+        all_fields::<S>().map(|f| f.0).find(|&f| f == name)
     }
 
     fn set(&mut self, name: &'static str, layer: Layer, value: String) {
@@ -241,7 +249,7 @@ impl<S: Schema> Inputs<S> {
     /// All problems found, each with its field and layer.
     pub fn validate(&self) -> Result<S::Output, ConfigErrors> {
         let mut v = Values { errors: self.errors.clone(), ..Values::default() };
-        for &(name, kind, default, _) in S::FIELDS {
+        for &(name, kind, default, _) in all_fields::<S>() {
             let Some((layer, value)) =
                 self.values.get(name).cloned().or_else(|| default.map(|d| (Layer::Default, d.to_string())))
             else {

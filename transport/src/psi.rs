@@ -99,6 +99,90 @@ impl Default for PsiConfig {
     }
 }
 
+/// The configuration fields of the watcher, shared by both binaries
+/// ([`crate::config::Schema::SHARED_FIELDS`]); read with [`config_from`].
+pub const CONFIG_FIELDS: &[crate::config::Field] = &[
+    (
+        "psi",
+        crate::config::Kind::Text,
+        Some("on"),
+        "memory pressure: on (PSI triggers on this process's cgroup memory.pressure, else /proc/pressure/memory; tiers shed under pressure) or off",
+    ),
+    (
+        "psi_window_ms",
+        crate::config::Kind::Int { min: 500, max: 10_000 },
+        Some("2000"),
+        "PSI trigger window (without CAP_SYS_RESOURCE the kernel takes only whole multiples of 2000)",
+    ),
+    (
+        "psi_some_stall_ms",
+        crate::config::Kind::Int { min: 1, max: 10_000 },
+        Some("100"),
+        "enter `some` pressure when tasks stalled on memory this long within a window",
+    ),
+    (
+        "psi_full_stall_ms",
+        crate::config::Kind::Int { min: 1, max: 10_000 },
+        Some("100"),
+        "enter `full` pressure when all tasks stalled on memory at once this long within a window",
+    ),
+    (
+        "psi_quiet_windows",
+        crate::config::Kind::Int { min: 1, max: 100 },
+        Some("3"),
+        "windows in a row without a trigger (and stall growth under half the some threshold) before pressure steps down a level",
+    ),
+];
+
+/// The watcher's configuration from [`CONFIG_FIELDS`] (`None`: `psi = "off"`), adding
+/// contradictions (a stall longer than its window, `psi` neither on nor off) to `v`.
+pub fn config_from(v: &mut crate::config::Values) -> Option<PsiConfig> {
+    let on = match v.text("psi") {
+        Some("on") => true,
+        Some("off") | None => false,
+        Some(other) => {
+            let other = other.to_owned();
+            v.problem("psi", format!("{other:?} is neither on nor off"));
+            false
+        }
+    };
+    if let Some(window) = v.int("psi_window_ms") {
+        for f in ["psi_some_stall_ms", "psi_full_stall_ms"] {
+            if let Some(stall) = v.int(f)
+                && stall > window
+            {
+                v.problem(f, format!("{stall} is above psi_window_ms ({window})"));
+            }
+        }
+    }
+    let int = |f: &str| v.int(f).unwrap_or(0);
+    let trigger = |f: &str| TriggerSpec { stall_us: int(f) * 1000, window_us: int("psi_window_ms") * 1000 };
+    let some = trigger("psi_some_stall_ms");
+    on.then(|| PsiConfig {
+        some,
+        full: trigger("psi_full_stall_ms"),
+        policy: PolicyConfig {
+            quiet_windows: u32::try_from(int("psi_quiet_windows")).unwrap_or(3),
+            quiet_stall_us: some.stall_us / 2,
+        },
+        file: None,
+    })
+}
+
+/// Checks a configuration's triggers against this process's capabilities (the kernel's
+/// rules depend on `CAP_SYS_RESOURCE`): the field and the problem.
+#[must_use]
+pub fn check_config(cfg: &PsiConfig) -> Option<(&'static str, String)> {
+    let privileged = has_cap_sys_resource();
+    if let Err(e) = cfg.some.validate(privileged) {
+        Some(("psi_window_ms", e))
+    } else if let Err(e) = cfg.full.validate(privileged) {
+        Some(("psi_full_stall_ms", e))
+    } else {
+        None
+    }
+}
+
 /// One line of a pressure file.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Line {

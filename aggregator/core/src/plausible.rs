@@ -137,6 +137,24 @@ fn check_p1(view: &BatchView<'_>) -> Result<(), Implausible> {
                                 seq_count("heartbeat.sampled_out", e.sampled_out.get())?;
                             }
                         }
+                        Section::ShipperState(entries) => {
+                            // PSI averages are a share of the time; sampling keeps 1 in
+                            // 2^level (the shipper's ceiling is 15). The shed tier stays
+                            // open: a newer shipper's tier shows as `unknown`.
+                            for e in entries.iter() {
+                                for (f, ppm) in [
+                                    ("shipper_state.psi_some_avg10_ppm", e.psi_some_avg10_ppm.get()),
+                                    ("shipper_state.psi_full_avg10_ppm", e.psi_full_avg10_ppm.get()),
+                                ] {
+                                    need(ppm <= 1_000_000, f, u64::from(ppm))?;
+                                }
+                                need(
+                                    e.sampling_level <= 15,
+                                    "shipper_state.sampling_level",
+                                    u64::from(e.sampling_level),
+                                )?;
+                            }
+                        }
                         Section::Progress(entries) => {
                             for p in entries.iter() {
                                 seq("progress.last_enqueued_op", p.last_enqueued_op.get())?;

@@ -5,6 +5,9 @@
 //! behind its own lock, apart from the core's, so ingest never waits on a query. Rules:
 //! - an op is forgotten `retention_ns` after its last update, and the least recently
 //!   updated ops go first while the store is over `max_bytes` (both counted);
+//! - under memory pressure ([`VerdictStore::set_pressure`], the aggregator's P3) both
+//!   limits are a quarter of the configured ones: what goes for that alone is counted
+//!   apart ([`PressureShed`]);
 //! - an op whose every held verdict is final `completed` with no tags — the common case —
 //!   is compacted to a summary of `(rank, node, gpu)` ([`CompactRank`], ≈ 40 B a rank
 //!   instead of ≈ 400 B): its per-rank evidence (frame references, watermarks) is
@@ -58,6 +61,19 @@ pub struct StoreStats {
     pub ops_evicted_bytes: u64,
     pub verdicts_evicted_bytes: u64,
 }
+
+/// Memory pressure's shedding of the store: whether it is on, and the ops (and their
+/// rank verdicts) forgotten only because it was (the configured limits would have kept
+/// them). Not part of snapshots: pressure is this process's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PressureShed {
+    pub on: bool,
+    pub ops: u64,
+    pub verdicts: u64,
+}
+
+/// The share of the configured limits kept under memory pressure.
+pub const PRESSURE_DIVISOR: u64 = 4;
 
 /// A rank of a compacted op: final `completed`, untagged.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +231,8 @@ pub struct VerdictStore {
     held: u64,
     finals: u64,
     stats: StoreStats,
+    #[rkyv(with = rkyv::with::Skip)]
+    pressure: PressureShed,
 }
 
 impl VerdictStore {
@@ -229,7 +247,21 @@ impl VerdictStore {
             held: 0,
             finals: 0,
             stats: StoreStats::default(),
+            pressure: PressureShed::default(),
         }
+    }
+
+    /// Memory pressure on (`true`: both limits a quarter of the configured ones, applied
+    /// at once) or off.
+    pub fn set_pressure(&mut self, on: bool, now: u64) {
+        self.pressure.on = on;
+        self.expire(now);
+    }
+
+    /// What memory pressure shed.
+    #[must_use]
+    pub fn pressure(&self) -> PressureShed {
+        self.pressure
     }
 
     /// Counters.
@@ -319,14 +351,22 @@ impl VerdictStore {
     /// Forgets ops past the retention, then the least recently updated while over
     /// `max_bytes`.
     pub fn expire(&mut self, now: u64) {
+        let div = if self.pressure.on { PRESSURE_DIVISOR } else { 1 };
+        let quarter = |x: u64| x.checked_div(div).unwrap_or(x);
+        let (retention, max_bytes) = (quarter(self.config.retention_ns), quarter(self.config.max_bytes));
         let cutoff = now.saturating_sub(self.config.retention_ns);
+        let pressure_cutoff = now.saturating_sub(retention);
         while let Some(&(t, op)) = self.by_age.first() {
             let aged = now >= self.config.retention_ns && t < cutoff;
-            if !aged && self.bytes <= self.config.max_bytes {
+            let configured_keeps = !aged && self.bytes <= self.config.max_bytes;
+            if configured_keeps && !(now >= retention && t < pressure_cutoff) && self.bytes <= max_bytes {
                 break;
             }
             let n = self.remove(op);
-            if aged {
+            if configured_keeps {
+                self.pressure.ops = self.pressure.ops.saturating_add(1);
+                self.pressure.verdicts = self.pressure.verdicts.saturating_add(n);
+            } else if aged {
                 self.stats.ops_aged_out.inc();
                 self.stats.verdicts_aged_out = self.stats.verdicts_aged_out.saturating_add(n);
             } else {

@@ -641,3 +641,33 @@ fn a_restored_core_runs_with_this_runs_timers_and_caps_not_the_snapshots() {
     restored.reconfigure(narrow, matcher);
     assert_eq!(restored.ingest().config().dedup, IngestConfig::default().dedup);
 }
+
+/// A heartbeat's shipper-state section with a PSI average above 100 % or a sampling level
+/// past the shipper's ceiling is implausible and names the field; a shed tier this build
+/// does not know is accepted (shown as `unknown`: a newer shipper's tier).
+#[test]
+fn implausible_shipper_state_is_refused_and_an_unknown_shed_tier_is_not() {
+    use proto_flat::batch::BatchView;
+    use proto_flat::codes::Class;
+    use proto_flat::encode::SectionedFrameWriter;
+    use proto_flat::sections::ShipperStateEntry;
+    use zerocopy::FromZeros;
+    use zerocopy::little_endian::U32;
+
+    let check = |edit: &dyn Fn(&mut ShipperStateEntry)| {
+        let mut e = ShipperStateEntry::new_zeroed();
+        edit(&mut e);
+        let mut w = SectionedFrameWriter::heartbeat(common::SHIPPER_STREAM, 0, 1_000, 1_000);
+        w.section(&[e]);
+        let bytes = common::batch(0, 1, 1, 1, Class::P1.code(), &[w.finish()]);
+        ringwatch_core::plausible::check_batch(&BatchView::parse(&bytes).unwrap()).map_err(|e| e.to_string())
+    };
+    assert!(check(&|e| e.psi_full_avg10_ppm = U32::new(1_000_000)).is_ok());
+    let err = check(&|e| e.psi_some_avg10_ppm = U32::new(1_000_001)).unwrap_err();
+    assert!(err.contains("shipper_state.psi_some_avg10_ppm"), "{err}");
+    let err = check(&|e| e.sampling_level = 16).unwrap_err();
+    assert!(err.contains("shipper_state.sampling_level"), "{err}");
+    assert!(check(&|e| e.shed_tier = 9).is_ok());
+    let state = ringwatch_core::ingest::ShipperState { shed_tier: 9, ..Default::default() };
+    assert_eq!(state.pressure_level(), "unknown");
+}

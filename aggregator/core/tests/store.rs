@@ -176,3 +176,31 @@ fn cursor_tokens_round_trip_and_bad_ones_are_refused() {
     s.apply(S, [MatcherEvent::Verdict(verdict(3, 0, Outcome::InFlight, false))]);
     assert_eq!((s.len(), s.finals()), (7, 6));
 }
+
+/// Memory pressure (the aggregator's P3): both limits drop to a quarter at once, what
+/// goes only for that is counted apart from retention and the byte cap, and once it eases
+/// the configured limits apply again (nothing more is shed).
+#[test]
+fn pressure_keeps_a_quarter_of_the_limits_and_counts_what_it_shed() {
+    let mut s = VerdictStore::new(StoreConfig { retention_ns: 100 * S, max_bytes: u64::MAX / 2 });
+    for seq in 1..=40 {
+        s.apply(seq * S, op_events(seq, 8, Outcome::Stuck));
+    }
+    assert_eq!((s.ops(), s.stats().ops_aged_out), (40, 0));
+    // At 40 s, a quarter of 100 s keeps what was updated in the last 25 s: ops 15..=40.
+    s.set_pressure(true, 40 * S);
+    let p = s.pressure();
+    assert!(p.on);
+    assert_eq!((p.ops, p.verdicts), (14, 14 * 8), "ops 1..=14 shed for pressure");
+    assert_eq!(s.ops(), 26);
+    assert_eq!((s.stats().ops_aged_out, s.stats().ops_evicted_bytes), (0, 0), "not counted as retention or bytes");
+    assert_eq!(s.len(), 26 * 8);
+    // New ops under pressure: the quarter keeps applying.
+    s.apply(41 * S, op_events(41, 8, Outcome::Stuck));
+    assert_eq!(s.pressure().ops, 15);
+    // Eased: the configured limits again; nothing more goes until 100 s of age.
+    s.set_pressure(false, 42 * S);
+    s.apply(60 * S, op_events(60, 8, Outcome::Stuck));
+    assert_eq!((s.pressure().ops, s.stats().ops_aged_out), (15, 0));
+    assert!(!s.pressure().on);
+}

@@ -54,6 +54,37 @@ pub struct HealthzDto {
     /// and its shipper reconnected), and in HTTP handlers (answered 500).
     pub connection_panics: u64,
     pub handler_panics: u64,
+    /// This aggregator's own memory pressure and its P3 shedding (`None`: the watcher is
+    /// off, or unavailable: `pressure_unavailable` says why).
+    #[serde(default)]
+    pub pressure: Option<AggregatorPressureDto>,
+    #[serde(default)]
+    pub pressure_unavailable: Option<String>,
+}
+
+/// The aggregator's own memory pressure ([`HealthzDto::pressure`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AggregatorPressureDto {
+    /// `nominal`, `some` or `full` (with the watcher's hysteresis).
+    pub level: String,
+    /// The pressure file watched.
+    pub file: String,
+    /// `avg10` of `some` and `full`, parts per million of the time.
+    pub some_avg10_ppm: u32,
+    pub full_avg10_ppm: u32,
+    pub some_total_us: u64,
+    pub full_total_us: u64,
+    /// Triggers fired (`some`, `full`), and level changes.
+    pub fired: [u64; 2],
+    pub transitions: u64,
+    /// Times P3 was shed (entering pressure), and the resident bytes the allocator gave
+    /// back then.
+    pub p3_sheds: u64,
+    pub rss_returned_bytes: u64,
+    /// Verdict-store ops (and their rank verdicts) forgotten only because pressure cut
+    /// its limits to a quarter.
+    pub store_ops_shed: u64,
+    pub store_verdicts_shed: u64,
 }
 
 /// A snapshot this build could not read ([`HealthzDto::snapshot_skipped`]).

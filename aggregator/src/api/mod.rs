@@ -142,7 +142,9 @@ fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
         why.push(format!("the last {failed} snapshots failed (the log says why): P0/P1 batches are not acked durable"));
     }
     for t in tasks {
-        if t.name != "snapshots" && !t.alive {
+        // Snapshots and the pressure watcher are optional; a dead pressure watcher makes
+        // `/healthz` degraded (below), not the aggregator unready.
+        if t.name != "snapshots" && t.name != "pressure" && !t.alive {
             why.push(format!("task {} is not running", t.name));
         }
         if t.stalled {
@@ -158,7 +160,10 @@ async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     }
     let tasks = tasks(&s);
     let failure = s.failure();
-    let reasons = not_ready(&s, &tasks);
+    let mut reasons = not_ready(&s, &tasks);
+    if s.pressure.armed.load(Relaxed) && !s.tasks.pressure.alive.load(Relaxed) {
+        reasons.push("task pressure is not running: memory pressure is no longer followed".to_owned());
+    }
     let status = if failure.is_some() {
         "failed"
     } else if reasons.is_empty() {
@@ -184,8 +189,30 @@ async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         tasks,
         connection_panics: s.tasks.connection_panics.load(Relaxed),
         handler_panics: s.tasks.handler_panics.load(Relaxed),
+        pressure: pressure_dto(&s),
+        pressure_unavailable: s.pressure.unavailable.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
     };
     (code, Json(body)).into_response()
+}
+
+/// The aggregator's own memory pressure (`None`: the watcher is off or unavailable).
+fn pressure_dto(s: &Shared) -> Option<dto::AggregatorPressureDto> {
+    let st = s.pressure.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref()?.borrow().clone();
+    let shed = s.store().pressure();
+    Some(dto::AggregatorPressureDto {
+        level: st.level.name().to_owned(),
+        file: st.file.display().to_string(),
+        some_avg10_ppm: st.reading.some.avg10_ppm(),
+        full_avg10_ppm: st.reading.full.avg10_ppm(),
+        some_total_us: st.reading.some.total_us,
+        full_total_us: st.reading.full.total_us,
+        fired: st.fired,
+        transitions: st.transitions,
+        p3_sheds: s.pressure.sheds.load(Relaxed),
+        rss_returned_bytes: s.pressure.rss_returned_bytes.load(Relaxed),
+        store_ops_shed: shed.ops,
+        store_verdicts_shed: shed.verdicts,
+    })
 }
 
 async fn readyz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
@@ -225,8 +252,9 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
             recoveries: st.stats().recoveries,
         };
         maps.extend(st.map_sizes());
-        (dto, *st.stats())
+        (dto, (*st.stats(), st.pressure()))
     };
+    let (store_stats, store_pressure) = store_stats;
     let maps: BTreeMap<String, MapSizeDto> = maps
         .into_iter()
         .map(|m| {
@@ -241,6 +269,8 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         ("store.ops_evicted_bytes", store_stats.ops_evicted_bytes),
         ("store.verdicts_evicted_bytes", store_stats.verdicts_evicted_bytes),
         ("store.recoveries_unheld", store_stats.recoveries_unheld),
+        ("store.ops_shed_pressure", store_pressure.ops),
+        ("store.verdicts_shed_pressure", store_pressure.verdicts),
     ] {
         evictions.insert(k.to_owned(), v);
     }

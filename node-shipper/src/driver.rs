@@ -110,6 +110,8 @@ pub struct Report {
     pub frames_lost_by_lane: [u64; 4],
     pub loss_records: u64,
     pub heartbeats: u64,
+    /// Heartbeats sent under `full` memory pressure, each for two intervals.
+    pub heartbeats_coalesced: u64,
     pub batches_acked: u64,
     pub batches_nacked: u64,
     pub spool_evicted: u64,
@@ -1081,6 +1083,7 @@ pub async fn run_and_return_source(
         frames_lost_by_lane: stats.frames_lost_by_lane,
         loss_records: stats.loss_records,
         heartbeats: stats.heartbeats,
+        heartbeats_coalesced: stats.heartbeats_coalesced,
         batches_acked: stats.batches_acked,
         batches_nacked: stats.batches_nacked,
         spool_evicted: spool.evicted,

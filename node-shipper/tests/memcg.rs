@@ -245,7 +245,10 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
         report["frames_in"], report["batches_shed_pressure"], report["frames_lost_spool_full"], report["flushed"]
     );
     assert!(shed > 0, "bulk was shed: {report}");
-    println!("P3: {}", report["p3"]);
+    println!(
+        "P3: {}; heartbeats {} ({} coalesced under full)",
+        report["p3"], report["heartbeats"], report["heartbeats_coalesced"]
+    );
     assert!(report["p3"]["sheds"].as_u64() >= Some(1), "P3 shed on entering pressure: {report}");
     assert_eq!(report["flushed"], true, "{report}");
     assert_eq!(report["frames_lost_by_lane"][0], 0, "P0 never lost: {report}");

@@ -174,6 +174,9 @@ pub struct ShipperStats {
     pub frames_lost_by_lane: [u64; 4],
     pub batches_cut: u64,
     pub heartbeats: u64,
+    /// Heartbeats sent under `full` memory pressure, each standing for two intervals
+    /// (P1 coalesced).
+    pub heartbeats_coalesced: u64,
     /// `session_start` frames (a takeover of pinned kernel counters).
     pub session_starts: u64,
     pub loss_records: u64,
@@ -1016,7 +1019,14 @@ impl ShipperCore {
         self.cut.extend(cut);
         self.offer_cut(now);
         self.stats.heartbeats += 1;
-        self.next_heartbeat_ns = now + self.config.heartbeat_interval_ns;
+        // P1 coalesced under `full` pressure: a heartbeat every two intervals, carrying
+        // both intervals' running totals (loss records merge while unsent anyway). Never
+        // more: liveness and watermarks wait on heartbeats.
+        let coalesce = self.pressure.level == Level::Full;
+        if coalesce {
+            self.stats.heartbeats_coalesced += 1;
+        }
+        self.next_heartbeat_ns = now + self.config.heartbeat_interval_ns * if coalesce { 2 } else { 1 };
     }
 
     /// Offers every cut batch; what the spool drops becomes loss records (which may cut
@@ -1250,6 +1260,21 @@ mod tests {
         }
         c.flush(3_010 * MS);
         assert_eq!(c.spool().counters().shed_pressure, shed_batches);
+    }
+
+    #[test]
+    fn under_full_pressure_heartbeats_come_every_two_intervals_and_back_to_one_after() {
+        let mut c = core(1 << 20);
+        let full = Pressure { level: Level::Full, some_avg10_ppm: 500_000, full_avg10_ppm: 400_000 };
+        c.handle_timeout(0, 1_000 * MS);
+        assert_eq!(c.next_heartbeat_ns(), 2_000 * MS);
+        c.set_pressure(full, Some(0), 1_500 * MS);
+        c.handle_timeout(0, 2_000 * MS);
+        assert_eq!(c.next_heartbeat_ns(), 4_000 * MS, "coalesced: one heartbeat for two intervals");
+        c.set_pressure(Pressure { level: Level::Some, ..full }, Some(0), 3_000 * MS);
+        c.handle_timeout(0, 4_000 * MS);
+        assert_eq!(c.next_heartbeat_ns(), 5_000 * MS, "`some` never coalesces P1");
+        assert_eq!((c.stats().heartbeats, c.stats().heartbeats_coalesced), (3, 1));
     }
 
     #[test]

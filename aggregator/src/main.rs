@@ -96,16 +96,14 @@ fn main() -> ExitCode {
             }
         }
         Some(("run", r)) => {
-            let loaded = ringwatch_transport::config::load::<config::Aggregator>(
+            let loaded = ringwatch_transport::config::load_or_exit::<config::Aggregator>(
+                "aggregator",
                 r.get_one::<String>("config").map(String::as_str),
                 |name| r.get_one::<String>(name).cloned(),
             );
             let validated = match loaded {
                 Ok(c) => c,
-                Err(e) => {
-                    eprint!("aggregator: {e}");
-                    return ExitCode::from(2);
-                }
+                Err(code) => return code,
             };
             if r.get_flag("check-config") {
                 println!("{:#?}", validated.service);

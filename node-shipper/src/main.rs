@@ -35,16 +35,14 @@ fn main() -> ExitCode {
     let m = command().get_matches(); // usage errors: clap prints them and exits 2
     // Every problem at once, the files it names included (a node name that is not the
     // certificate's DNS SAN among them: every batch would be refused).
-    let loaded = ringwatch_transport::config::load::<config::Shipper>(
+    let loaded = ringwatch_transport::config::load_or_exit::<config::Shipper>(
+        "node-shipper",
         m.get_one::<String>("config").map(String::as_str),
         |name| m.get_one::<String>(name).cloned(),
     );
     let cfg = match loaded {
         Ok(c) => c,
-        Err(e) => {
-            eprint!("node-shipper: {e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     if m.get_flag("check-config") {
         println!("{cfg:#?}");

@@ -79,6 +79,22 @@ pub trait Schema {
     }
 }
 
+/// [`load`] for a binary's `main`: the problems printed to stderr after `bin: `, and the
+/// exit code for them (2, a configuration error) as the error.
+///
+/// # Errors
+/// The configuration has problems (already printed).
+pub fn load_or_exit<S: Schema>(
+    bin: &str,
+    config_file: Option<&str>,
+    flag: impl Fn(&str) -> Option<String>,
+) -> Result<S::Output, std::process::ExitCode> {
+    load::<S>(config_file, flag).map_err(|e| {
+        eprint!("{bin}: {e}");
+        std::process::ExitCode::from(2)
+    })
+}
+
 /// A process's configuration: the TOML file at `config_file` (if given), the
 /// environment, and the command line (`flag` gives a field's value, by field name); then
 /// validated, and the files it names checked.

@@ -395,6 +395,14 @@ async fn follow_pressure(shared: Arc<Shared>, cfg: ringwatch_transport::psi::Psi
         }
     };
     tracing::info!(file = %w.state.borrow().file.display(), "memory pressure watcher armed");
+    // This task aborted (shutdown) or restarted after a panic: its watcher goes with it.
+    struct AbortOnDrop(tokio::task::AbortHandle);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let _watcher = AbortOnDrop(w.task.abort_handle());
     shared.pressure.armed.store(true, std::sync::atomic::Ordering::Relaxed);
     *shared.pressure.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(w.state.clone());
     let mut state = w.state;

@@ -556,16 +556,17 @@ impl Shared {
         })
     }
 
-    /// Reads the cgroup's limit again and derives the caps from it. The spool's own cap
-    /// was fixed at start, so a lower budget is applied as a ceiling on bulk's share;
-    /// returns that ceiling (`None`: the start's caps stand). A limit that no longer
-    /// holds the floor keeps the floor (the shipper is already running: it says so).
-    fn rederive_budget(&self) -> Option<usize> {
+    /// The ceiling the memory budget puts on bulk's share of the spool (`None`: the
+    /// start's caps stand). With `reread` (a pressure event) the cgroup's limit is read
+    /// again and the caps derived from it first. The spool's own cap was fixed at start,
+    /// so a lower budget is applied as this ceiling; a limit that no longer holds the
+    /// floor keeps the floor (the shipper is already running: it says so).
+    fn budget_ceiling(&self, reread: bool) -> Option<usize> {
         let mut b = self.budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (input, budget, file) = b.as_mut()?;
-        let limit = ringwatch_transport::memcg::own_limit();
+        let limit = if reread { ringwatch_transport::memcg::own_limit() } else { None };
         let fresh = BudgetInput { limit_bytes: limit.as_ref().map(|l| l.bytes), ..*input };
-        if fresh.limit_bytes != input.limit_bytes {
+        if reread && fresh.limit_bytes != input.limit_bytes {
             match crate::core::budget::derive(fresh) {
                 Ok(new) => {
                     tracing::warn!(
@@ -619,8 +620,9 @@ async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<Pressur
     let mut last = None;
     loop {
         let s = state.borrow_and_update().clone();
-        // Each pressure event (a level change) reads the cgroup's limit again.
-        let ceiling = if last == Some(s.level) { None } else { shared.rederive_budget() };
+        // Each pressure event (a level change) reads the cgroup's limit again; between
+        // them the last derived ceiling stands.
+        let ceiling = shared.budget_ceiling(last != Some(s.level));
         last = Some(s.level);
         let pressure = Pressure {
             level: s.level,

@@ -540,18 +540,33 @@ fn kernel_loader_errors_each_say_what_to_do() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("permission denied") && stderr.contains("CAP_BPF"), "{stderr}");
 
-    // A ring too large for the memory cgroup: a 64 MiB memcg, a 256 MiB ring.
+    // A ring too large for the memory cgroup: a 64 MiB memcg, a 256 MiB ring. With the
+    // memory budget (the default) the shipper refuses it before loading anything: the
+    // rings and the spool's floor do not fit the limit (exit 2, the numbers named).
+    // With `memory_budget = static` the kernel's refusal is what the loader reports.
     match Memcg::new(64 << 20) {
         Some(cg) => {
             let big_pins = Pins::new("big");
-            let out = Command::new("sh")
-                .arg("-c")
-                .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
-                .arg("sh")
-                .arg(&bin)
-                .args(shipper_args(&big_pins.0, &tls, &["--bulk-ring-bytes", "268435456"]))
-                .output()
-                .expect("sh runs");
+            let in_cg = |args: Vec<String>| {
+                Command::new("sh")
+                    .arg("-c")
+                    .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
+                    .arg("sh")
+                    .arg(&bin)
+                    .args(args)
+                    .output()
+                    .expect("sh runs")
+            };
+            let out = in_cg(shipper_args(&big_pins.0, &tls, &["--bulk-ring-bytes", "268435456"]));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            println!("ring too large, budget: exit {:?}: {stderr}", out.status.code());
+            assert_eq!(out.status.code(), Some(2), "{stderr}");
+            assert!(stderr.contains("memory budget") && stderr.contains("ring memory (269484032)"), "{stderr}");
+            let out = in_cg(shipper_args(
+                &big_pins.0,
+                &tls,
+                &["--bulk-ring-bytes", "268435456", "--memory-budget", "static"],
+            ));
             let stderr = String::from_utf8_lossy(&out.stderr);
             println!("ring too large: exit {:?}: {stderr}", out.status.code());
             assert_eq!(out.status.code(), Some(1), "{stderr}");
@@ -571,7 +586,11 @@ fn kernel_loader_errors_each_say_what_to_do() {
                 .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display()))
                 .arg("sh")
                 .arg(&bin)
-                .args(shipper_args(&ok_pins.0, &tls, &["--bulk-ring-bytes", &fits.to_string()]))
+                .args(shipper_args(
+                    &ok_pins.0,
+                    &tls,
+                    &["--bulk-ring-bytes", &fits.to_string(), "--memory-budget", "static"],
+                ))
                 .stderr(Stdio::piped())
                 .stdout(Stdio::null())
                 .spawn()

@@ -41,7 +41,7 @@ pub struct Budget {
 #[error(
     "the memory limit ({limit} bytes) less ring memory ({rings}) and headroom ({headroom}) leaves {available} bytes; \
      the spool needs at least {floor} (both reserves plus two batches) and the reader queue {queue_floor}: \
-     raise the cgroup's limit or lower p0_reserve_bytes / p1_reserve_bytes / memory_headroom_bytes"
+     raise the cgroup's limit or lower p0_reserve_bytes / p1_reserve_bytes / memory_headroom_bytes / the ring sizes"
 )]
 pub struct TooSmall {
     pub limit: u64,

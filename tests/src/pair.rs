@@ -1579,6 +1579,7 @@ impl Pair {
         self.judge.finish(&truth, end, s.timers.stuck_deadline_ms, s.timers.heartbeat_ms);
         let nodes_dto = aggregator::api::dto::NodesDto {
             api_version: String::new(),
+            as_of: aggregator::api::dto::AsOfDto::default(),
             nodes: self
                 .shippers
                 .iter()

@@ -55,6 +55,20 @@ async fn net_eight_shippers_from_the_simulator_match_ground_truth() {
     .await;
     let nodes: NodesDto = get_json(http, "/v1/nodes").await;
     let verdicts: VerdictsDto = get_json(http, "/v1/verdicts?limit=100000").await;
+    // Freshness: the answer names the oldest P0 watermark among the nodes (cluster time)
+    // and the node holding it back; the verdict page is at least as fresh.
+    let a = &nodes.as_of;
+    let cluster_watermark = |n: &aggregator::api::dto::NodeDto| {
+        i64::try_from(n.watermark_p0_node_ns).unwrap() + n.clock_offset_ns.unwrap_or(0)
+    };
+    let with: Vec<_> = nodes.nodes.iter().filter(|n| n.watermark_p0_node_ns > 0).collect();
+    assert_eq!(a.nodes_with_watermark, with.len() as u64, "{a:?}");
+    let lowest = with.iter().map(|n| cluster_watermark(n)).min().expect("watermarks");
+    assert_eq!(a.p0_watermark_min_cluster_ns, Some(lowest), "{a:?}");
+    let named = with.iter().find(|n| Some(n.name.as_str()) == a.p0_watermark_min_node.as_deref()).expect("named");
+    assert_eq!(cluster_watermark(named), lowest, "the node named holds the minimum: {a:?}");
+    assert_eq!(a.aggregator_epoch, 1);
+    assert!(verdicts.as_of.aggregator_ms >= a.aggregator_ms && verdicts.as_of.nodes_with_watermark >= 1);
     let reports = stop(shippers).await;
     agg.shutdown();
 

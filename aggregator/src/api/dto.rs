@@ -128,6 +128,9 @@ pub struct ReadyzDto {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IngestDto {
     pub api_version: String,
+    /// How fresh this answer is.
+    #[serde(default)]
+    pub as_of: AsOfDto,
     pub aggregator_epoch: u64,
     pub connections: u64,
     pub handshake_failures: u64,
@@ -220,6 +223,9 @@ pub struct MapSizeDto {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodesDto {
     pub api_version: String,
+    /// How fresh this answer is.
+    #[serde(default)]
+    pub as_of: AsOfDto,
     pub nodes: Vec<NodeDto>,
 }
 
@@ -353,10 +359,30 @@ pub struct VerdictStoreDto {
     pub recoveries: u64,
 }
 
+/// How fresh an answer is (`as_of` in `/v1/nodes`, `/v1/verdicts`, `/v1/ingest`): the
+/// aggregator's epoch and time when the answer was built, and the oldest P0 watermark
+/// among the nodes — every node's collective events up to that cluster time are in (or
+/// accounted as lost). A verdict may change until it is `final`: act on final ones only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct AsOfDto {
+    pub aggregator_epoch: u64,
+    /// Aggregator time (ms) the answer was built at.
+    pub aggregator_ms: u64,
+    /// The lowest P0 watermark of the nodes with one, in cluster time (ns: the node's
+    /// clock corrected by its offset); `None` before any node reported one.
+    pub p0_watermark_min_cluster_ns: Option<i64>,
+    /// The node that holds it back (its name), and how many nodes have a watermark.
+    pub p0_watermark_min_node: Option<String>,
+    pub nodes_with_watermark: u64,
+}
+
 /// `GET /v1/verdicts`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VerdictsDto {
     pub api_version: String,
+    /// How fresh this page is.
+    #[serde(default)]
+    pub as_of: AsOfDto,
     /// Verdicts matching the query, where the store counts them without a scan (no
     /// filter, or `final` alone); absent for `node` / `outcome` filters — page through
     /// with `next_cursor`.

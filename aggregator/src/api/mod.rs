@@ -229,14 +229,14 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         return r.into_response();
     }
     let c = &s.counters;
-    let (stats, matcher, dedup, evictions, mut maps) = {
+    let (stats, matcher, dedup, evictions, mut maps, fresh) = {
         let core = match s.core() {
             Ok(c) => c,
             Err(e) => return unavailable(e),
         };
         {
             let (ingest, matcher, dedup) = core.stats();
-            (ingest, matcher, dedup, core.evictions(), core.map_sizes())
+            (ingest, matcher, dedup, core.evictions(), core.map_sizes(), as_of(&s, &core, s.now()))
         }
     };
     let (store, store_stats) = {
@@ -276,6 +276,7 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     }
     Json(IngestDto {
         api_version: API_VERSION.into(),
+        as_of: fresh,
         aggregator_epoch: s.epoch,
         connections: c.connections.load(Relaxed),
         handshake_failures: c.handshake_failures.load(Relaxed),
@@ -326,6 +327,32 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     .into_response()
 }
 
+/// [`dto::AsOfDto`] from the core (its lock held by the caller) at aggregator time `now`.
+fn as_of(s: &Shared, core: &ringwatch_core::Core, now: u64) -> dto::AsOfDto {
+    let mut min: Option<(i64, NodeId)> = None;
+    let mut with = 0u64;
+    for id in core.node_ids() {
+        let Some(n) = core.node_state(id) else { continue };
+        let w = n.watermark_ns[0];
+        if w == 0 {
+            continue;
+        }
+        with = with.saturating_add(1);
+        let c = n.clock.to_cluster(w);
+        if min.is_none_or(|(m, _)| c < m) {
+            min = Some((c, id));
+        }
+    }
+    let name = |id: NodeId| s.nodes.get(&id).map_or_else(|| format!("{:016x}", id.0), |e| e.name.clone());
+    dto::AsOfDto {
+        aggregator_epoch: s.epoch,
+        aggregator_ms: now / 1_000_000,
+        p0_watermark_min_cluster_ns: min.map(|(c, _)| c),
+        p0_watermark_min_node: min.map(|(_, id)| name(id)),
+        nodes_with_watermark: with,
+    }
+}
+
 async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -339,6 +366,7 @@ async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     };
     let health = core.node_health(now);
     let gpu_health = core.gpu_health(now);
+    let fresh = as_of(&s, &core, now);
     // A node the core knows (from its snapshot) that has not connected to this instance
     // is listed too, under its id — a node that never came back after an aggregator
     // restart must not vanish from the answer.
@@ -395,7 +423,7 @@ async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         .collect();
     drop(core);
     out.sort_by(|a, b| a.name.cmp(&b.name));
-    Json(NodesDto { api_version: API_VERSION.into(), nodes: out }).into_response()
+    Json(NodesDto { api_version: API_VERSION.into(), as_of: fresh, nodes: out }).into_response()
 }
 
 async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
@@ -448,6 +476,11 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         },
         None => None,
     };
+    // Freshness first (the core's lock, briefly): the page reflects at least this.
+    let fresh = match s.core() {
+        Ok(core) => as_of(&s, &core, s.now()),
+        Err(e) => return unavailable(e),
+    };
     // One bounded page under the store's lock (owned), the DTOs after it is released.
     let (page, total, stored) = {
         let store = s.store();
@@ -478,6 +511,7 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         .collect();
     Json(VerdictsDto {
         api_version: API_VERSION.into(),
+        as_of: fresh,
         total,
         stored,
         next_cursor: page.next.map(|c| c.encode()),

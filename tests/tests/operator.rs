@@ -260,7 +260,9 @@ async fn net_failing_snapshots_make_the_aggregator_not_ready_until_one_succeeds(
 
     // The directory goes away under the running aggregator (a volume unmounted, a
     // careless cleanup): snapshots fail, and after three in a row it says so.
-    std::fs::remove_dir_all(&snaps).expect("remove snapshot dir");
+    // Moved away in one step: removing it file by file races the writer (every 50 ms it
+    // creates `core.snap.tmp` again, and the removal then finds the directory not empty).
+    std::fs::rename(&snaps, dir.path().join("snapshots.gone")).expect("move the snapshot dir away");
     let (_, body) = wait_json_status(agg.http_addr, "/healthz", 503, |b| b.contains("snapshots failed")).await;
     let h: aggregator::api::dto::HealthzDto = serde_json::from_str(&body).expect("healthz json");
     assert_eq!(h.status, "degraded", "{body}");

@@ -25,7 +25,7 @@ fn command() -> Command {
                 .help("validate the configuration and the files it names, print it, exit"),
         );
     for (name, help) in config::fields() {
-        // clap wants 'static names; a few short strings, built once per process.
+        // clap wants 'static names; one short string per field, built once per process.
         let long: &'static str = name.replace('_', "-").leak();
         run = run.arg(Arg::new(name).long(long).value_name("VALUE").help(help));
     }

@@ -1,7 +1,8 @@
 //! `node-shipper` binary: configuration (flags > env > file > defaults, every problem at
 //! once, `--check-config`), logs, the source, then [`node_shipper::driver::run`] until
 //! SIGTERM/SIGINT. Exit codes: 0 ok (SIGTERM included; the final report on stdout says
-//! what, if anything, was not flushed), 1 runtime failure, 2 usage or configuration.
+//! what, if anything, was not flushed), 1 runtime failure, 2 usage or configuration (a
+//! cgroup memory limit too small for the spool included), 70 the core pump failed.
 
 use std::process::ExitCode;
 
@@ -14,7 +15,7 @@ fn command() -> Command {
         .about("ringwatch per-node sidecar: BPF rings → batches → spool → QUIC")
         .after_help(
             "Precedence: flag > environment (RINGWATCH_SHIPPER_<FIELD>) > --config file > default.\n\
-             Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error.",
+             Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error (a cgroup too small for the spool included), 70 the core pump failed.",
         )
         .arg(Arg::new("config").long("config").value_name("FILE").help("TOML configuration file"))
         .arg(
@@ -24,7 +25,7 @@ fn command() -> Command {
                 .help("validate the configuration and the files it names, print it, exit"),
         );
     for (name, help) in config::fields() {
-        // clap wants 'static names; 14 short strings, built once per process.
+        // clap wants 'static names; one short string per field, built once per process.
         let long: &'static str = name.replace('_', "-").leak();
         cmd = cmd.arg(Arg::new(name).long(long).value_name("VALUE").help(help));
     }

@@ -83,6 +83,30 @@ const FIELDS: &[Field] = &[
         Some("1024"),
         "HTTP connections served at once; more are answered 503 and closed",
     ),
+    (
+        "events_capacity",
+        Kind::Int { min: 16, max: 1_000_000 },
+        Some("10000"),
+        "events GET /v1/events keeps for resuming subscribers (the oldest go first; a resume from one gets a gap event)",
+    ),
+    (
+        "events_heartbeat_ms",
+        Kind::Int { min: 100, max: 600_000 },
+        Some("15000"),
+        "a quiet event stream gets a heartbeat comment this often (proxies keep the connection)",
+    ),
+    (
+        "events_max_subscribers",
+        Kind::Int { min: 1, max: 100_000 },
+        Some("256"),
+        "event streams served at once; more are answered 503",
+    ),
+    (
+        "api_token_file",
+        Kind::OptText,
+        Some(""),
+        "a file holding the API's bearer token (re-read when it changes): requests without it get 401; /healthz, /readyz and /metrics are exempt (empty: no token)",
+    ),
     ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
 ];
 
@@ -159,6 +183,13 @@ impl Schema for Aggregator {
             header_read_timeout: std::time::Duration::from_millis(int("http_header_timeout_ms")),
             max_connections: usize::try_from(int("http_max_connections")).unwrap_or(usize::MAX),
         };
+        c.events = crate::api::events::EventsConfig {
+            capacity: usize::try_from(int("events_capacity")).unwrap_or(usize::MAX),
+            heartbeat_ms: int("events_heartbeat_ms"),
+            max_subscribers: int("events_max_subscribers"),
+            ..c.events
+        };
+        c.api_token_file = v.opt_text("api_token_file").map(PathBuf::from);
         Some(Validated { service: c, log_json: v.text("log_format") == Some("json") })
     }
 
@@ -178,6 +209,11 @@ pub fn check_files(c: &AggregatorConfig) -> Vec<ConfigError> {
     problems.extend(check::identity("cert", &c.cert, "key", &c.key, None));
     if let Some(problem) = c.psi.as_ref().and_then(ringwatch_transport::psi::check_config) {
         problems.push(problem);
+    }
+    if let Some(token) = &c.api_token_file
+        && let Err(e) = crate::api::auth::read_token(token)
+    {
+        problems.push(("api_token_file", e));
     }
     if let Some(snap) = &c.snapshot_path {
         let dir = snap.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -221,6 +257,8 @@ mod tests {
         assert_eq!(c.matcher.expected_nodes, d.matcher.expected_nodes);
         assert_eq!(c.snapshot_interval_ms, d.snapshot_interval_ms);
         assert_eq!(c.http_limits, d.http_limits);
+        assert_eq!(c.events, d.events);
+        assert_eq!(c.api_token_file, None);
         assert!(!v.log_json);
     }
 

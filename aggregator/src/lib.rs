@@ -15,6 +15,7 @@
 pub mod api;
 pub mod certs;
 pub mod config;
+pub mod events;
 pub mod ingest;
 pub mod snapshots;
 pub mod state;
@@ -71,6 +72,10 @@ pub struct AggregatorConfig {
     /// the aggregator sheds its P3: the verdict store keeps a quarter of its retention
     /// and bytes, logs drop to WARN, freed heap goes back to the kernel.
     pub psi: Option<ringwatch_transport::psi::PsiConfig>,
+    /// The event stream (`GET /v1/events`): log size, heartbeat, subscriber cap.
+    pub events: api::events::EventsConfig,
+    /// The API's bearer token file (none: no token asked).
+    pub api_token_file: Option<PathBuf>,
 }
 
 impl AggregatorConfig {
@@ -97,6 +102,8 @@ impl AggregatorConfig {
             // In-process aggregators (tests, loadgen) share their process's cgroup with
             // everything else in it: off unless asked for.
             psi: None,
+            events: api::events::EventsConfig::default(),
+            api_token_file: None,
         }
     }
 }
@@ -205,6 +212,8 @@ impl Aggregator {
             core.reconfigure(cfg.ingest, cfg.matcher);
         }
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
+        shared.configure_events(cfg.events);
+        shared.api_token = cfg.api_token_file.clone().map(api::auth::TokenFile::new);
         let shared = Arc::new(shared);
         // A std listener, so the HTTP task can restart in place on a clone of it.
         let listener = std::net::TcpListener::bind(cfg.http)
@@ -228,6 +237,12 @@ impl Aggregator {
                 move || serve_http(listener.try_clone(), router.clone(), limits, Arc::clone(&http_counters)),
             ),
         ];
+        let sh = Arc::clone(&shared);
+        tasks.push(supervise::spawn_io_task(
+            Arc::clone(&shared),
+            |s| &s.tasks.events,
+            move || watch_nodes(Arc::clone(&sh)),
+        ));
         if let Some(psi) = cfg.psi.clone() {
             let sh = Arc::clone(&shared);
             tasks.push(supervise::spawn_io_task(
@@ -256,6 +271,7 @@ impl Aggregator {
 
     /// Stops accepting and closes every connection.
     pub fn shutdown(&self) {
+        self.shared.close_events();
         self.endpoint.close(ringwatch_transport::close::SHUTDOWN.into(), b"aggregator shutting down");
         for t in &self.tasks {
             t.abort();
@@ -455,6 +471,71 @@ async fn follow_pressure(shared: Arc<Shared>, cfg: ringwatch_transport::psi::Psi
             ringwatch_transport::shell::pressure_log_floor(false);
             return;
         }
+    }
+}
+
+/// The `events` task: every `poll_ms` (real time) it reads each node's health, GPU
+/// health, liveness, connection and loss counts under the core's lock and pushes what
+/// changed (`events::NodeDiff`) to the event log, still under the lock — so a list's
+/// `as_of.event_id` never names an event its content does not reflect.
+async fn watch_nodes(shared: Arc<Shared>) {
+    let cfg = shared.events.config;
+    let mut diff = events::NodeDiff::new(cfg.loss_window_ms.saturating_mul(1_000_000));
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.poll_ms.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut changes = Vec::new();
+    loop {
+        tick.tick().await;
+        let names: std::collections::BTreeMap<ringwatch_core::NodeId, (String, bool)> =
+            shared.nodes.iter().map(|e| (*e.key(), (e.name.clone(), e.connected()))).collect();
+        {
+            let Ok(core) = shared.core() else { return };
+            let now = shared.now();
+            let health = core.node_health(now);
+            let gpu_health = core.gpu_health(now);
+            let mut views = std::collections::BTreeMap::new();
+            for id in core.node_ids() {
+                let Some(st) = core.node_state(id) else { continue };
+                let (name, connected) = names.get(&id).cloned().unwrap_or_else(|| (format!("{:016x}", id.0), false));
+                let (p0_lost, p0_attempted) = core.p0_loss(id);
+                let (mut bulk_lost, mut bulk_frames) = (0u64, 0u64);
+                for t in core.trackers(id) {
+                    if proto_flat::header::StreamId(t.key.stream_id).class() == proto_flat::codes::Class::P0 {
+                        continue;
+                    }
+                    let c = t.counts();
+                    bulk_lost = bulk_lost.saturating_add(c.lost_total());
+                    bulk_frames = bulk_frames.saturating_add(c.received.saturating_add(c.lost_total()));
+                }
+                let gpus = gpu_health
+                    .range((id, [0u8; 16])..=(id, [0xff; 16]))
+                    .map(|((_, uuid), h)| {
+                        (uuid.iter().map(|b| format!("{b:02x}")).collect(), api::dto::health_name(*h))
+                    })
+                    .collect();
+                views.insert(
+                    id.0,
+                    events::NodeView {
+                        name,
+                        health: api::dto::health_name(
+                            health.get(&id).copied().unwrap_or(ringwatch_core::Health::Healthy),
+                        ),
+                        liveness: api::dto::liveness_name(st.liveness),
+                        connected,
+                        gpus,
+                        p0_lost,
+                        p0_attempted,
+                        bulk_lost,
+                        bulk_frames,
+                    },
+                );
+            }
+            diff.poll(now, views, &mut changes);
+            if !changes.is_empty() {
+                shared.push_events(changes.drain(..).map(|c| api::events::Event::of_change(&c)));
+            }
+        }
+        shared.progress(&shared.tasks.events);
     }
 }
 

@@ -18,6 +18,8 @@ use std::time::Instant;
 use dashmap::DashMap;
 use ringwatch_core::{Core, NodeId, VerdictStore};
 
+use crate::events::EventLog;
+
 /// Counters of the I/O shell (the core counts its own).
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -119,6 +121,8 @@ pub struct Tasks {
     /// The memory-pressure watcher's follower (alive only when `psi` is on and PSI is
     /// available here).
     pub pressure: TaskHealth,
+    /// The event stream's node-state poll (health, liveness, P0 loss, loss rates).
+    pub events: TaskHealth,
     /// Panics caught in a connection's or a batch stream's task (that connection is
     /// closed; its shipper reconnects and resends what was not acked).
     pub connection_panics: AtomicU64,
@@ -134,6 +138,7 @@ impl Default for Tasks {
             http: TaskHealth::new("http"),
             snapshots: TaskHealth::new("snapshots"),
             pressure: TaskHealth::new("pressure"),
+            events: TaskHealth::new("events"),
             connection_panics: AtomicU64::new(0),
             handler_panics: AtomicU64::new(0),
         }
@@ -143,8 +148,8 @@ impl Default for Tasks {
 impl Tasks {
     /// Every long-lived task.
     #[must_use]
-    pub fn all(&self) -> [&TaskHealth; 5] {
-        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure]
+    pub fn all(&self) -> [&TaskHealth; 6] {
+        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure, &self.events]
     }
 }
 
@@ -230,6 +235,35 @@ pub struct PressureShared {
     pub rss_returned_bytes: AtomicU64,
 }
 
+/// The event stream (`GET /v1/events`): the bounded log, the subscribers' wake-up, and
+/// counters.
+#[derive(Debug)]
+pub struct EventsShared {
+    pub config: crate::api::events::EventsConfig,
+    log: Mutex<EventLog<crate::api::events::Event>>,
+    /// The newest event's sequence number (subscribers wait on it).
+    pub wake: tokio::sync::watch::Sender<u64>,
+    pub subscribers: AtomicU64,
+    pub refused: AtomicU64,
+    pub gaps_sent: AtomicU64,
+    /// The aggregator is stopping: streams end.
+    pub closing: AtomicBool,
+}
+
+impl EventsShared {
+    fn new(epoch: u64, instance: u64, config: crate::api::events::EventsConfig) -> Self {
+        Self {
+            config,
+            log: Mutex::new(EventLog::new(epoch, instance, config.capacity)),
+            wake: tokio::sync::watch::Sender::new(0),
+            subscribers: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            gaps_sent: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+        }
+    }
+}
+
 /// Everything shared.
 #[derive(Debug)]
 pub struct Shared {
@@ -261,6 +295,12 @@ pub struct Shared {
     core: Mutex<Core>,
     store: Mutex<VerdictStore>,
     pub nodes: DashMap<NodeId, NodeEntry>,
+    /// The event stream's log and subscribers.
+    pub events: EventsShared,
+    /// The API's bearer token (none: the API asks for none).
+    pub api_token: Option<crate::api::auth::TokenFile>,
+    /// Requests answered 401 (no token, or the wrong one).
+    pub http_unauthorized: AtomicU64,
     pub counters: Counters,
     pub instance: u64,
     pub epoch: u64,
@@ -300,6 +340,9 @@ impl Shared {
             core: Mutex::new(core),
             store: Mutex::new(store),
             nodes: DashMap::new(),
+            events: EventsShared::new(epoch, instance, crate::api::events::EventsConfig::default()),
+            api_token: None,
+            http_unauthorized: AtomicU64::new(0),
             counters: Counters::default(),
             instance,
             epoch,
@@ -404,6 +447,40 @@ impl Shared {
         })
     }
 
+    /// The event stream's configuration (at start, before any event).
+    pub fn configure_events(&mut self, config: crate::api::events::EventsConfig) {
+        self.events = EventsShared::new(self.epoch, self.instance, config);
+    }
+
+    /// The event log, locked (after the core's and the store's locks when those are
+    /// held; for a bounded copy or a push).
+    pub fn events_log(&self) -> MutexGuard<'_, EventLog<crate::api::events::Event>> {
+        self.events.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Appends events to the log (the caller holds the core's lock, so they are in the
+    /// core's order) and wakes the subscribers.
+    pub fn push_events(&self, events: impl IntoIterator<Item = crate::api::events::Event>) {
+        let newest = {
+            let mut log = self.events_log();
+            for e in events {
+                log.push(e);
+            }
+            log.last_id().seq
+        };
+        self.events.wake.send_if_modified(|n| {
+            let newer = newest > *n;
+            *n = newest;
+            newer
+        });
+    }
+
+    /// Ends every event stream (the aggregator is stopping).
+    pub fn close_events(&self) {
+        self.events.closing.store(true, Ordering::Relaxed);
+        self.events.wake.send_modify(|_| {});
+    }
+
     /// Whether the ack-holding test hook is in force now.
     #[must_use]
     pub fn holding_acks(&self) -> bool {
@@ -421,6 +498,7 @@ impl Shared {
             return;
         }
         let now = self.now();
+        self.push_events(events.iter().map(crate::api::events::Event::of_matcher));
         self.store().apply(now, events);
     }
 }

@@ -1,6 +1,7 @@
 //! A minimal HTTP/1.1 client for this API (`loadgen` and the tests read verdicts through
 //! the same DTOs a scheduler would): `GET`, `Connection: close`, chunked or
-//! length-delimited bodies.
+//! length-delimited bodies, optional extra headers (a bearer token); and
+//! [`EventStream`], a follower of `GET /v1/events` (Server-Sent Events).
 
 use std::net::SocketAddr;
 
@@ -24,9 +25,27 @@ pub enum ClientError {
 /// # Errors
 /// The server cannot be reached or does not answer HTTP.
 pub async fn get(addr: SocketAddr, path: &str) -> Result<(u16, String), ClientError> {
+    get_with(addr, path, &[]).await
+}
+
+/// The request head of `GET path` with `headers`.
+fn request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> String {
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req
+}
+
+/// `GET path` with extra request headers (`("Authorization", "Bearer …")`).
+///
+/// # Errors
+/// As [`get`].
+pub async fn get_with(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Result<(u16, String), ClientError> {
     let io = |source| ClientError::Io { path: path.to_owned(), source };
     let mut s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let req = request(addr, path, headers);
     s.write_all(req.as_bytes()).await.map_err(io)?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).await.map_err(io)?;
@@ -78,4 +97,155 @@ pub async fn get_all_verdicts(addr: SocketAddr, query: &str) -> Result<super::dt
         all.next_cursor = page.next_cursor;
     }
     Ok(all)
+}
+
+/// One Server-Sent Event.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SseEvent {
+    pub id: Option<String>,
+    /// The `event:` field (`message` when absent).
+    pub event: String,
+    pub data: String,
+}
+
+/// A `GET /v1/events` stream being read.
+#[derive(Debug)]
+pub struct EventStream {
+    reader: tokio::io::BufReader<tokio::net::TcpStream>,
+    chunked: bool,
+    decoded: Vec<u8>,
+    ended: bool,
+    path: String,
+    /// Comment lines (`: heartbeat`) seen.
+    pub comments: u64,
+}
+
+impl EventStream {
+    /// Opens `GET path` (`/v1/events?…`) with `headers` (`Last-Event-ID`, a token).
+    ///
+    /// # Errors
+    /// The server cannot be reached, answers something else than HTTP, or another
+    /// status than 200 (with its body).
+    pub async fn open(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Result<Self, ClientError> {
+        use tokio::io::AsyncBufReadExt;
+        let io = |source| ClientError::Io { path: path.to_owned(), source };
+        let mut s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
+        let mut all = headers.to_vec();
+        all.push(("Accept", "text/event-stream"));
+        s.write_all(request(addr, path, &all).as_bytes()).await.map_err(io)?;
+        let mut reader = tokio::io::BufReader::new(s);
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).await.map_err(io)? == 0 || line == "\r\n" {
+                break;
+            }
+            if head.len() > 64 * 1024 {
+                return Err(ClientError::NotHttp { path: path.to_owned() });
+            }
+            head.push_str(&line);
+        }
+        let status: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| ClientError::NotHttp { path: path.to_owned() })?;
+        let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+        let mut me = Self { reader, chunked, decoded: Vec::new(), ended: false, path: path.to_owned(), comments: 0 };
+        if status != 200 {
+            let mut body = Vec::new();
+            while let Some(line) = me.line().await? {
+                body.push(line);
+            }
+            return Err(ClientError::Status { path: path.to_owned(), status, body: body.join("\n") });
+        }
+        Ok(me)
+    }
+
+    /// Reads more of the body into `decoded`; false at its end.
+    async fn fill(&mut self) -> Result<bool, ClientError> {
+        use tokio::io::AsyncBufReadExt;
+        let path = self.path.clone();
+        let io = |source| ClientError::Io { path: path.clone(), source };
+        if self.ended {
+            return Ok(false);
+        }
+        if !self.chunked {
+            let mut buf = [0u8; 8192];
+            let n = self.reader.read(&mut buf).await.map_err(io)?;
+            self.decoded.extend_from_slice(buf.get(..n).unwrap_or_default());
+            self.ended = n == 0;
+            return Ok(n > 0);
+        }
+        let mut size = String::new();
+        if self.reader.read_line(&mut size).await.map_err(io)? == 0 {
+            self.ended = true;
+            return Ok(false);
+        }
+        let n = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16)
+            .map_err(|_| ClientError::NotHttp { path: path.clone() })?;
+        if n == 0 {
+            self.ended = true;
+            return Ok(false);
+        }
+        let start = self.decoded.len();
+        self.decoded.resize(start + n, 0);
+        self.reader.read_exact(self.decoded.get_mut(start..).unwrap_or_default()).await.map_err(io)?;
+        let mut crlf = [0u8; 2];
+        self.reader.read_exact(&mut crlf).await.map_err(io)?;
+        Ok(true)
+    }
+
+    /// The next line of the body (without its end); `None` at the end.
+    async fn line(&mut self) -> Result<Option<String>, ClientError> {
+        loop {
+            if let Some(i) = self.decoded.iter().position(|&b| b == b'\n') {
+                let raw: Vec<u8> = self.decoded.drain(..=i).collect();
+                let text = String::from_utf8_lossy(raw.get(..i).unwrap_or_default()).into_owned();
+                return Ok(Some(text.strip_suffix('\r').unwrap_or(&text).to_owned()));
+            }
+            if !self.fill().await? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The next event; `None` when the server ended the stream.
+    ///
+    /// # Errors
+    /// The connection failed or the chunked framing is broken.
+    pub async fn next(&mut self) -> Result<Option<SseEvent>, ClientError> {
+        let mut e = SseEvent::default();
+        let mut any = false;
+        while let Some(line) = self.line().await? {
+            if line.is_empty() {
+                if any {
+                    if e.event.is_empty() {
+                        e.event = "message".into();
+                    }
+                    return Ok(Some(e));
+                }
+                continue;
+            }
+            if line.starts_with(':') {
+                self.comments += 1;
+                continue;
+            }
+            let (field, value) = line.split_once(':').unwrap_or((&line, ""));
+            let value = value.strip_prefix(' ').unwrap_or(value);
+            any = true;
+            match field {
+                "id" => e.id = Some(value.to_owned()),
+                "event" => e.event = value.to_owned(),
+                "data" => {
+                    if !e.data.is_empty() {
+                        e.data.push('\n');
+                    }
+                    e.data.push_str(value);
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
 }

@@ -195,6 +195,9 @@ pub struct IngestDto {
     /// The HTTP listener itself.
     #[serde(default)]
     pub http: HttpDto,
+    /// The event stream's log.
+    #[serde(default)]
+    pub events: EventLogDto,
 }
 
 /// The HTTP listener's counters (`/v1/ingest` `http`).
@@ -210,6 +213,12 @@ pub struct HttpDto {
     pub header_timeouts: u64,
     /// `accept` failures (the process's file limit, most often).
     pub accept_errors: u64,
+    /// Requests answered 401 (no bearer token, or the wrong one).
+    #[serde(default)]
+    pub unauthorized: u64,
+    /// Times the token file brought a new token.
+    #[serde(default)]
+    pub token_rotations: u64,
 }
 
 /// One bounded map's size against its cap (`/v1/ingest` `maps`).
@@ -374,6 +383,10 @@ pub struct AsOfDto {
     /// The node that holds it back (its name), and how many nodes have a watermark.
     pub p0_watermark_min_node: Option<String>,
     pub nodes_with_watermark: u64,
+    /// The newest event (`GET /v1/events`) this answer reflects: watch from it
+    /// (`after=` or `Last-Event-ID`) to miss nothing after this list.
+    #[serde(default)]
+    pub event_id: String,
 }
 
 /// `GET /v1/verdicts`.
@@ -505,7 +518,9 @@ impl StreamDto {
 }
 
 impl OpDto {
-    fn of(op: &OpRef) -> Self {
+    /// From the core's op reference.
+    #[must_use]
+    pub fn of(op: &OpRef) -> Self {
         let (kind, comm, seq) = match *op {
             OpRef::Coll { comm, seq } => ("collective", comm, seq),
             OpRef::P2p { comm, p2p_seq, .. } => ("p2p", comm, p2p_seq),
@@ -553,4 +568,92 @@ impl VerdictDto {
             compacted: false,
         }
     }
+}
+
+/// `GET /v1/events`: the kinds of event (the SSE `event:` field); `data:` is one JSON
+/// object — a [`VerdictDto`] for `verdict` and `revision`, otherwise the DTO named here.
+pub const EVENT_KINDS: &[&str] =
+    &["verdict", "revision", "recovery", "health", "liveness", "p0_loss", "loss_rate", "gap"];
+
+/// `recovery`: a final unfinished verdict (`stuck`, `waiting_on`, …) saw its rank
+/// complete the op after all; the verdict stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryEventDto {
+    pub op: OpDto,
+    pub rank: u32,
+    pub node: Option<String>,
+    /// How long after the verdict the completion came (ms).
+    pub after_ms: u64,
+}
+
+/// `health`: a node's (no `gpu_uuid`) or one GPU's health changed (`previous` absent:
+/// first seen by this aggregator process).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthEventDto {
+    pub node: String,
+    pub gpu_uuid: Option<String>,
+    pub health: String,
+    pub previous: Option<String>,
+}
+
+/// `liveness`: a node's liveness (`fresh`, `silent`, `unreachable`) or connection changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LivenessEventDto {
+    pub node: String,
+    pub liveness: String,
+    pub connected: bool,
+    pub previous_liveness: Option<String>,
+    pub previous_connected: Option<bool>,
+}
+
+/// `p0_loss`: P0 (collective) frames of a node were lost since the last such event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct P0LossEventDto {
+    pub node: String,
+    pub frames_lost: u64,
+    pub frames_lost_total: u64,
+    pub frames_attempted_total: u64,
+}
+
+/// `loss_rate`: the share of a node's non-P0 frames lost over a window moved to another
+/// band (`none`, `below_0.1%`, `below_1%`, `below_10%`, `10%_or_more`); sent on a
+/// change of band, not for every loss interval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LossRateEventDto {
+    pub node: String,
+    pub band: String,
+    pub previous_band: String,
+    pub frames_lost: u64,
+    pub frames: u64,
+    pub window_ms: u64,
+}
+
+/// `gap`: events after `from_id` up to and including `to_id` will never reach this
+/// subscriber — evicted from the bounded log (`reason` `evicted`, `missed` counts them),
+/// or `from_id` is of another aggregator process (`other_instance`: a restart; nothing
+/// carries over). Re-list (`GET /v1/nodes`, `/v1/verdicts`), then go on: the stream
+/// continues after `to_id` (the gap's own id).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GapEventDto {
+    pub from_id: String,
+    pub to_id: String,
+    pub reason: String,
+    pub missed: Option<u64>,
+}
+
+/// The event log, in `/v1/ingest`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct EventLogDto {
+    /// The newest event's id.
+    pub last_id: String,
+    pub held: u64,
+    pub capacity: u64,
+    /// Events pushed out of the log by newer ones.
+    pub evicted: u64,
+    pub subscribers: u64,
+    /// Subscriptions refused at `events_max_subscribers` (answered 503).
+    pub subscribers_refused: u64,
+    /// Gap events sent to subscribers (resumes from evicted or other-instance ids,
+    /// subscribers that fell behind).
+    pub gaps_sent: u64,
 }

@@ -19,8 +19,10 @@
 //! order; a page ends early, with a `next_cursor`, after [`VERDICT_SCAN_BUDGET`]
 //! verdicts looked at.
 
+pub mod auth;
 pub mod client;
 pub mod dto;
+pub mod events;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -52,11 +54,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/readyz", get(readyz))
         .route("/v1/nodes", get(nodes))
         .route("/v1/verdicts", get(verdicts))
-        .route("/v1/ingest", get(ingest));
+        .route("/v1/ingest", get(ingest))
+        .route("/v1/events", get(events::events));
     #[cfg(feature = "test-hooks")]
     let r = r.route("/test/panic", get(test_panic)).route("/test/arm-timer-panic", get(arm_timer_panic));
     r.fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
+        .layer(middleware::from_fn_with_state(Arc::clone(&shared), auth::require))
         .layer(middleware::from_fn_with_state(Arc::clone(&shared), catch_panics))
         .with_state(shared)
 }
@@ -316,12 +320,26 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         durable_untracked: c.durable_untracked.load(Relaxed),
         connections_protocol_2: c.connections_protocol_2.load(Relaxed),
         protocol_refused: c.protocol_refused.load(Relaxed),
+        events: {
+            let log = s.events_log();
+            dto::EventLogDto {
+                last_id: log.last_id().to_string(),
+                held: log.len() as u64,
+                capacity: log.cap() as u64,
+                evicted: log.evicted(),
+                subscribers: s.events.subscribers.load(Relaxed),
+                subscribers_refused: s.events.refused.load(Relaxed),
+                gaps_sent: s.events.gaps_sent.load(Relaxed),
+            }
+        },
         http: dto::HttpDto {
             connections: s.http.connections.load(Relaxed),
             open: s.http.open.load(Relaxed),
             refused_at_cap: s.http.refused_at_cap.load(Relaxed),
             header_timeouts: s.http.header_timeouts.load(Relaxed),
             accept_errors: s.http.accept_errors.load(Relaxed),
+            unauthorized: s.http_unauthorized.load(Relaxed),
+            token_rotations: s.api_token.as_ref().map_or(0, |t| t.rotations.load(Relaxed)),
         },
     })
     .into_response()
@@ -350,6 +368,7 @@ fn as_of(s: &Shared, core: &ringwatch_core::Core, now: u64) -> dto::AsOfDto {
         p0_watermark_min_cluster_ns: min.map(|(c, _)| c),
         p0_watermark_min_node: min.map(|(_, id)| name(id)),
         nodes_with_watermark: with,
+        event_id: s.events_log().last_id().to_string(),
     }
 }
 

@@ -1,0 +1,385 @@
+//! `GET /v1/events`: Server-Sent Events over the bounded event log (`crate::events`).
+//!
+//! Every verdict and revision, recovery, node and GPU health change, node liveness or
+//! connection change, P0 loss and per-node loss-rate band change is one event, id
+//! `<aggregator_epoch>.<seq>@<instance>`. A subscriber resumes with `Last-Event-ID` (or
+//! `after=ID`, for list-then-watch: every list response's `as_of.event_id`; the header
+//! wins when both are given, as a browser's `EventSource` reconnects with it); with
+//! neither it gets what happens from now on. Ids it can no longer get — evicted from the
+//! log, or of another aggregator process — are announced by one `gap` event. A comment
+//! line (`: heartbeat`) every `events_heartbeat_ms` keeps proxies from closing a quiet
+//! stream.
+//!
+//! Query parameters (all optional): `after=ID`; `node=NAME`; `kind=K[,K…]` (of
+//! [`dto::EVENT_KINDS`]; `gap` is always sent); `final=true|false` (verdict and revision
+//! events only; other kinds pass).
+//!
+//! Verdict events are serialized once, by the first subscriber that sends them (none
+//! while nobody subscribes); node events are built by the `events` task.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::sse::{self, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use ringwatch_core::NodeId;
+use ringwatch_core::verdict::MatcherEvent;
+
+use super::dto::{self, GapEventDto, HealthEventDto, LivenessEventDto, LossRateEventDto, P0LossEventDto, VerdictDto};
+use crate::events::{EventId, Gap, Logged, NodeChange};
+use crate::state::Shared;
+use ringwatch_transport::http;
+
+/// The configuration of the event stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventsConfig {
+    /// Events the log holds (the oldest go first).
+    pub capacity: usize,
+    /// The heartbeat comment's period on a quiet stream.
+    pub heartbeat_ms: u64,
+    /// Streams served at once; more are answered 503.
+    pub max_subscribers: u64,
+    /// The `events` task's poll of node state (real ms), and the loss-rate window
+    /// (aggregator ms).
+    pub poll_ms: u64,
+    pub loss_window_ms: u64,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        Self { capacity: 10_000, heartbeat_ms: 15_000, max_subscribers: 256, poll_ms: 250, loss_window_ms: 5_000 }
+    }
+}
+
+/// An event's kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Verdict,
+    Revision,
+    Recovery,
+    Health,
+    Liveness,
+    P0Loss,
+    LossRate,
+}
+
+impl Kind {
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Verdict => "verdict",
+            Self::Revision => "revision",
+            Self::Recovery => "recovery",
+            Self::Health => "health",
+            Self::Liveness => "liveness",
+            Self::P0Loss => "p0_loss",
+            Self::LossRate => "loss_rate",
+        }
+    }
+
+    const ALL: [Self; 7] =
+        [Self::Verdict, Self::Revision, Self::Recovery, Self::Health, Self::Liveness, Self::P0Loss, Self::LossRate];
+
+    const fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// What an event holds until it is first sent.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant, reason = "verdicts are the common case; boxing them would cost an allocation each")]
+enum Body {
+    Matcher(MatcherEvent),
+    Json(Arc<str>),
+}
+
+/// One event in the log.
+#[derive(Debug)]
+pub struct Event {
+    pub kind: Kind,
+    pub node: Option<NodeId>,
+    /// A verdict's `final` flag (verdict and revision events).
+    pub is_final: Option<bool>,
+    body: Body,
+    json: OnceLock<Arc<str>>,
+}
+
+impl Event {
+    /// A verdict, revision or recovery from the core.
+    #[must_use]
+    pub fn of_matcher(e: &MatcherEvent) -> Self {
+        let (kind, node, is_final) = match e {
+            MatcherEvent::Verdict(v) => {
+                (if v.revision == 0 { Kind::Verdict } else { Kind::Revision }, v.node, Some(v.is_final))
+            }
+            MatcherEvent::Recovered { node, .. } => (Kind::Recovery, *node, None),
+        };
+        Self { kind, node, is_final, body: Body::Matcher(e.clone()), json: OnceLock::new() }
+    }
+
+    /// A change the `events` task saw.
+    #[must_use]
+    pub fn of_change(c: &NodeChange) -> Self {
+        let (kind, node, json) = match c {
+            NodeChange::Health { node, gpu, health, previous } => (
+                Kind::Health,
+                node,
+                serde_json::to_string(&HealthEventDto {
+                    node: node.clone(),
+                    gpu_uuid: gpu.clone(),
+                    health: (*health).to_owned(),
+                    previous: previous.map(str::to_owned),
+                }),
+            ),
+            NodeChange::Liveness { node, liveness, connected, previous } => (
+                Kind::Liveness,
+                node,
+                serde_json::to_string(&LivenessEventDto {
+                    node: node.clone(),
+                    liveness: (*liveness).to_owned(),
+                    connected: *connected,
+                    previous_liveness: previous.map(|p| p.0.to_owned()),
+                    previous_connected: previous.map(|p| p.1),
+                }),
+            ),
+            NodeChange::P0Loss { node, lost, lost_total, attempted_total } => (
+                Kind::P0Loss,
+                node,
+                serde_json::to_string(&P0LossEventDto {
+                    node: node.clone(),
+                    frames_lost: *lost,
+                    frames_lost_total: *lost_total,
+                    frames_attempted_total: *attempted_total,
+                }),
+            ),
+            NodeChange::LossRate { node, band, previous, lost, frames, window_ns } => (
+                Kind::LossRate,
+                node,
+                serde_json::to_string(&LossRateEventDto {
+                    node: node.clone(),
+                    band: band.name().to_owned(),
+                    previous_band: previous.name().to_owned(),
+                    frames_lost: *lost,
+                    frames: *frames,
+                    window_ms: window_ns / 1_000_000,
+                }),
+            ),
+        };
+        let json: Arc<str> = json.unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")).into();
+        Self {
+            kind,
+            node: Some(NodeId(proto_flat::node_id_of(node))),
+            is_final: None,
+            body: Body::Json(Arc::clone(&json)),
+            json: OnceLock::from(json),
+        }
+    }
+
+    /// The event's JSON (serialized at the first call; `names` maps node ids to names).
+    fn json(&self, names: &dyn Fn(u64) -> Option<String>) -> Arc<str> {
+        Arc::clone(self.json.get_or_init(|| {
+            let text = match &self.body {
+                Body::Json(j) => return Arc::clone(j),
+                Body::Matcher(MatcherEvent::Verdict(v)) => serde_json::to_string(&VerdictDto::from_verdict(v, names)),
+                Body::Matcher(MatcherEvent::Recovered { op, rank, node, after_ms }) => {
+                    serde_json::to_string(&dto::RecoveryEventDto {
+                        op: dto::OpDto::of(op),
+                        rank: *rank,
+                        node: node.and_then(|n| names(n.0)),
+                        after_ms: *after_ms,
+                    })
+                }
+            };
+            text.unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")).into()
+        }))
+    }
+}
+
+/// A subscriber's filter.
+#[derive(Debug, Clone, Copy)]
+struct Filter {
+    node: Option<NodeId>,
+    kinds: u8,
+    is_final: Option<bool>,
+}
+
+impl Filter {
+    fn keeps(&self, e: &Event) -> bool {
+        self.kinds & e.kind.bit() != 0
+            && self.node.is_none_or(|n| e.node == Some(n))
+            && (self.is_final.is_none() || e.is_final.is_none() || e.is_final == self.is_final)
+    }
+}
+
+/// Events read from the log at one time (the log's lock is held for a bounded copy).
+const READ_BATCH: usize = 256;
+
+/// Counts a subscriber while its stream lives.
+struct Subscribed(Arc<Shared>);
+
+impl Drop for Subscribed {
+    fn drop(&mut self) {
+        self.0.events.subscribers.fetch_sub(1, Relaxed);
+    }
+}
+
+struct Sub {
+    s: Arc<Shared>,
+    next: u64,
+    filter: Filter,
+    pending: VecDeque<sse::Event>,
+    wake: tokio::sync::watch::Receiver<u64>,
+    names: BTreeMap<u64, String>,
+    _counted: Subscribed,
+}
+
+impl Sub {
+    fn gap(&mut self, g: &Gap) {
+        self.s.events.gaps_sent.fetch_add(1, Relaxed);
+        let body = GapEventDto {
+            from_id: g.from.to_string(),
+            to_id: g.to.to_string(),
+            reason: g.reason.name().to_owned(),
+            missed: g.missed,
+        };
+        let data = serde_json::to_string(&body).unwrap_or_default();
+        self.pending.push_back(sse::Event::default().id(g.to.to_string()).event("gap").data(data));
+        self.next = g.to.seq.saturating_add(1);
+    }
+
+    fn send(&mut self, e: &Logged<Event>, id: EventId) {
+        self.next = e.seq.saturating_add(1);
+        if !self.filter.keeps(&e.item) {
+            return;
+        }
+        if let Some(NodeId(n)) = e.item.node
+            && !self.names.contains_key(&n)
+            && let Some(entry) = self.s.nodes.get(&NodeId(n))
+        {
+            self.names.insert(n, entry.name.clone());
+        }
+        let names = &self.names;
+        let json = e.item.json(&|id| names.get(&id).cloned());
+        self.pending.push_back(sse::Event::default().id(id.to_string()).event(e.item.kind.name()).data(&*json));
+    }
+
+    /// The next event to send; `None` once the aggregator stops.
+    async fn next_event(&mut self) -> Option<sse::Event> {
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                return Some(e);
+            }
+            if self.s.events.closing.load(Relaxed) {
+                return None;
+            }
+            self.wake.borrow_and_update();
+            let mut got = Vec::with_capacity(READ_BATCH);
+            let (read, ids) = {
+                let log = self.s.events_log();
+                let r = log.read(self.next, READ_BATCH, &mut got);
+                (r, got.iter().map(|e| log.id(e.seq)).collect::<Vec<_>>())
+            };
+            match read {
+                Err(gap) => self.gap(&gap),
+                Ok(()) if got.is_empty() => {
+                    if self.wake.changed().await.is_err() {
+                        return None;
+                    }
+                }
+                Ok(()) => {
+                    for (e, id) in got.iter().zip(ids) {
+                        self.send(e, id);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn bad(msg: impl Into<String>) -> Response {
+    http::error(StatusCode::BAD_REQUEST, msg)
+}
+
+/// `GET /v1/events`.
+pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: HeaderMap, uri: Uri) -> Response {
+    let q = match http::params(&uri, &["after", "node", "kind", "final"]) {
+        Ok(q) => q,
+        Err(r) => return r.into_response(),
+    };
+    let mut filter = Filter { node: None, kinds: u8::MAX, is_final: None };
+    if let Some(n) = q.get("node") {
+        filter.node = Some(NodeId(proto_flat::node_id_of(n)));
+    }
+    if let Some(k) = q.get("kind") {
+        filter.kinds = 0;
+        for want in k.split(',') {
+            match Kind::ALL.iter().find(|x| x.name() == want) {
+                Some(x) => filter.kinds |= x.bit(),
+                None if want == "gap" => {}
+                None => {
+                    return bad(format!(
+                        "kind={want:?}: expected a comma-separated list of {}",
+                        dto::EVENT_KINDS.join(", ")
+                    ));
+                }
+            }
+        }
+    }
+    match q.get("final").map(String::as_str) {
+        None => {}
+        Some("true") => filter.is_final = Some(true),
+        Some("false") => filter.is_final = Some(false),
+        Some(v) => return bad(format!("final={v:?}: expected true or false")),
+    }
+    let header = match headers.get("last-event-id").map(|h| h.to_str()) {
+        None => None,
+        Some(Ok(v)) => Some(v.to_owned()),
+        Some(Err(_)) => return bad("Last-Event-ID: not text"),
+    };
+    let after = match header.as_deref().or(q.get("after").map(String::as_str)) {
+        None => None,
+        Some(id) => match id.parse::<EventId>() {
+            Ok(id) => Some(id),
+            Err(e) => return bad(e.to_string()),
+        },
+    };
+    let cfg = s.events.config;
+    if s.events.subscribers.fetch_add(1, Relaxed) >= cfg.max_subscribers {
+        s.events.subscribers.fetch_sub(1, Relaxed);
+        s.events.refused.fetch_add(1, Relaxed);
+        return http::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{} event subscribers already (events_max_subscribers)", cfg.max_subscribers),
+        );
+    }
+    let counted = Subscribed(Arc::clone(&s));
+    let start = s.events_log().start(after);
+    let start = match start {
+        Ok(st) => st,
+        Err(e) => return bad(e.to_string()),
+    };
+    let mut sub = Sub {
+        wake: s.events.wake.subscribe(),
+        s: Arc::clone(&s),
+        next: start.next,
+        filter,
+        pending: VecDeque::new(),
+        names: BTreeMap::new(),
+        _counted: counted,
+    };
+    if let Some(g) = start.gap {
+        sub.gap(&g);
+    }
+    let stream = futures_util::stream::unfold(sub, |mut sub| async move {
+        let e = sub.next_event().await?;
+        Some((Ok::<_, Infallible>(e), sub))
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_millis(cfg.heartbeat_ms.max(1))).text("heartbeat"))
+        .into_response()
+}

@@ -1,0 +1,292 @@
+//! `GET /v1/events` (issue 24): resume after a disconnect loses nothing; resume from an
+//! evicted id or across an aggregator restart gets a `gap`; the bearer token guards the
+//! API (and rotates without a restart); heartbeats; bad event queries get 400.
+//!
+//! Tests are named `net_*`: they run one at a time (nextest group `network-timing`).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use aggregator::api::client::{EventStream, SseEvent};
+use aggregator::api::dto::{GapEventDto, IngestDto, VerdictDto, VerdictsDto};
+use aggregator::events::EventId;
+use aggregator::{Aggregator, AggregatorConfig};
+use loadgen_sim::{SimOptions, builtin};
+use ringwatch_tests::{
+    STATE_LIMIT, TempDir, cert_set, get_json, stop, streams_settled, truth, wait_ingest, wait_nodes,
+};
+
+fn id(e: &SseEvent) -> EventId {
+    e.id.as_deref().expect("every event has an id").parse().expect("an event id")
+}
+
+/// Follows `/v1/events` from `after`, reconnecting with `Last-Event-ID` every
+/// `reconnect_every` events (0: never), collecting what it gets.
+fn follow(
+    http: std::net::SocketAddr,
+    after: String,
+    reconnect_every: usize,
+) -> (Arc<Mutex<Vec<SseEvent>>>, tokio::task::JoinHandle<u64>) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&got);
+    let task = tokio::spawn(async move {
+        let mut last = after;
+        let mut reconnects = 0u64;
+        loop {
+            let headers = [("Last-Event-ID", last.as_str())];
+            let Ok(mut s) = EventStream::open(http, "/v1/events", &headers).await else { return reconnects };
+            let mut n = 0;
+            while let Ok(Some(e)) = s.next().await {
+                last = e.id.clone().expect("id");
+                sink.lock().unwrap().push(e);
+                n += 1;
+                if reconnect_every > 0 && n == reconnect_every {
+                    break;
+                }
+            }
+            // Dropped mid-stream (the connection closes): resume from the last id.
+            reconnects += 1;
+        }
+    });
+    (got, task)
+}
+
+/// Waits until `got` holds the event `target` (bounded).
+async fn wait_for(got: &Mutex<Vec<SseEvent>>, target: EventId, who: &str) {
+    let started = Instant::now();
+    loop {
+        if got.lock().unwrap().last().is_some_and(|e| id(e).seq >= target.seq) {
+            return;
+        }
+        assert!(started.elapsed() < STATE_LIMIT, "{who} did not reach {target} in time");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_events_resumed_after_disconnects_lose_nothing_and_match_the_verdict_list() {
+    let dir = TempDir::new("events");
+    let s = builtin::builtin("seed-case").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let truth = truth(&s, options);
+    let table = loadgen_sim::expect::Table::new(&truth, 500.0);
+    let decidable: u64 = table.ranks().filter(|(c, _, e)| c.comm_op_seq > 0 && e.decidable).count() as u64;
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let mut cfg = loadgen::cluster::aggregator_config(&set, &s, 1.0);
+    // Everything of the run stays in the log: this test is about disconnects, not eviction.
+    cfg.events.capacity = 1_000_000;
+    let agg = Aggregator::start(cfg).await.expect("aggregator starts");
+    let http = agg.http_addr;
+
+    // List, then watch from the list's event id (nothing has happened yet: seq 0).
+    let listed: IngestDto = get_json(http, "/v1/ingest").await;
+    let from = listed.as_of.event_id.clone();
+    assert_eq!(from.parse::<EventId>().expect("id").seq, 0, "{from}");
+    let (steady, steady_task) = follow(http, from.clone(), 0);
+    let (choppy, choppy_task) = follow(http, from, 97);
+
+    let shippers = ringwatch_tests::spawn_sim_shippers(&s, options, &set, agg.quic_addr, Instant::now(), |_, _, _| {});
+    wait_nodes(http, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
+    ringwatch_tests::wait_json(
+        http,
+        "/v1/verdicts?final=true&limit=1",
+        "every decidable verdict final",
+        |v: &VerdictsDto| v.total.unwrap_or(0) >= decidable,
+    )
+    .await;
+    // The list and the event id it reflects, read together.
+    let verdicts = aggregator::api::client::get_all_verdicts(http, "").await.expect("verdicts");
+    let target: EventId = verdicts.as_of.event_id.parse().expect("id");
+    wait_for(&steady, target, "the steady subscriber").await;
+    wait_for(&choppy, target, "the reconnecting subscriber").await;
+    let _ = stop(shippers).await;
+    let ingest: IngestDto = get_json(http, "/v1/ingest").await;
+    agg.shutdown();
+    let reconnects = choppy_task.await.expect("follower");
+    let _ = steady_task.await.expect("follower");
+
+    let upto = |v: &Mutex<Vec<SseEvent>>| -> Vec<SseEvent> {
+        v.lock().unwrap().iter().filter(|e| id(e).seq <= target.seq).cloned().collect()
+    };
+    let (steady, choppy) = (upto(&steady), upto(&choppy));
+    // The steady subscriber got every event once, in order: seqs 1..=target.
+    let seqs: Vec<u64> = steady.iter().map(|e| id(e).seq).collect();
+    assert_eq!(seqs, (1..=target.seq).collect::<Vec<_>>(), "contiguous, no gap, no repeat");
+    assert!(steady.iter().all(|e| e.event != "gap"));
+    // The one that disconnected every 97 events got exactly the same.
+    assert!(reconnects >= 10, "{reconnects} reconnects");
+    assert_eq!(choppy.len(), steady.len(), "{reconnects} reconnects");
+    for (a, b) in steady.iter().zip(&choppy) {
+        assert_eq!(a, b, "the same event under the same id");
+    }
+    println!("{} events, {reconnects} resumes, log {:?}", steady.len(), ingest.events);
+
+    // Events and state agree: the last verdict or revision event of each (op, rank) is
+    // the listed verdict, for every final one.
+    let mut latest: BTreeMap<(String, u64, u32), VerdictDto> = BTreeMap::new();
+    let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+    for e in &steady {
+        *kinds.entry(e.event.clone()).or_default() += 1;
+        if e.event == "verdict" || e.event == "revision" {
+            let v: VerdictDto = serde_json::from_str(&e.data).expect("a verdict");
+            assert_eq!(e.event == "revision", v.revision > 0, "{v:?}");
+            latest.insert((v.op.comm.clone(), v.op.seq, v.rank), v);
+        }
+    }
+    let mut checked = 0;
+    for v in verdicts.verdicts.iter().filter(|v| v.is_final) {
+        let e = latest.get(&(v.op.comm.clone(), v.op.seq, v.rank)).unwrap_or_else(|| panic!("no event for {v:?}"));
+        assert_eq!((&e.outcome, e.is_final), (&v.outcome, true), "{v:?}");
+        // A compacted op keeps one revision for all its ranks (the highest).
+        assert!(e.revision == v.revision || (v.compacted && e.revision <= v.revision), "{e:?} {v:?}");
+        checked += 1;
+    }
+    assert!(checked as u64 >= decidable, "{checked} of {decidable}");
+    println!("{checked} final verdicts match their last event; kinds {kinds:?}");
+    // Node 3's P0 overflow: a P0 loss event and its health turning healthy_lossy.
+    let node3 = aggregator::certs::node_name(3);
+    let has = |kind: &str, needle: &str| {
+        steady
+            .iter()
+            .any(|e| e.event == kind && e.data.contains(&format!("\"node\":\"{node3}\"")) && e.data.contains(needle))
+    };
+    assert!(has("p0_loss", "frames_lost"), "{kinds:?}");
+    assert!(has("health", "\"health\":\"healthy_lossy\""), "{kinds:?}");
+    assert!(has("liveness", "\"connected\":true"), "{kinds:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_events_resumed_from_an_evicted_id_or_across_a_restart_get_a_gap() {
+    let dir = TempDir::new("events-gap");
+    let s = builtin::builtin("seed-case").expect("built in").expect("valid");
+    let options = SimOptions { bulk_scale: 1e-4, seed: None };
+    let set = cert_set(dir.path(), s.cluster.nodes);
+    let mut cfg: AggregatorConfig = loadgen::cluster::aggregator_config(&set, &s, 1.0);
+    cfg.events.capacity = 64;
+    cfg.snapshot_path = Some(dir.path().join("core.snap"));
+    let agg = Aggregator::start(cfg.clone()).await.expect("aggregator starts");
+    let http = agg.http_addr;
+    let shippers = ringwatch_tests::spawn_sim_shippers(&s, options, &set, agg.quic_addr, Instant::now(), |_, _, _| {});
+
+    // A subscriber takes its first event, then goes away while the log moves on.
+    let mut first = EventStream::open(http, "/v1/events?after=", &[]).await.err();
+    assert!(matches!(first.take(), Some(aggregator::api::client::ClientError::Status { status: 400, .. })));
+    let listed: IngestDto = get_json(http, "/v1/ingest").await;
+    let mut sub =
+        EventStream::open(http, &format!("/v1/events?after={}", listed.as_of.event_id), &[]).await.expect("open");
+    let seen = sub.next().await.expect("read").expect("an event");
+    let seen_id = id(&seen);
+    drop(sub);
+    let ingest =
+        wait_ingest(http, "the log evicted past the subscriber", |i| i.events.evicted > seen_id.seq + 100).await;
+    assert_eq!(ingest.events.capacity, 64);
+    assert!(ingest.events.held <= 64, "{:?}", ingest.events);
+    let mut back =
+        EventStream::open(http, "/v1/events", &[("Last-Event-ID", &seen_id.to_string())]).await.expect("resume");
+    let gap = back.next().await.expect("read").expect("an event");
+    assert_eq!(gap.event, "gap", "{gap:?}");
+    let g: GapEventDto = serde_json::from_str(&gap.data).expect("gap body");
+    let to: EventId = g.to_id.parse().expect("id");
+    assert_eq!((g.from_id.as_str(), g.reason.as_str()), (seen_id.to_string().as_str(), "evicted"), "{g:?}");
+    assert_eq!(g.missed, Some(to.seq - seen_id.seq), "{g:?}");
+    assert_eq!(gap.id.as_deref(), Some(g.to_id.as_str()), "resuming after the gap continues after it");
+    let next = back.next().await.expect("read").expect("an event");
+    assert_eq!(id(&next).seq, to.seq + 1, "the stream goes on right after the gap: {next:?}");
+    drop(back);
+
+    // Restart from the snapshot: an id of the previous process gets a gap, whatever its
+    // sequence number (the new one counts from 1 again).
+    let last: IngestDto = get_json(http, "/v1/ingest").await;
+    let old: EventId = last.events.last_id.parse().expect("id");
+    let _ = stop(shippers).await;
+    assert!(agg.shutdown_with_snapshot().await, "final snapshot");
+    drop(agg);
+    let agg = Aggregator::start(cfg).await.expect("restarts");
+    let http = agg.http_addr;
+    let mut after = EventStream::open(http, "/v1/events", &[("Last-Event-ID", &old.to_string())]).await.expect("open");
+    let gap = after.next().await.expect("read").expect("an event");
+    assert_eq!(gap.event, "gap", "{gap:?}");
+    let g: GapEventDto = serde_json::from_str(&gap.data).expect("gap body");
+    let to: EventId = g.to_id.parse().expect("id");
+    assert_eq!((g.reason.as_str(), g.missed), ("other_instance", None), "{g:?}");
+    assert_eq!(to.epoch, old.epoch + 1, "the restart's epoch: {g:?}");
+    assert_ne!(to.instance, old.instance);
+    // The restored nodes' state is announced in the new process (first sight: no
+    // `previous`), right after the gap.
+    let first_new = after.next().await.expect("read").expect("an event");
+    assert_eq!(id(&first_new), EventId { seq: to.seq + 1, ..to }, "{first_new:?}");
+    agg.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_api_token_rotates_without_restart_and_event_queries_are_checked() {
+    use aggregator::api::client::get_with;
+    let dir = TempDir::new("token");
+    let set = cert_set(dir.path(), 1);
+    let token = dir.path().join("token");
+    std::fs::write(&token, "first-token\n").expect("write");
+    let mut cfg = AggregatorConfig::local(&set);
+    cfg.api_token_file = Some(token.clone());
+    cfg.events.heartbeat_ms = 100;
+    let agg = Aggregator::start(cfg).await.expect("aggregator starts");
+    let http = agg.http_addr;
+    let bearer = |t: &str| format!("Bearer {t}");
+
+    for path in ["/v1/nodes", "/v1/verdicts", "/v1/ingest", "/v1/events", "/v1/nowhere"] {
+        let (code, body) = get_with(http, path, &[]).await.expect("answer");
+        assert_eq!(code, 401, "{path}: {body}");
+        assert!(body.contains("bearer token"), "{body}");
+        let (code, _) = get_with(http, path, &[("Authorization", &bearer("wrong"))]).await.expect("answer");
+        assert_eq!(code, 401, "{path} with a wrong token");
+    }
+    for path in ["/healthz", "/readyz"] {
+        let (code, body) = get_with(http, path, &[]).await.expect("answer");
+        assert_eq!(code, 200, "{path} is exempt: {body}");
+    }
+    let (code, body) = get_with(http, "/v1/nodes", &[("Authorization", &bearer("first-token"))]).await.expect("answer");
+    assert_eq!(code, 200, "{body}");
+
+    // Rotation: the new token file replaces the old one (by rename, as a Secret volume
+    // does); the old token stops working, the new one works, no restart.
+    std::fs::write(dir.path().join("token.new"), "second-token").expect("write");
+    std::fs::rename(dir.path().join("token.new"), &token).expect("rename");
+    let started = Instant::now();
+    loop {
+        let (old, _) = get_with(http, "/v1/nodes", &[("Authorization", &bearer("first-token"))]).await.expect("answer");
+        let (new, _) =
+            get_with(http, "/v1/nodes", &[("Authorization", &bearer("second-token"))]).await.expect("answer");
+        if (old, new) == (401, 200) {
+            break;
+        }
+        assert!(started.elapsed() < STATE_LIMIT, "rotation not in force: old {old} new {new}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let auth = bearer("second-token");
+    let with = [("Authorization", auth.as_str())];
+    let (code, body) = get_with(http, "/v1/ingest", &with).await.expect("answer");
+    assert_eq!(code, 200);
+    let ingest: IngestDto = serde_json::from_str(&body).expect("ingest");
+    assert!(ingest.http.unauthorized >= 11 && ingest.http.token_rotations == 1, "{:?}", ingest.http);
+
+    // Bad event queries get 400 with a reason; an id of this process ahead of it too.
+    let ahead = format!("{}.999999@{}", ingest.aggregator_epoch, ingest.events.last_id.rsplit('@').next().unwrap());
+    for (query, says) in [
+        ("kind=verdict,bogus", "bogus\\\": expected a comma-separated list"),
+        ("final=maybe", "final="),
+        ("after=12", "<epoch>.<seq>@<instance>"),
+        (&format!("after={ahead}"), "ahead of this stream"),
+        ("since=0", "unknown query parameter"),
+    ] {
+        let (code, body) = get_with(http, &format!("/v1/events?{query}"), &with).await.expect("answer");
+        assert_eq!(code, 400, "{query}: {body}");
+        assert!(body.contains(says), "{query}: {body}");
+    }
+
+    // A quiet stream carries heartbeat comments (every 100 ms here).
+    let mut quiet = EventStream::open(http, "/v1/events?kind=verdict", &with).await.expect("open");
+    let waited = tokio::time::timeout(std::time::Duration::from_millis(1500), quiet.next()).await;
+    assert!(waited.is_err(), "no event on a quiet stream: {waited:?}");
+    assert!(quiet.comments >= 2, "{} heartbeats", quiet.comments);
+    agg.shutdown();
+}

@@ -474,18 +474,28 @@ async fn follow_pressure(shared: Arc<Shared>, cfg: ringwatch_transport::psi::Psi
     }
 }
 
-/// The `events` task: every `poll_ms` (real time) it reads each node's health, GPU
-/// health, liveness, connection and loss counts under the core's lock and pushes what
-/// changed (`events::NodeDiff`) to the event log, still under the lock — so a list's
-/// `as_of.event_id` never names an event its content does not reflect.
+/// How often the `events` task wakes the event stream's subscribers when events came.
+const WAKE_MS: u64 = 20;
+
+/// The `events` task: every [`WAKE_MS`] it wakes the subscribers if events came; every
+/// `poll_ms` (real time) it reads each node's health, GPU health, liveness, connection
+/// and loss counts under the core's lock and pushes what changed (`events::NodeDiff`)
+/// to the event log, still under the lock — so a list's `as_of.event_id` never names an
+/// event its content does not reflect.
 async fn watch_nodes(shared: Arc<Shared>) {
     let cfg = shared.events.config;
     let mut diff = events::NodeDiff::new(cfg.loss_window_ms.saturating_mul(1_000_000));
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.poll_ms.max(1)));
+    let mut tick = tokio::time::interval(Duration::from_millis(WAKE_MS));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut changes = Vec::new();
+    let mut last_poll: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
+        shared.wake_subscribers();
+        if last_poll.is_some_and(|t| t.elapsed() < Duration::from_millis(cfg.poll_ms)) {
+            continue;
+        }
+        last_poll = Some(tokio::time::Instant::now());
         let names: std::collections::BTreeMap<ringwatch_core::NodeId, (String, bool)> =
             shared.nodes.iter().map(|e| (*e.key(), (e.name.clone(), e.connected()))).collect();
         {
@@ -535,6 +545,7 @@ async fn watch_nodes(shared: Arc<Shared>) {
                 shared.push_events(changes.drain(..).map(|c| api::events::Event::of_change(&c)));
             }
         }
+        shared.wake_subscribers();
         shared.progress(&shared.tasks.events);
     }
 }

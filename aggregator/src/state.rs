@@ -241,7 +241,11 @@ pub struct PressureShared {
 pub struct EventsShared {
     pub config: crate::api::events::EventsConfig,
     log: Mutex<EventLog<crate::api::events::Event>>,
-    /// The newest event's sequence number (subscribers wait on it).
+    /// The newest event's sequence number, as pushed …
+    pub newest: AtomicU64,
+    /// … and as announced to subscribers (they wait on it) by the `events` task, every
+    /// few ms: waking every subscriber is O(subscribers), never done under the core's
+    /// lock.
     pub wake: tokio::sync::watch::Sender<u64>,
     pub subscribers: AtomicU64,
     pub refused: AtomicU64,
@@ -255,6 +259,7 @@ impl EventsShared {
         Self {
             config,
             log: Mutex::new(EventLog::new(epoch, instance, config.capacity)),
+            newest: AtomicU64::new(0),
             wake: tokio::sync::watch::Sender::new(0),
             subscribers: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -459,15 +464,18 @@ impl Shared {
     }
 
     /// Appends events to the log (the caller holds the core's lock, so they are in the
-    /// core's order) and wakes the subscribers.
+    /// core's order); the `events` task wakes the subscribers ([`Self::wake_subscribers`]).
     pub fn push_events(&self, events: impl IntoIterator<Item = crate::api::events::Event>) {
-        let newest = {
-            let mut log = self.events_log();
-            for e in events {
-                log.push(e);
-            }
-            log.last_id().seq
-        };
+        let mut log = self.events_log();
+        for e in events {
+            log.push(e);
+        }
+        self.events.newest.store(log.last_id().seq, Ordering::Release);
+    }
+
+    /// Wakes the subscribers if events came since the last call.
+    pub fn wake_subscribers(&self) {
+        let newest = self.events.newest.load(Ordering::Acquire);
         self.events.wake.send_if_modified(|n| {
             let newer = newest > *n;
             *n = newest;

@@ -219,6 +219,11 @@ impl Filter {
 /// Events read from the log at one time (the log's lock is held for a bounded copy).
 const READ_BATCH: usize = 256;
 
+/// A subscriber reads the log at most this often: events that come in a burst (every
+/// batch applied can bring some) reach it together, so a hundred subscribers wake a
+/// few times a second each instead of once per batch.
+const COALESCE: Duration = Duration::from_millis(50);
+
 /// Counts a subscriber while its stream lives.
 struct Subscribed(Arc<Shared>);
 
@@ -234,6 +239,8 @@ struct Sub {
     filter: Filter,
     pending: VecDeque<sse::Event>,
     wake: tokio::sync::watch::Receiver<u64>,
+    /// When the log was last read and found empty past `next`.
+    caught_up_at: Option<tokio::time::Instant>,
     names: BTreeMap<u64, String>,
     _counted: Subscribed,
 }
@@ -289,6 +296,9 @@ impl Sub {
                 Ok(()) if got.is_empty() => {
                     if self.wake.changed().await.is_err() {
                         return None;
+                    }
+                    if let Some(at) = self.caught_up_at.replace(tokio::time::Instant::now()) {
+                        tokio::time::sleep_until(at + COALESCE).await;
                     }
                 }
                 Ok(()) => {
@@ -369,6 +379,7 @@ pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: Header
         next: start.next,
         filter,
         pending: VecDeque::new(),
+        caught_up_at: None,
         names: BTreeMap::new(),
         _counted: counted,
     };

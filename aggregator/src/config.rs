@@ -102,6 +102,13 @@ const FIELDS: &[Field] = &[
         "event streams served at once; more are answered 503",
     ),
     (
+        "correlated_share_pct",
+        Kind::Int { min: 1, max: 100 },
+        Some("25"),
+        "/v1/summary says correlated_degradation when more than this share of the nodes turned degraded or healthy_lossy within correlated_window_s",
+    ),
+    ("correlated_window_s", Kind::Int { min: 1, max: 86_400 }, Some("60"), "the window of correlated_share_pct"),
+    (
         "api_token_file",
         Kind::OptText,
         Some(""),
@@ -190,6 +197,10 @@ impl Schema for Aggregator {
             ..c.events
         };
         c.api_token_file = v.opt_text("api_token_file").map(PathBuf::from);
+        c.summary = crate::state::SummaryConfig {
+            correlated_share_pct: int("correlated_share_pct"),
+            correlated_window_ns: s_to_ns("correlated_window_s"),
+        };
         Some(Validated { service: c, log_json: v.text("log_format") == Some("json") })
     }
 
@@ -259,6 +270,7 @@ mod tests {
         assert_eq!(c.http_limits, d.http_limits);
         assert_eq!(c.events, d.events);
         assert_eq!(c.api_token_file, None);
+        assert_eq!(c.summary, d.summary);
         assert!(!v.log_json);
     }
 

@@ -172,6 +172,11 @@ impl<T> EventLog<T> {
         self.evicted
     }
 
+    /// The held events, newest first.
+    pub fn newest_first(&self) -> impl Iterator<Item = &Arc<Logged<T>>> {
+        self.buf.iter().rev()
+    }
+
     // --- mutators ---
 
     /// Appends an event (the oldest goes past the cap); returns its sequence number.

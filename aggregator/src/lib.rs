@@ -76,6 +76,8 @@ pub struct AggregatorConfig {
     pub events: api::events::EventsConfig,
     /// The API's bearer token file (none: no token asked).
     pub api_token_file: Option<PathBuf>,
+    /// `/v1/summary`'s correlated-degradation rule.
+    pub summary: state::SummaryConfig,
 }
 
 impl AggregatorConfig {
@@ -104,6 +106,7 @@ impl AggregatorConfig {
             psi: None,
             events: api::events::EventsConfig::default(),
             api_token_file: None,
+            summary: state::SummaryConfig::default(),
         }
     }
 }
@@ -214,6 +217,8 @@ impl Aggregator {
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
         shared.configure_events(cfg.events);
         shared.api_token = cfg.api_token_file.clone().map(api::auth::TokenFile::new);
+        shared.summary = cfg.summary;
+        shared.http_max_connections = u64::try_from(cfg.http_limits.max_connections).unwrap_or(u64::MAX);
         let shared = Arc::new(shared);
         // A std listener, so the HTTP task can restart in place on a clone of it.
         let listener = std::net::TcpListener::bind(cfg.http)
@@ -542,7 +547,7 @@ async fn watch_nodes(shared: Arc<Shared>) {
             }
             diff.poll(now, views, &mut changes);
             if !changes.is_empty() {
-                shared.push_events(changes.drain(..).map(|c| api::events::Event::of_change(&c)));
+                shared.push_events(now, changes.drain(..).map(|c| api::events::Event::of_change(&c)));
             }
         }
         shared.wake_subscribers();

@@ -235,6 +235,20 @@ pub struct PressureShared {
     pub rss_returned_bytes: AtomicU64,
 }
 
+/// `/v1/summary`'s `correlated_degradation`: more than `correlated_share_pct` % of the
+/// nodes turned `degraded` or `healthy_lossy` within `correlated_window_ns`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SummaryConfig {
+    pub correlated_share_pct: u64,
+    pub correlated_window_ns: u64,
+}
+
+impl Default for SummaryConfig {
+    fn default() -> Self {
+        Self { correlated_share_pct: 25, correlated_window_ns: 60_000_000_000 }
+    }
+}
+
 /// The event stream (`GET /v1/events`): the bounded log, the subscribers' wake-up, and
 /// counters.
 #[derive(Debug)]
@@ -306,6 +320,10 @@ pub struct Shared {
     pub api_token: Option<crate::api::auth::TokenFile>,
     /// Requests answered 401 (no token, or the wrong one).
     pub http_unauthorized: AtomicU64,
+    /// The HTTP listener's connection cap (for `/v1/summary`'s saturation).
+    pub http_max_connections: u64,
+    /// `/v1/summary`'s correlated-degradation rule.
+    pub summary: SummaryConfig,
     pub counters: Counters,
     pub instance: u64,
     pub epoch: u64,
@@ -348,6 +366,8 @@ impl Shared {
             events: EventsShared::new(epoch, instance, crate::api::events::EventsConfig::default()),
             api_token: None,
             http_unauthorized: AtomicU64::new(0),
+            http_max_connections: 0,
+            summary: SummaryConfig::default(),
             counters: Counters::default(),
             instance,
             epoch,
@@ -465,9 +485,10 @@ impl Shared {
 
     /// Appends events to the log (the caller holds the core's lock, so they are in the
     /// core's order); the `events` task wakes the subscribers ([`Self::wake_subscribers`]).
-    pub fn push_events(&self, events: impl IntoIterator<Item = crate::api::events::Event>) {
+    pub fn push_events(&self, now: u64, events: impl IntoIterator<Item = crate::api::events::Event>) {
         let mut log = self.events_log();
-        for e in events {
+        for mut e in events {
+            e.at_ns = now;
             log.push(e);
         }
         self.events.newest.store(log.last_id().seq, Ordering::Release);
@@ -506,7 +527,7 @@ impl Shared {
             return;
         }
         let now = self.now();
-        self.push_events(events.iter().map(crate::api::events::Event::of_matcher));
+        self.push_events(now, events.iter().map(crate::api::events::Event::of_matcher));
         self.store().apply(now, events);
     }
 }

@@ -139,12 +139,8 @@ async fn one(subscribers: usize, bulk_scale: f64) -> Row {
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let scale: f64 = args.first().and_then(|a| a.parse().ok()).unwrap_or(0.02);
-    let counts: Vec<usize> = args
-        .get(1)
-        .map_or("0,100,0,100", String::as_str)
-        .split(',')
-        .filter_map(|c| c.parse().ok())
-        .collect();
+    let counts: Vec<usize> =
+        args.get(1).map_or("0,100,0,100", String::as_str).split(',').filter_map(|c| c.parse().ok()).collect();
     let mut rows = Vec::new();
     for &n in &counts {
         rows.push(one(n, scale).await);
@@ -159,7 +155,17 @@ async fn main() {
     println!("second, and per CPU-second of the aggregator's own runtime (`agg-rt`: ingest, API, event stream)");
     println!(
         "{:>11} {:>7} {:>7} {:>11} {:>10} {:>9} {:>7} {:>10} {:>5} {:>8} {:>8}",
-        "subscribers", "wall s", "cpu s", "frames", "frames/s", "f/cpu-s", "events", "delivered", "gaps", "rate", "per cpu"
+        "subscribers",
+        "wall s",
+        "cpu s",
+        "frames",
+        "frames/s",
+        "f/cpu-s",
+        "events",
+        "delivered",
+        "gaps",
+        "rate",
+        "per cpu"
     );
     for r in &rows {
         let rate = r.frames as f64 / r.wall_s;

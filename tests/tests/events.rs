@@ -100,6 +100,7 @@ async fn net_events_resumed_after_disconnects_lose_nothing_and_match_the_verdict
     let target: EventId = verdicts.as_of.event_id.parse().expect("id");
     wait_for(&steady, target, "the steady subscriber").await;
     wait_for(&choppy, target, "the reconnecting subscriber").await;
+    check_resources(http, &verdicts).await;
     let _ = stop(shippers).await;
     let ingest: IngestDto = get_json(http, "/v1/ingest").await;
     agg.shutdown();
@@ -289,4 +290,119 @@ async fn net_api_token_rotates_without_restart_and_event_queries_are_checked() {
     assert!(waited.is_err(), "no event on a quiet stream: {waited:?}");
     assert!(quiet.comments >= 2, "{} heartbeats", quiet.comments);
     agg.shutdown();
+}
+
+/// The resources agree with the verdict list and the node list of the same settled run.
+async fn check_resources(http: std::net::SocketAddr, verdicts: &VerdictsDto) {
+    use aggregator::api::dto::{
+        CollectiveDto, CollectivesDto, GpuDetailDto, LossDto, NodeDetailDto, NodesDto, SummaryDto,
+    };
+    use ringwatch_tests::http_get;
+    let nodes: NodesDto = get_json(http, "/v1/nodes").await;
+    let node3 = aggregator::certs::node_name(3);
+
+    // Summary: every node counted by health; every held verdict by outcome.
+    let sum: SummaryDto = get_json(http, "/v1/summary").await;
+    assert_eq!(sum.nodes, 8, "{sum:?}");
+    assert_eq!(sum.nodes_by_health.values().sum::<u64>(), 8, "{sum:?}");
+    assert_eq!(sum.nodes_by_health.get("healthy_lossy"), Some(&1), "{sum:?}");
+    assert!(sum.counts_complete);
+    let held: u64 = sum.verdicts_by_outcome.values().sum();
+    assert!(held >= verdicts.verdicts.len() as u64, "{held} {}", verdicts.verdicts.len());
+    assert_eq!(sum.recently_degraded_or_lossy, vec![node3.clone()], "{sum:?}");
+    assert!(!sum.correlated_degradation, "1 of 8 nodes is under the 25 % share: {sum:?}");
+    assert!(!sum.aggregator_saturated, "{sum:?}");
+    assert!(!sum.as_of.event_id.is_empty());
+
+    // One node: the same as in the list, its P0 loss by cause, its latest verdicts.
+    let one: NodeDetailDto = get_json(http, &format!("/v1/nodes/{node3}")).await;
+    let listed = nodes.nodes.iter().find(|n| n.name == node3).expect("listed");
+    assert_eq!((&one.node.name, &one.node.health, &one.node.gpus), (&listed.name, &listed.health, &listed.gpus));
+    let by_id: NodeDetailDto = get_json(http, &format!("/v1/nodes/{}", listed.node_id)).await;
+    assert_eq!(by_id.node.name, node3, "a node by its id");
+    let p0 = one.loss.iter().find(|l| l.class == "p0").expect("a p0 row");
+    assert!(p0.lost_total > 0 && p0.lost_share > 0.0 && p0.lost_share < 1.0, "{p0:?}");
+    assert_eq!(p0.lost_total, listed.streams.iter().filter(|s| s.class == "p0").map(|s| s.lost_total).sum::<u64>());
+    assert!(
+        !one.recent_verdicts.is_empty()
+            && one.recent_verdicts.iter().all(|v| v.node.as_deref() == Some(node3.as_str()))
+    );
+
+    // One GPU of it.
+    let gpu = listed.gpus.iter().find(|g| g.gpu_uuid.bytes().any(|b| b != b'0')).expect("a GPU with a uuid");
+    let uuid = &gpu.gpu_uuid;
+    let g: GpuDetailDto = get_json(http, &format!("/v1/gpus/{}", uuid.to_uppercase())).await;
+    assert_eq!((&g.node, &g.gpu_uuid, &g.health), (&node3, uuid, &gpu.health));
+    assert!(g.recent_verdicts.iter().all(|v| v.gpu_uuid == *uuid));
+
+    // Collectives, paged 37 at a time: every op of the verdict list once, each one's
+    // ranks and outcomes as listed.
+    let mut by_op: BTreeMap<(String, u64), Vec<&VerdictDto>> = BTreeMap::new();
+    for v in &verdicts.verdicts {
+        by_op.entry((v.op.comm.clone(), v.op.seq)).or_default().push(v);
+    }
+    let (mut seen, mut cursor, mut pages) = (Vec::new(), String::new(), 0);
+    loop {
+        let q = if cursor.is_empty() { String::new() } else { format!("&cursor={cursor}") };
+        let page: CollectivesDto = get_json(http, &format!("/v1/collectives?limit=37{q}")).await;
+        pages += 1;
+        seen.extend(page.collectives);
+        match page.next_cursor {
+            Some(c) => cursor = c,
+            None => break,
+        }
+    }
+    assert!(pages > 2, "{pages} pages");
+    assert_eq!(seen.len(), by_op.len(), "every op once");
+    for c in &seen {
+        let ranks = by_op.get(&(c.op.comm.clone(), c.op.seq)).expect("listed op");
+        assert_eq!(c.ranks, ranks.len() as u64, "{c:?}");
+        assert_eq!(c.outcomes.values().sum::<u64>(), c.ranks);
+        assert_eq!(c.state == "final", ranks.iter().all(|v| v.is_final), "{c:?}");
+    }
+    for c in seen.iter().step_by(seen.len() / 10 + 1) {
+        let one: CollectiveDto = get_json(http, &format!("/v1/collectives/{}", c.id)).await;
+        let listed = by_op.get(&(c.op.comm.clone(), c.op.seq)).expect("listed op");
+        let got: Vec<(u32, &str)> = one.verdicts.iter().map(|v| (v.rank, v.outcome.as_str())).collect();
+        let want: Vec<(u32, &str)> = listed.iter().map(|v| (v.rank, v.outcome.as_str())).collect();
+        assert_eq!(got, want, "{}", c.id);
+    }
+    // Filters: a node's collectives each have a rank there; open and final split them.
+    let on3: CollectivesDto = get_json(http, &format!("/v1/collectives?node={node3}&limit=10000")).await;
+    let want3 = by_op.values().filter(|rs| rs.iter().any(|v| v.node.as_deref() == Some(node3.as_str()))).count();
+    assert_eq!(on3.collectives.len(), want3);
+    let fin: CollectivesDto = get_json(http, "/v1/collectives?state=final&limit=10000").await;
+    let open: CollectivesDto = get_json(http, "/v1/collectives?state=open&limit=10000").await;
+    assert_eq!(fin.collectives.len() + open.collectives.len(), seen.len());
+    let comm = &seen[0].op.comm;
+    let of_comm: CollectivesDto = get_json(http, &format!("/v1/collectives?comm={comm}&limit=10000")).await;
+    assert!(!of_comm.collectives.is_empty() && of_comm.collectives.iter().all(|c| &c.op.comm == comm));
+
+    // Loss: node 3's P0 rows add up to its node answer.
+    let loss: LossDto = get_json(http, &format!("/v1/loss?node={node3}&class=p0")).await;
+    assert!(loss.streams.iter().all(|s| s.node == node3 && s.class == "p0"));
+    assert_eq!(loss.streams.iter().map(|s| s.lost_total).sum::<u64>(), p0.lost_total);
+    let causes: LossDto = get_json(http, "/v1/loss?cause=kernel_ring_full").await;
+    assert!(causes.streams.iter().all(|s| s.lost.contains_key("kernel_ring_full")) && !causes.streams.is_empty());
+
+    // Not found, and bad ids and queries, each with a reason.
+    for (path, code) in [
+        ("/v1/nodes/nope", 404),
+        ("/v1/gpus/00000000000000000000000000000000", 404),
+        ("/v1/gpus/0000000000000000000000000000000f", 404),
+        ("/v1/gpus/xyz", 400),
+        ("/v1/collectives/c.1.2.3.4", 404),
+        ("/v1/collectives/zz", 400),
+        ("/v1/collectives?state=done", 400),
+        ("/v1/collectives?limit=0", 400),
+        ("/v1/collectives?from_ms=soon", 400),
+        ("/v1/collectives?cursor=zz", 400),
+        ("/v1/loss?class=p9", 400),
+        ("/v1/loss?cause=gremlins", 400),
+        ("/v1/summary?x=1", 400),
+    ] {
+        let (got, body) = http_get(http, path).await;
+        assert_eq!(got, code, "{path}: {body}");
+        assert!(body.contains("\"error\""), "{path}: {body}");
+    }
 }

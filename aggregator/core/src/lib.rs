@@ -41,4 +41,4 @@ pub use loss::SeqTracker;
 pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
 pub use pipeline::{Core, Receipt, Resumed};
 pub use records::{NodeId, Record, StreamKey};
-pub use store::{Cursor, Page, PageItem, StoreConfig, StoreStats, Stored, VerdictStore};
+pub use store::{Cursor, OpPage, Page, PageItem, StoreConfig, StoreStats, StoreTally, Stored, VerdictStore};

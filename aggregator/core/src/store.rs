@@ -179,6 +179,35 @@ pub struct Page {
     pub scanned: usize,
 }
 
+/// A page of ops ([`VerdictStore::page_ops`]), in op order, each with its verdicts.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OpPage {
+    pub ops: Vec<(OpRef, Vec<PageItem>)>,
+    /// Set when more may follow: pass it as `after` for the next page.
+    pub next: Option<OpRef>,
+    /// Ops looked at, and the last one.
+    pub scanned: usize,
+    last: Option<OpRef>,
+}
+
+/// Counts over the store ([`VerdictStore::tally`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoreTally {
+    pub by_outcome: BTreeMap<String, u64>,
+    pub hung_ops: u64,
+    pub ops_scanned: u64,
+    /// Every op was looked at (false: the scan budget ended it).
+    pub complete: bool,
+}
+
+/// An op's verdicts, in rank order.
+fn op_items(op: OpRef, e: &Entry) -> Vec<PageItem> {
+    match e {
+        Entry::Full(m) => m.values().map(|s| PageItem { stored: s.clone(), compacted: false }).collect(),
+        Entry::Completed { .. } => expand(op, e).collect(),
+    }
+}
+
 /// Estimated bytes of a B-tree entry beyond its key and value (node slack, pointers).
 const TREE_ENTRY_OVERHEAD: u64 = 24;
 
@@ -442,6 +471,77 @@ impl VerdictStore {
             }
         }
         page
+    }
+
+    /// One op's held verdicts, in rank order (`None`: not held).
+    #[must_use]
+    pub fn op(&self, op: OpRef) -> Option<Vec<PageItem>> {
+        Some(op_items(op, &self.ops.get(&op)?.entry))
+    }
+
+    /// Up to `limit` ops after `after` (from the first without one) whose verdicts `keep`
+    /// accepts, looking at no more than `max_scan` ops; owned.
+    pub fn page_ops(
+        &self,
+        after: Option<OpRef>,
+        limit: usize,
+        max_scan: usize,
+        mut keep: impl FnMut(&OpRef, &[PageItem]) -> bool,
+    ) -> OpPage {
+        let mut page = OpPage::default();
+        let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+        for (op, e) in self.ops.range((from, Bound::Unbounded)) {
+            if page.ops.len() >= limit || page.scanned >= max_scan {
+                page.next = page.last;
+                return page;
+            }
+            page.scanned = page.scanned.saturating_add(1);
+            page.last = Some(*op);
+            let items = op_items(*op, &e.entry);
+            if keep(op, &items) {
+                page.ops.push((*op, items));
+            }
+        }
+        page
+    }
+
+    /// Rank verdicts by outcome kind (the outcome's name up to `(`), and ops with a
+    /// final unfinished verdict (`stuck`, `waiting_on`, `blocked_by`, `not_joined`) whose
+    /// rank has not recovered: at most `max_scan` ops looked at.
+    #[must_use]
+    pub fn tally(&self, max_scan: usize) -> StoreTally {
+        let mut t = StoreTally { complete: true, ..StoreTally::default() };
+        for (i, e) in self.ops.values().enumerate() {
+            if i >= max_scan {
+                t.complete = false;
+                break;
+            }
+            t.ops_scanned = t.ops_scanned.saturating_add(1);
+            match &e.entry {
+                Entry::Completed { ranks, .. } => {
+                    let n = u64::try_from(ranks.len()).unwrap_or(u64::MAX);
+                    let c = t.by_outcome.entry("completed".to_owned()).or_default();
+                    *c = c.saturating_add(n);
+                }
+                Entry::Full(m) => {
+                    let mut hung = false;
+                    for s in m.values() {
+                        let name = s.verdict.outcome.name();
+                        let kind = name.split('(').next().unwrap_or_default().to_owned();
+                        let c = t.by_outcome.entry(kind).or_default();
+                        *c = c.saturating_add(1);
+                        hung |= s.verdict.is_final
+                            && s.recovered_at_ns.is_none()
+                            && matches!(
+                                s.verdict.outcome,
+                                Outcome::Stuck | Outcome::WaitingOn(_) | Outcome::BlockedBy(_) | Outcome::NotJoined
+                            );
+                    }
+                    t.hung_ops = t.hung_ops.saturating_add(u64::from(hung));
+                }
+            }
+        }
+        t
     }
 
     // ---------------------------------------------------------------- internals

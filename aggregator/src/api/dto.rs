@@ -657,3 +657,133 @@ pub struct EventLogDto {
     /// subscribers that fell behind).
     pub gaps_sent: u64,
 }
+
+/// `GET /v1/nodes/{node}`: one node (by name or 16-hex-digit id), its loss by class and
+/// cause, and its latest verdict events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeDetailDto {
+    pub api_version: String,
+    pub as_of: AsOfDto,
+    pub node: NodeDto,
+    /// Frames lost by class and cause (running totals over its streams), with the share
+    /// of the class's frames (received + lost).
+    pub loss: Vec<LossClassDto>,
+    /// Its ranks' latest verdict and revision events still in the event log, newest
+    /// first (at most 50).
+    pub recent_verdicts: Vec<VerdictDto>,
+}
+
+/// Loss of one class of one node (or of the cluster), by cause.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LossClassDto {
+    pub class: String,
+    pub received: u64,
+    pub lost: BTreeMap<String, u64>,
+    pub lost_total: u64,
+    /// lost_total ÷ (received + lost_total); 0 without frames.
+    pub lost_share: f64,
+}
+
+/// `GET /v1/gpus/{uuid}`: one GPU's health, node and latest verdict events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuDetailDto {
+    pub api_version: String,
+    pub as_of: AsOfDto,
+    pub gpu_uuid: String,
+    pub node: String,
+    pub health: String,
+    /// Its latest verdict and revision events still in the event log, newest first (at
+    /// most 50).
+    pub recent_verdicts: Vec<VerdictDto>,
+}
+
+/// `GET /v1/collectives`: ops (collectives, p2p, graph replays), in op order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CollectivesDto {
+    pub api_version: String,
+    pub as_of: AsOfDto,
+    /// Pass as `cursor=` for the next page; absent on the last page.
+    pub next_cursor: Option<String>,
+    pub collectives: Vec<CollectiveSummaryDto>,
+}
+
+/// One op in a list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveSummaryDto {
+    /// Opaque, stable: `GET /v1/collectives/{id}`.
+    pub id: String,
+    pub op: OpDto,
+    /// `final` (every held rank verdict final) or `open`.
+    pub state: String,
+    pub ranks: u64,
+    pub finals: u64,
+    /// Rank verdicts by outcome.
+    pub outcomes: BTreeMap<String, u64>,
+    /// The earliest decision among its ranks (aggregator ms).
+    pub decided_at_ms: u64,
+}
+
+/// `GET /v1/collectives/{id}`: one op with every held rank verdict (evidence, revision).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveDto {
+    pub api_version: String,
+    pub as_of: AsOfDto,
+    pub id: String,
+    pub op: OpDto,
+    pub state: String,
+    /// In rank order.
+    pub verdicts: Vec<VerdictDto>,
+}
+
+/// `GET /v1/loss`: frames lost, per node, stream and cause (running totals since each
+/// stream's epoch began), with per-class totals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LossDto {
+    pub api_version: String,
+    pub as_of: AsOfDto,
+    pub by_class: Vec<LossClassDto>,
+    pub streams: Vec<LossStreamDto>,
+}
+
+/// One stream's loss by cause.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LossStreamDto {
+    pub node: String,
+    pub epoch: u64,
+    pub stream_id: u32,
+    pub class: String,
+    pub ring: u8,
+    pub cpu: u16,
+    pub received: u64,
+    pub lost: BTreeMap<String, u64>,
+    pub lost_total: u64,
+}
+
+/// `GET /v1/summary`: the cluster at a glance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryDto {
+    pub api_version: String,
+    pub as_of: AsOfDto,
+    /// Rank verdicts held, by outcome kind.
+    pub verdicts_by_outcome: BTreeMap<String, u64>,
+    /// Ops with a final unfinished rank verdict (`stuck`, `waiting_on`, `blocked_by`,
+    /// `not_joined`) whose rank has not recovered.
+    pub hung_collectives: u64,
+    /// Whether every op was counted (false: past the scan budget of 100,000 ops).
+    pub counts_complete: bool,
+    pub nodes: u64,
+    /// Nodes by health (`healthy`, `healthy_lossy`, `suspect`, `degraded`, `silent`,
+    /// `unreachable`).
+    pub nodes_by_health: BTreeMap<String, u64>,
+    /// Nodes whose health turned `degraded` or `healthy_lossy` within the last
+    /// `correlated_window_s`, and whether they are more than `correlated_share` of the
+    /// nodes: many nodes turning at once points at a shared cause (a switch, the
+    /// aggregator's own intake), not at each node.
+    pub recently_degraded_or_lossy: Vec<String>,
+    pub correlated_degradation: bool,
+    /// The aggregator cannot keep up (reasons in `saturated_reasons`): memory pressure,
+    /// a stalled timer task, HTTP connections refused at the cap, or event subscribers
+    /// refused.
+    pub aggregator_saturated: bool,
+    pub saturated_reasons: Vec<String>,
+}

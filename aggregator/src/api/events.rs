@@ -105,6 +105,8 @@ pub struct Event {
     pub node: Option<NodeId>,
     /// A verdict's `final` flag (verdict and revision events).
     pub is_final: Option<bool>,
+    /// Aggregator time it was logged at (set by `Shared::push_events`).
+    pub at_ns: u64,
     body: Body,
     json: OnceLock<Arc<str>>,
 }
@@ -119,7 +121,7 @@ impl Event {
             }
             MatcherEvent::Recovered { node, .. } => (Kind::Recovery, *node, None),
         };
-        Self { kind, node, is_final, body: Body::Matcher(e.clone()), json: OnceLock::new() }
+        Self { kind, node, is_final, at_ns: 0, body: Body::Matcher(e.clone()), json: OnceLock::new() }
     }
 
     /// A change the `events` task saw.
@@ -175,8 +177,29 @@ impl Event {
             kind,
             node: Some(NodeId(proto_flat::node_id_of(node))),
             is_final: None,
+            at_ns: 0,
             body: Body::Json(Arc::clone(&json)),
             json: OnceLock::from(json),
+        }
+    }
+
+    /// The verdict of a verdict or revision event.
+    #[must_use]
+    pub fn verdict(&self) -> Option<&ringwatch_core::verdict::Verdict> {
+        match &self.body {
+            Body::Matcher(MatcherEvent::Verdict(v)) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A health event's node and health (`None` for a GPU's, or another kind).
+    #[must_use]
+    pub fn node_health(&self) -> Option<HealthEventDto> {
+        match (&self.body, self.kind) {
+            (Body::Json(j), Kind::Health) => {
+                serde_json::from_str::<HealthEventDto>(j).ok().filter(|h| h.gpu_uuid.is_none())
+            }
+            _ => None,
         }
     }
 

@@ -23,6 +23,7 @@ pub mod auth;
 pub mod client;
 pub mod dto;
 pub mod events;
+pub mod resources;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -55,7 +56,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/nodes", get(nodes))
         .route("/v1/verdicts", get(verdicts))
         .route("/v1/ingest", get(ingest))
-        .route("/v1/events", get(events::events));
+        .route("/v1/events", get(events::events))
+        .route("/v1/nodes/{node}", get(resources::node))
+        .route("/v1/gpus/{uuid}", get(resources::gpu))
+        .route("/v1/collectives", get(resources::collectives))
+        .route("/v1/collectives/{id}", get(resources::collective))
+        .route("/v1/loss", get(resources::loss))
+        .route("/v1/summary", get(resources::summary));
     #[cfg(feature = "test-hooks")]
     let r = r.route("/test/panic", get(test_panic)).route("/test/arm-timer-panic", get(arm_timer_panic));
     r.fallback(http::not_found)
@@ -105,11 +112,11 @@ fn bad(msg: String) -> Response {
     http::error(StatusCode::BAD_REQUEST, msg)
 }
 
-fn unavailable(e: CoreFailed) -> Response {
+pub(crate) fn unavailable(e: CoreFailed) -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, Json(ErrorDto { error: e.to_string() })).into_response()
 }
 
-fn tasks(s: &Shared) -> Vec<TaskDto> {
+pub(crate) fn tasks(s: &Shared) -> Vec<TaskDto> {
     let now = s.real_ms();
     s.tasks
         .all()
@@ -200,7 +207,7 @@ async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
 }
 
 /// The aggregator's own memory pressure (`None`: the watcher is off or unavailable).
-fn pressure_dto(s: &Shared) -> Option<dto::AggregatorPressureDto> {
+pub(crate) fn pressure_dto(s: &Shared) -> Option<dto::AggregatorPressureDto> {
     let st = s.pressure.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref()?.borrow().clone();
     let shed = s.store().pressure();
     Some(dto::AggregatorPressureDto {
@@ -346,7 +353,7 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
 }
 
 /// [`dto::AsOfDto`] from the core (its lock held by the caller) at aggregator time `now`.
-fn as_of(s: &Shared, core: &ringwatch_core::Core, now: u64) -> dto::AsOfDto {
+pub(crate) fn as_of(s: &Shared, core: &ringwatch_core::Core, now: u64) -> dto::AsOfDto {
     let mut min: Option<(i64, NodeId)> = None;
     let mut with = 0u64;
     for id in core.node_ids() {
@@ -377,8 +384,6 @@ async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         return r.into_response();
     }
     let now = s.now();
-    let registry: Vec<(NodeId, String, u32, u64)> =
-        s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.live, e.connections)).collect();
     let core = match s.core() {
         Ok(c) => c,
         Err(e) => return unavailable(e),
@@ -386,63 +391,85 @@ async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     let health = core.node_health(now);
     let gpu_health = core.gpu_health(now);
     let fresh = as_of(&s, &core, now);
-    // A node the core knows (from its snapshot) that has not connected to this instance
-    // is listed too, under its id — a node that never came back after an aggregator
-    // restart must not vanish from the answer.
-    let mut registry = registry;
-    let named: std::collections::BTreeSet<NodeId> = registry.iter().map(|r| r.0).collect();
-    registry.extend(core.node_ids().filter(|id| !named.contains(id)).map(|id| (id, format!("{:016x}", id.0), 0, 0)));
+    let registry = registry(&s, &core);
     let mut out: Vec<NodeDto> = registry
         .into_iter()
         .map(|(id, name, live, connections)| {
-            let state = core.node_state(id);
-            let p0 = core.p0_loss(id);
-            NodeDto {
-                name,
-                node_id: format!("{:016x}", id.0),
-                connected: live > 0,
-                live_connections: live,
-                liveness: state.map_or("unreachable", |n| liveness_name(n.liveness)).into(),
-                health: health_name(health.get(&id).copied().unwrap_or(ringwatch_core::Health::Healthy)).into(),
-                connections,
-                watermark_p0_node_ns: state.map_or(0, |n| n.watermark_ns[0]),
-                watermark_bulk_node_ns: state.map_or(0, |n| n.watermark_ns[2]),
-                clock_offset_ns: state.and_then(|n| n.clock.offset_ns()),
-                clock_epsilon_ns: state.and_then(|n| n.clock.epsilon_ns(now)),
-                knowledge_gaps: core
-                    .knowledge_gaps(id)
-                    .iter()
-                    .filter(|(from, to)| to > from)
-                    .map(|&(from, to)| GapDto { from_ms: from / 1_000_000, to_ms: to / 1_000_000 })
-                    .collect(),
-                gpus: gpu_health
-                    .range((id, [0u8; 16])..=(id, [0xff; 16]))
-                    .map(|((_, uuid), h)| GpuDto {
-                        gpu_uuid: uuid.iter().map(|b| format!("{b:02x}")).collect(),
-                        health: health_name(*h).into(),
-                    })
-                    .collect(),
-                awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
-                prior_instance: core.trackers(id).fold(0u64, |a, t| a.saturating_add(t.counts().prior_instance)),
-                p0_frames_lost: p0.0,
-                p0_frames_attempted: p0.1,
-                shipper: state.and_then(|n| n.shipper).map(|st| dto::ShipperStateDto {
-                    pressure: st.pressure_level().into(),
-                    psi_some_avg10: f64::from(st.psi_some_avg10_ppm) / 10_000.0,
-                    psi_full_avg10: f64::from(st.psi_full_avg10_ppm) / 10_000.0,
-                    shed_tier: st.shed_tier,
-                    sampling_level: st.sampling_level,
-                    spool_bytes: st.spool_bytes,
-                    spool_cap_bytes: st.spool_cap_bytes,
-                    age_ms: now.saturating_sub(st.at_ns) / 1_000_000,
-                }),
-                streams: core.trackers(id).map(StreamDto::from_tracker).collect(),
-            }
+            node_dto(&s, &core, now, &health, &gpu_health, id, name, live, connections)
         })
         .collect();
     drop(core);
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Json(NodesDto { api_version: API_VERSION.into(), as_of: fresh, nodes: out }).into_response()
+}
+
+/// The registry's node list: (id, name, live connections, connections), with the nodes
+/// the core knows that never connected to this instance listed under their id — a node
+/// that never came back after an aggregator restart must not vanish from the answer.
+pub(crate) fn registry(s: &Shared, core: &ringwatch_core::Core) -> Vec<(NodeId, String, u32, u64)> {
+    let mut registry: Vec<(NodeId, String, u32, u64)> =
+        s.nodes.iter().map(|e| (*e.key(), e.name.clone(), e.live, e.connections)).collect();
+    let named: std::collections::BTreeSet<NodeId> = registry.iter().map(|r| r.0).collect();
+    registry.extend(core.node_ids().filter(|id| !named.contains(id)).map(|id| (id, format!("{:016x}", id.0), 0, 0)));
+    registry
+}
+
+/// One node's [`NodeDto`] (the caller holds the core's lock).
+#[allow(clippy::too_many_arguments, reason = "the pieces one /v1/nodes answer computes once for every node")]
+pub(crate) fn node_dto(
+    s: &Shared,
+    core: &ringwatch_core::Core,
+    now: u64,
+    health: &BTreeMap<NodeId, ringwatch_core::Health>,
+    gpu_health: &BTreeMap<(NodeId, [u8; 16]), ringwatch_core::Health>,
+    id: NodeId,
+    name: String,
+    live: u32,
+    connections: u64,
+) -> NodeDto {
+    let state = core.node_state(id);
+    let p0 = core.p0_loss(id);
+    NodeDto {
+        name,
+        node_id: format!("{:016x}", id.0),
+        connected: live > 0,
+        live_connections: live,
+        liveness: state.map_or("unreachable", |n| liveness_name(n.liveness)).into(),
+        health: health_name(health.get(&id).copied().unwrap_or(ringwatch_core::Health::Healthy)).into(),
+        connections,
+        watermark_p0_node_ns: state.map_or(0, |n| n.watermark_ns[0]),
+        watermark_bulk_node_ns: state.map_or(0, |n| n.watermark_ns[2]),
+        clock_offset_ns: state.and_then(|n| n.clock.offset_ns()),
+        clock_epsilon_ns: state.and_then(|n| n.clock.epsilon_ns(now)),
+        knowledge_gaps: core
+            .knowledge_gaps(id)
+            .iter()
+            .filter(|(from, to)| to > from)
+            .map(|&(from, to)| GapDto { from_ms: from / 1_000_000, to_ms: to / 1_000_000 })
+            .collect(),
+        gpus: gpu_health
+            .range((id, [0u8; 16])..=(id, [0xff; 16]))
+            .map(|((_, uuid), h)| GpuDto {
+                gpu_uuid: uuid.iter().map(|b| format!("{b:02x}")).collect(),
+                health: health_name(*h).into(),
+            })
+            .collect(),
+        awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
+        prior_instance: core.trackers(id).fold(0u64, |a, t| a.saturating_add(t.counts().prior_instance)),
+        p0_frames_lost: p0.0,
+        p0_frames_attempted: p0.1,
+        shipper: state.and_then(|n| n.shipper).map(|st| dto::ShipperStateDto {
+            pressure: st.pressure_level().into(),
+            psi_some_avg10: f64::from(st.psi_some_avg10_ppm) / 10_000.0,
+            psi_full_avg10: f64::from(st.psi_full_avg10_ppm) / 10_000.0,
+            shed_tier: st.shed_tier,
+            sampling_level: st.sampling_level,
+            spool_bytes: st.spool_bytes,
+            spool_cap_bytes: st.spool_cap_bytes,
+            age_ms: now.saturating_sub(st.at_ns) / 1_000_000,
+        }),
+        streams: core.trackers(id).map(StreamDto::from_tracker).collect(),
+    }
 }
 
 async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {

@@ -17,6 +17,7 @@ pub mod certs;
 pub mod config;
 pub mod events;
 pub mod ingest;
+pub mod query;
 pub mod snapshots;
 pub mod state;
 pub mod supervise;

@@ -1,6 +1,7 @@
 //! `aggregator` binary: `aggregator run ...` serves; `aggregator certs init` writes a dev
-//! certificate set. Exit codes: 0 ok (SIGTERM included), 1 runtime failure, 2 usage or
-//! configuration (every problem listed, the files it names checked too), 70
+//! certificate set; `aggregator query …` asks a running one (`aggregator::query`, with
+//! its own exit codes). Exit codes of `run`: 0 ok (SIGTERM included), 1 runtime failure,
+//! 2 usage or configuration (every problem listed, the files it names checked too), 70
 //! the core failed (a panic while it was being updated): no snapshot is written, so a
 //! supervisor's restart resumes from the last good one.
 
@@ -48,6 +49,7 @@ fn command() -> Command {
         .about("ringwatch central service: QUIC ingest, verdicts over HTTP")
         .subcommand_required(true)
         .subcommand(run)
+        .subcommand(query_command())
         .subcommand(
             Command::new("certs").about("certificate set-up").subcommand_required(true).subcommand(
                 Command::new("init")
@@ -61,6 +63,121 @@ fn command() -> Command {
                     )),
             ),
         )
+}
+
+fn query_command() -> Command {
+    let name = || Arg::new("name").required(true);
+    Command::new("query")
+        .about("ask a running aggregator's API: tables for people, --json for scripts")
+        .after_help(
+            "Examples:\n  aggregator query summary\n  aggregator query collectives -q state=open -q node=node-03\n  \
+             aggregator query events --follow --json -q kind=verdict,revision -q final=true\n\n\
+             Exit codes: 0 ok, 1 unreachable / stream broken / 5xx, 2 usage or a refused query (400),\n\
+             3 not found (404), 4 unauthorized (401: give --token-file).",
+        )
+        .subcommand_required(true)
+        .arg(
+            Arg::new("http")
+                .long("http")
+                .global(true)
+                .value_name("ADDR")
+                .value_parser(value_parser!(std::net::SocketAddr))
+                .help("the aggregator's HTTP address (else RINGWATCH_AGGREGATOR_HTTP, else 127.0.0.1:8080)"),
+        )
+        .arg(
+            Arg::new("token-file")
+                .long("token-file")
+                .global(true)
+                .value_name("FILE")
+                .help("a file holding the API's bearer token"),
+        )
+        .arg(Arg::new("json").long("json").global(true).action(ArgAction::SetTrue).help("print the API's JSON"))
+        .arg(
+            Arg::new("q")
+                .short('q')
+                .long("query")
+                .global(true)
+                .value_name("KEY=VALUE")
+                .action(ArgAction::Append)
+                .help("a query parameter, passed through (the aggregator checks it): node=…, state=open, kind=…"),
+        )
+        .subcommand(Command::new("nodes").about("every node: health, liveness, P0 loss"))
+        .subcommand(Command::new("node").about("one node: GPUs, loss by class and cause, recent verdicts").arg(name()))
+        .subcommand(
+            Command::new("collectives")
+                .about("collectives (filters: -q state= outcome= comm= node= gpu= from_ms= to_ms= limit=)")
+                .arg(Arg::new("all").long("all").action(ArgAction::SetTrue).help("follow next_cursor to the end")),
+        )
+        .subcommand(Command::new("collective").about("one collective, every rank's verdict").arg(name()))
+        .subcommand(Command::new("loss").about("frames lost by class, stream and cause (-q node= class= cause=)"))
+        .subcommand(Command::new("summary").about("the cluster at a glance"))
+        .subcommand(
+            Command::new("events")
+                .about("the event stream: what the log holds, or --follow (resumes after a drop)")
+                .arg(Arg::new("follow").long("follow").short('f').action(ArgAction::SetTrue)),
+        )
+}
+
+fn query(m: &clap::ArgMatches) -> ExitCode {
+    use aggregator::query::{Query, What, run};
+    let Some((sub, sm)) = m.subcommand() else { return ExitCode::from(2) };
+    let name = || sm.get_one::<String>("name").cloned().unwrap_or_default();
+    let what = match sub {
+        "nodes" => What::Nodes,
+        "node" => What::Node(name()),
+        "collectives" => What::Collectives { all: sm.get_flag("all") },
+        "collective" => What::Collective(name()),
+        "loss" => What::Loss,
+        "summary" => What::Summary,
+        "events" => What::Events { follow: sm.get_flag("follow") },
+        _ => return ExitCode::from(2),
+    };
+    let mut params = Vec::new();
+    for kv in sm.get_many::<String>("q").into_iter().flatten() {
+        let Some((k, v)) = kv.split_once('=') else {
+            eprintln!("aggregator query: -q {kv:?}: expected KEY=VALUE");
+            return ExitCode::from(2);
+        };
+        params.push((k.to_owned(), v.to_owned()));
+    }
+    let token = match sm.get_one::<String>("token-file") {
+        Some(f) => match aggregator::api::auth::read_token(std::path::Path::new(f)) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("aggregator query: --token-file {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => None,
+    };
+    let http = match sm.get_one::<std::net::SocketAddr>("http").copied() {
+        Some(a) => a,
+        None => match std::env::var("RINGWATCH_AGGREGATOR_HTTP") {
+            Ok(v) => match v.parse() {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("aggregator query: RINGWATCH_AGGREGATOR_HTTP={v:?}: {e}");
+                    return ExitCode::from(2);
+                }
+            },
+            Err(_) => std::net::SocketAddr::from(([127, 0, 0, 1], 8080)),
+        },
+    };
+    let q = Query { http, token, json: sm.get_flag("json"), params, what };
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("aggregator query: runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(&q)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("aggregator query: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
 }
 
 /// Exit code when the core failed (EX_SOFTWARE).
@@ -95,6 +212,7 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some(("query", q)) => query(q),
         Some(("run", r)) => {
             let loaded = ringwatch_transport::config::load_or_exit::<config::Aggregator>(
                 "aggregator",

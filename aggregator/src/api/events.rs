@@ -17,7 +17,7 @@
 //! Verdict events are serialized once, by the first subscriber that sends them (none
 //! while nobody subscribes); node events are built by the `events` task.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
-use axum::response::sse::{self, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use ringwatch_core::NodeId;
 use ringwatch_core::verdict::MatcherEvent;
@@ -260,7 +259,10 @@ struct Sub {
     s: Arc<Shared>,
     next: u64,
     filter: Filter,
-    pending: VecDeque<sse::Event>,
+    /// Event-stream text not yet sent (sent as one body chunk: a burst of events is one
+    /// write, not one per event).
+    pending: String,
+    heartbeat: Duration,
     wake: tokio::sync::watch::Receiver<u64>,
     /// When the log was last read and found empty past `next`.
     caught_up_at: Option<tokio::time::Instant>,
@@ -278,7 +280,7 @@ impl Sub {
             missed: g.missed,
         };
         let data = serde_json::to_string(&body).unwrap_or_default();
-        self.pending.push_back(sse::Event::default().id(g.to.to_string()).event("gap").data(data));
+        self.push(&g.to.to_string(), "gap", &data);
         self.next = g.to.seq.saturating_add(1);
     }
 
@@ -295,14 +297,22 @@ impl Sub {
         }
         let names = &self.names;
         let json = e.item.json(&|id| names.get(&id).cloned());
-        self.pending.push_back(sse::Event::default().id(id.to_string()).event(e.item.kind.name()).data(&*json));
+        self.push(&id.to_string(), e.item.kind.name(), &json);
     }
 
-    /// The next event to send; `None` once the aggregator stops.
-    async fn next_event(&mut self) -> Option<sse::Event> {
+    /// One event in the stream's text (`data` is one line of JSON: serde_json writes no
+    /// line breaks; the id and kind are ours).
+    fn push(&mut self, id: &str, kind: &str, data: &str) {
+        use std::fmt::Write as _;
+        let _ = write!(self.pending, "id: {id}\nevent: {kind}\ndata: {data}\n\n");
+    }
+
+    /// The next text to send — events, or a heartbeat comment after `heartbeat` without
+    /// any; `None` once the aggregator stops.
+    async fn next_chunk(&mut self) -> Option<axum::body::Bytes> {
         loop {
-            if let Some(e) = self.pending.pop_front() {
-                return Some(e);
+            if !self.pending.is_empty() {
+                return Some(std::mem::take(&mut self.pending).into());
             }
             if self.s.events.closing.load(Relaxed) {
                 return None;
@@ -317,8 +327,13 @@ impl Sub {
             match read {
                 Err(gap) => self.gap(&gap),
                 Ok(()) if got.is_empty() => {
-                    if self.wake.changed().await.is_err() {
-                        return None;
+                    match tokio::time::timeout(self.heartbeat, self.wake.changed()).await {
+                        Err(_) => {
+                            self.pending.push_str(": heartbeat\n\n");
+                            continue;
+                        }
+                        Ok(Err(_)) => return None,
+                        Ok(Ok(())) => {}
                     }
                     if let Some(at) = self.caught_up_at.replace(tokio::time::Instant::now()) {
                         tokio::time::sleep_until(at + COALESCE).await;
@@ -401,7 +416,8 @@ pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: Header
         s: Arc::clone(&s),
         next: start.next,
         filter,
-        pending: VecDeque::new(),
+        pending: String::new(),
+        heartbeat: Duration::from_millis(cfg.heartbeat_ms.max(1)),
         caught_up_at: None,
         names: BTreeMap::new(),
         _counted: counted,
@@ -410,10 +426,17 @@ pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: Header
         sub.gap(&g);
     }
     let stream = futures_util::stream::unfold(sub, |mut sub| async move {
-        let e = sub.next_event().await?;
-        Some((Ok::<_, Infallible>(e), sub))
+        let chunk = sub.next_chunk().await?;
+        Some((Ok::<_, Infallible>(chunk), sub))
     });
-    Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_millis(cfg.heartbeat_ms.max(1))).text("heartbeat"))
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+            // nginx and the like: do not buffer the stream.
+            (axum::http::HeaderName::from_static("x-accel-buffering"), "no"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
         .into_response()
 }

@@ -51,6 +51,9 @@ pub struct RunSpec {
     pub net_faults: Option<ringwatch_faultproxy::Faults>,
     /// An aggregator already running elsewhere instead of the embedded one.
     pub external: Option<External>,
+    /// Also read the demo table through the per-node and per-GPU resources while the
+    /// shippers are still connected ([`RunResult::demo_rows`]).
+    pub demo_rows: bool,
 }
 
 /// A running aggregator to drive: where its QUIC and HTTP listen, and a certificate
@@ -142,6 +145,10 @@ pub struct RunResult {
     /// Where the verdicts were read.
     pub http_addr: SocketAddr,
     pub certs: TempDir,
+    /// The demo table read through `/v1/nodes/{node}`, `/v1/gpus/{uuid}` and
+    /// `/v1/verdicts?gpu=` at the same point as `nodes` and `verdicts` (with
+    /// [`RunSpec::demo_rows`]).
+    pub demo_rows: Option<Vec<crate::demo::Row>>,
 }
 
 /// A restart the driver applied.
@@ -588,6 +595,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     }
     let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
     let verdicts: VerdictsDto = client::get_all_verdicts(http, "").await?;
+    let demo_rows = if spec.demo_rows { Some(crate::demo::rows_from_api(http, &truth).await?) } else { None };
     let agg = agg.lock().await.take();
     let ended_at_ms = match &agg {
         Some(a) => a.shared.now() / 1_000_000,
@@ -627,5 +635,6 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         restarts,
         http_addr: http,
         certs: dir,
+        demo_rows,
     })
 }

@@ -1,10 +1,13 @@
 //! The README's demo table: per node and GPU, the aggregator's health, one line of
-//! evidence from its verdicts, and the ground truth beside it.
+//! evidence from its verdicts, and the ground truth beside it — read through the
+//! scheduler's resources ([`rows_from_api`]: `/v1/nodes/{node}`, `/v1/gpus/{uuid}`,
+//! `/v1/verdicts?gpu=`), as a scheduler would.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use aggregator::api::dto::{NodesDto, VerdictDto, VerdictsDto};
+use aggregator::api::client::{self, ClientError};
+use aggregator::api::dto::{GpuDetailDto, NodeDetailDto, NodesDto, VerdictDto, VerdictsDto};
 use loadgen_sim::GroundTruth;
 
 /// One row.
@@ -113,6 +116,58 @@ pub fn rows(truth: &GroundTruth, nodes: &NodesDto, verdicts: &VerdictsDto) -> Ve
             }
         })
         .collect()
+}
+
+/// The rows, one per GPU of the truth, each read through the API at `http`: the node
+/// (`/v1/nodes/{node}`: liveness, P0 loss), the GPU (`/v1/gpus/{uuid}`: health) and its
+/// verdicts (`/v1/verdicts?gpu=`, every page). A node or GPU the aggregator never heard
+/// of reads as unreachable / healthy, as in [`rows`].
+///
+/// # Errors
+/// The API cannot be reached or answers something else than 200 or 404.
+pub async fn rows_from_api(http: std::net::SocketAddr, truth: &GroundTruth) -> Result<Vec<Row>, ClientError> {
+    async fn get_opt<T: serde::de::DeserializeOwned>(
+        http: std::net::SocketAddr,
+        path: &str,
+    ) -> Result<Option<T>, ClientError> {
+        match client::get_json(http, path).await {
+            Ok(v) => Ok(Some(v)),
+            Err(ClientError::Status { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+    let mut nodes: BTreeMap<String, Option<NodeDetailDto>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for g in &truth.gpus {
+        let name = aggregator::certs::node_name(g.node);
+        if !nodes.contains_key(&name) {
+            let n = get_opt(http, &format!("/v1/nodes/{name}")).await?;
+            nodes.insert(name.clone(), n);
+        }
+        let node = nodes.get(&name).and_then(Option::as_ref);
+        let gpu: Option<GpuDetailDto> = get_opt(http, &format!("/v1/gpus/{}", g.gpu_uuid)).await?;
+        let verdicts = client::get_all_verdicts(http, &format!("gpu={}", g.gpu_uuid)).await?;
+        let liveness = node.map_or("unreachable", |n| n.node.liveness.as_str());
+        let health = match liveness {
+            "silent" | "unreachable" => liveness.to_owned(),
+            _ => gpu.map_or_else(|| "healthy".to_owned(), |x| x.health),
+        };
+        let mine: Vec<&VerdictDto> = verdicts.verdicts.iter().collect();
+        out.push(Row {
+            node: name.clone(),
+            gpu: g.gpu,
+            evidence: evidence(
+                &health,
+                &mine,
+                liveness,
+                node.map_or((0, 0), |n| (n.node.p0_frames_lost, n.node.p0_frames_attempted)),
+            ),
+            health,
+            truth: g.health.clone(),
+            truth_why: g.why.first().cloned().unwrap_or_default(),
+        });
+    }
+    Ok(out)
 }
 
 /// The table.

@@ -182,6 +182,7 @@ fn spec(m: &ArgMatches, s: Scenario, default_scale: f64) -> RunSpec {
         progress: !m.get_flag("quiet"),
         net_faults: net_faults(m),
         external: external(m),
+        demo_rows: false,
     }
 }
 
@@ -259,8 +260,13 @@ async fn run_cmd(m: &ArgMatches) -> Result<bool, String> {
 
 async fn demo_cmd(m: &ArgMatches) -> Result<bool, String> {
     let s = scenario("demo")?;
-    let mut r = cluster::run(spec(m, s, 1e-4)).await.map_err(|e| e.to_string())?;
-    let rows = demo::rows(&r.truth, &r.nodes, &r.verdicts);
+    let mut r = cluster::run(RunSpec { demo_rows: true, ..spec(m, s, 1e-4) }).await.map_err(|e| e.to_string())?;
+    // Read through the scheduler's resources, as a scheduler reads them; the lists read
+    // at the same point (the score's input) must agree.
+    let rows = r.demo_rows.take().unwrap_or_default();
+    if rows != demo::rows(&r.truth, &r.nodes, &r.verdicts) {
+        eprintln!("loadgen: the per-GPU resources and the lists disagree (the table shows the resources')");
+    }
     let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(r.spec.time_scale));
     println!(
         "ringwatch demo — {} nodes × {} GPUs, seed {}, bulk scale {:e}: real shippers → QUIC + mTLS → aggregator, verdicts read from its HTTP API",

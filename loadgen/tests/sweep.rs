@@ -32,6 +32,7 @@ fn spec(name: &str, seed: u64) -> RunSpec {
         progress: false,
         net_faults: None,
         external: None,
+        demo_rows: false,
     }
 }
 

@@ -12,7 +12,7 @@
 //! error body. The listener's limits (header-read timeout, connection cap) are
 //! `ringwatch_transport::http`'s.
 //!
-//! `/v1/verdicts` query parameters (all optional): `node=NAME`, `outcome=PREFIX` (one of
+//! `/v1/verdicts` query parameters (all optional): `node=NAME`, `gpu=UUID`, `outcome=PREFIX` (one of
 //! `ringwatch_core::verdict::OUTCOME_KINDS` — `stuck`, `waiting_on`, … — optionally
 //! followed by `(…`, e.g. `indeterminate(uninstrumented)`), `final=true|false`, `limit=N` (1..=100000, default
 //! 10000), `cursor=TOKEN` (the previous page's `next_cursor`). Pages are in (op, rank)
@@ -473,7 +473,7 @@ pub(crate) fn node_dto(
 }
 
 async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
-    let q = match http::params(&uri, &["node", "outcome", "final", "limit", "cursor"]) {
+    let q = match http::params(&uri, &["node", "gpu", "outcome", "final", "limit", "cursor"]) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
     };
@@ -481,6 +481,7 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         return unavailable(CoreFailed);
     }
     let mut node = None;
+    let mut gpu: Option<[u8; 16]> = None;
     let mut outcome = None;
     let mut fin = None;
     let mut limit = 10_000usize;
@@ -488,6 +489,10 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     for (k, v) in &q {
         match k.as_str() {
             "node" => node = Some(v.clone()),
+            "gpu" => match resources::parse_uuid(v) {
+                Some(u) => gpu = Some(u),
+                None => return bad(format!("gpu={v:?}: expected a GPU uuid of 32 hex digits")),
+            },
             "outcome" => {
                 let kind = v.split('(').next().unwrap_or_default();
                 if !ringwatch_core::verdict::OUTCOME_KINDS.contains(&kind) {
@@ -530,15 +535,16 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     // One bounded page under the store's lock (owned), the DTOs after it is released.
     let (page, total, stored) = {
         let store = s.store();
-        let total = match (&node, &outcome, fin) {
-            (None, None, None) => Some(store.len()),
-            (None, None, Some(true)) => Some(store.finals()),
-            (None, None, Some(false)) => Some(store.len().saturating_sub(store.finals())),
+        let total = match (&node, &outcome, fin, gpu) {
+            (None, None, None, None) => Some(store.len()),
+            (None, None, Some(true), None) => Some(store.finals()),
+            (None, None, Some(false), None) => Some(store.len().saturating_sub(store.finals())),
             _ => None,
         };
         let page = store.page(after, limit, VERDICT_SCAN_BUDGET.max(limit), |st| {
             let v = &st.verdict;
             node_id.is_none_or(|n| v.node == Some(n))
+                && gpu.is_none_or(|g| v.gpu_uuid == g)
                 && fin.is_none_or(|f| v.is_final == f)
                 && outcome.as_ref().is_none_or(|o| v.outcome.name().starts_with(o.as_str()))
         });

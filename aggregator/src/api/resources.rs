@@ -58,6 +58,19 @@ fn parse_op_id(id: &str) -> Result<OpRef, String> {
     Cursor::decode(&format!("{id}.0")).map(|c| c.op).map_err(|_| format!("{id:?} is not a collective id this API gave"))
 }
 
+/// A GPU uuid from 32 hex digits (either case).
+#[must_use]
+pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+    if text.len() != 32 || !text.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(text.get(i * 2..i * 2 + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
 fn hex_uuid(u: &[u8; 16]) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()
 }

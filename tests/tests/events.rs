@@ -284,6 +284,21 @@ async fn net_api_token_rotates_without_restart_and_event_queries_are_checked() {
         assert!(body.contains(says), "{query}: {body}");
     }
 
+    // Every documented path is served (none falls to the router's "no route").
+    let (code, doc) = get_with(http, "/openapi.json", &with).await.expect("answer");
+    assert_eq!(code, 200);
+    let doc: serde_json::Value = serde_json::from_str(&doc).expect("OpenAPI JSON");
+    assert_eq!(doc["openapi"].as_str().map(|v| v.starts_with("3.")), Some(true));
+    for path in doc["paths"].as_object().expect("paths").keys() {
+        let concrete = path.replace("{node}", "nope").replace("{uuid}", &"0f".repeat(16)).replace("{id}", "c.1.2.3.4");
+        if concrete == "/v1/events" {
+            continue; // a stream: opened above and below
+        }
+        let (code, body) = get_with(http, &concrete, &with).await.expect("answer");
+        assert!(!body.contains("no route for"), "{path} → {concrete}: {code} {body}");
+        assert!([200, 404].contains(&code), "{concrete}: {code} {body}");
+    }
+
     // A quiet stream carries heartbeat comments (every 100 ms here).
     let mut quiet = EventStream::open(http, "/v1/events?kind=verdict", &with).await.expect("open");
     let waited = tokio::time::timeout(std::time::Duration::from_millis(1500), quiet.next()).await;

@@ -22,7 +22,7 @@ pub const API_VERSION: &str = "v1";
 /// `GET /healthz`: `200` with status `ok`; `503` with `degraded` (a long-lived task is
 /// dead, or the timer task made no progress for [`TIMER_STALL_MS`]) or `failed` (the core
 /// failed: the process is exiting to restart from its snapshot).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct HealthzDto {
     pub status: String,
     /// This aggregator process (hex).
@@ -63,7 +63,7 @@ pub struct HealthzDto {
 }
 
 /// The aggregator's own memory pressure ([`HealthzDto::pressure`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AggregatorPressureDto {
     /// `nominal`, `some` or `full` (with the watcher's hysteresis).
     pub level: String,
@@ -75,6 +75,7 @@ pub struct AggregatorPressureDto {
     pub some_total_us: u64,
     pub full_total_us: u64,
     /// Triggers fired (`some`, `full`), and level changes.
+    #[schema(value_type = Vec<u64>)]
     pub fired: [u64; 2],
     pub transitions: u64,
     /// Times P3 was shed (entering pressure), and the resident bytes the allocator gave
@@ -88,7 +89,7 @@ pub struct AggregatorPressureDto {
 }
 
 /// A snapshot this build could not read ([`HealthzDto::snapshot_skipped`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotSkippedDto {
     /// Its format version.
     pub version: u32,
@@ -101,7 +102,7 @@ pub struct SnapshotSkippedDto {
 pub const TIMER_STALL_MS: u64 = 10_000;
 
 /// One long-lived task in [`HealthzDto`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TaskDto {
     pub name: String,
     pub alive: bool,
@@ -118,14 +119,14 @@ pub struct TaskDto {
 
 /// `GET /readyz`: `200` when the aggregator is serving (the core has not failed, the
 /// timer task turns, the accept loop and the HTTP server run), else `503` with why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReadyzDto {
     pub ready: bool,
     pub reasons: Vec<String>,
 }
 
 /// `GET /v1/ingest`: what the transport and ingest counted.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct IngestDto {
     pub api_version: String,
     /// How fresh this answer is.
@@ -201,7 +202,7 @@ pub struct IngestDto {
 }
 
 /// The HTTP listener's counters (`/v1/ingest` `http`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct HttpDto {
     /// Connections accepted and served, and open now.
     pub connections: u64,
@@ -222,14 +223,14 @@ pub struct HttpDto {
 }
 
 /// One bounded map's size against its cap (`/v1/ingest` `maps`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MapSizeDto {
     pub len: u64,
     pub cap: u64,
 }
 
 /// `GET /v1/nodes`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodesDto {
     pub api_version: String,
     /// How fresh this answer is.
@@ -239,7 +240,7 @@ pub struct NodesDto {
 }
 
 /// One node.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeDto {
     /// Its certificate's DNS name — or, for a node this instance knows only from its
     /// snapshot (it has not connected since the restart), its `node_id`.
@@ -293,7 +294,7 @@ pub struct NodeDto {
 }
 
 /// A shipper's state, from its last heartbeat.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ShipperStateDto {
     /// `nominal`, `some` (bulk shed), `full` (bulk shed, P1 coalesced), `unknown`.
     pub pressure: String,
@@ -311,21 +312,21 @@ pub struct ShipperStateDto {
 }
 
 /// One GPU's health.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GpuDto {
     pub gpu_uuid: String,
     pub health: String,
 }
 
 /// A time range, aggregator (= cluster) ms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GapDto {
     pub from_ms: u64,
     pub to_ms: u64,
 }
 
 /// Accounting of one stream `(node, epoch, stream_id)`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StreamDto {
     pub epoch: u64,
     pub stream_id: u32,
@@ -352,7 +353,7 @@ pub struct StreamDto {
 }
 
 /// The verdict store, in `GET /v1/ingest`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct VerdictStoreDto {
     /// Rank verdicts held, and how many are final.
     pub verdicts: u64,
@@ -372,7 +373,7 @@ pub struct VerdictStoreDto {
 /// aggregator's epoch and time when the answer was built, and the oldest P0 watermark
 /// among the nodes — every node's collective events up to that cluster time are in (or
 /// accounted as lost). A verdict may change until it is `final`: act on final ones only.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct AsOfDto {
     pub aggregator_epoch: u64,
     /// Aggregator time (ms) the answer was built at.
@@ -390,7 +391,7 @@ pub struct AsOfDto {
 }
 
 /// `GET /v1/verdicts`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VerdictsDto {
     pub api_version: String,
     /// How fresh this page is.
@@ -412,7 +413,7 @@ pub struct VerdictsDto {
 }
 
 /// The latest verdict for one rank in one op.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VerdictDto {
     pub op: OpDto,
     pub rank: u32,
@@ -442,7 +443,7 @@ pub struct VerdictDto {
 }
 
 /// Which op.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct OpDto {
     /// `collective`, `p2p`, `graph`.
     pub kind: String,
@@ -456,7 +457,7 @@ pub struct OpDto {
 }
 
 /// A bad query.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorDto {
     pub error: String,
 }
@@ -577,7 +578,7 @@ pub const EVENT_KINDS: &[&str] =
 
 /// `recovery`: a final unfinished verdict (`stuck`, `waiting_on`, …) saw its rank
 /// complete the op after all; the verdict stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RecoveryEventDto {
     pub op: OpDto,
     pub rank: u32,
@@ -588,7 +589,7 @@ pub struct RecoveryEventDto {
 
 /// `health`: a node's (no `gpu_uuid`) or one GPU's health changed (`previous` absent:
 /// first seen by this aggregator process).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct HealthEventDto {
     pub node: String,
     pub gpu_uuid: Option<String>,
@@ -597,7 +598,7 @@ pub struct HealthEventDto {
 }
 
 /// `liveness`: a node's liveness (`fresh`, `silent`, `unreachable`) or connection changed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LivenessEventDto {
     pub node: String,
     pub liveness: String,
@@ -607,7 +608,7 @@ pub struct LivenessEventDto {
 }
 
 /// `p0_loss`: P0 (collective) frames of a node were lost since the last such event.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct P0LossEventDto {
     pub node: String,
     pub frames_lost: u64,
@@ -618,7 +619,7 @@ pub struct P0LossEventDto {
 /// `loss_rate`: the share of a node's non-P0 frames lost over a window moved to another
 /// band (`none`, `below_0.1%`, `below_1%`, `below_10%`, `10%_or_more`); sent on a
 /// change of band, not for every loss interval.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LossRateEventDto {
     pub node: String,
     pub band: String,
@@ -633,7 +634,7 @@ pub struct LossRateEventDto {
 /// or `from_id` is of another aggregator process (`other_instance`: a restart; nothing
 /// carries over). Re-list (`GET /v1/nodes`, `/v1/verdicts`), then go on: the stream
 /// continues after `to_id` (the gap's own id).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GapEventDto {
     pub from_id: String,
     pub to_id: String,
@@ -642,7 +643,7 @@ pub struct GapEventDto {
 }
 
 /// The event log, in `/v1/ingest`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default, utoipa::ToSchema)]
 pub struct EventLogDto {
     /// The newest event's id.
     pub last_id: String,
@@ -660,7 +661,7 @@ pub struct EventLogDto {
 
 /// `GET /v1/nodes/{node}`: one node (by name or 16-hex-digit id), its loss by class and
 /// cause, and its latest verdict events.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeDetailDto {
     pub api_version: String,
     pub as_of: AsOfDto,
@@ -674,7 +675,7 @@ pub struct NodeDetailDto {
 }
 
 /// Loss of one class of one node (or of the cluster), by cause.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LossClassDto {
     pub class: String,
     pub received: u64,
@@ -685,7 +686,7 @@ pub struct LossClassDto {
 }
 
 /// `GET /v1/gpus/{uuid}`: one GPU's health, node and latest verdict events.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GpuDetailDto {
     pub api_version: String,
     pub as_of: AsOfDto,
@@ -698,7 +699,7 @@ pub struct GpuDetailDto {
 }
 
 /// `GET /v1/collectives`: ops (collectives, p2p, graph replays), in op order.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CollectivesDto {
     pub api_version: String,
     pub as_of: AsOfDto,
@@ -708,7 +709,7 @@ pub struct CollectivesDto {
 }
 
 /// One op in a list.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CollectiveSummaryDto {
     /// Opaque, stable: `GET /v1/collectives/{id}`.
     pub id: String,
@@ -724,7 +725,7 @@ pub struct CollectiveSummaryDto {
 }
 
 /// `GET /v1/collectives/{id}`: one op with every held rank verdict (evidence, revision).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CollectiveDto {
     pub api_version: String,
     pub as_of: AsOfDto,
@@ -737,7 +738,7 @@ pub struct CollectiveDto {
 
 /// `GET /v1/loss`: frames lost, per node, stream and cause (running totals since each
 /// stream's epoch began), with per-class totals.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LossDto {
     pub api_version: String,
     pub as_of: AsOfDto,
@@ -746,7 +747,7 @@ pub struct LossDto {
 }
 
 /// One stream's loss by cause.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LossStreamDto {
     pub node: String,
     pub epoch: u64,
@@ -760,7 +761,7 @@ pub struct LossStreamDto {
 }
 
 /// `GET /v1/summary`: the cluster at a glance.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SummaryDto {
     pub api_version: String,
     pub as_of: AsOfDto,

@@ -354,6 +354,15 @@ fn bad(msg: impl Into<String>) -> Response {
 }
 
 /// `GET /v1/events`.
+#[utoipa::path(get, path = "/v1/events", tag = "events",
+    params(
+        ("after" = Option<String>, Query, description = "resume after this event id (Last-Event-ID wins when both are given)"),
+        ("node" = Option<String>, Query, description = "a node's name"),
+        ("kind" = Option<String>, Query, description = "comma-separated kinds: verdict, revision, recovery, health, liveness, p0_loss, loss_rate (gap is always sent)"),
+        ("final" = Option<bool>, Query, description = "verdict and revision events: final ones only, or open ones only"),
+        ("Last-Event-ID" = Option<String>, Header, description = "resume after this event id"),
+    ),
+    responses((status = 200, description = "Server-Sent Events: id <epoch>.<seq>@<instance>, event <kind>, data one JSON object", content_type = "text/event-stream", body = String), (status = 400, description = "a bad query or event id", body = super::dto::ErrorDto), (status = 401, description = "no bearer token, or the wrong one", body = super::dto::ErrorDto), (status = 503, description = "events_max_subscribers streams already", body = super::dto::ErrorDto)))]
 pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: HeaderMap, uri: Uri) -> Response {
     let q = match http::params(&uri, &["after", "node", "kind", "final"]) {
         Ok(q) => q,

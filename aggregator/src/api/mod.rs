@@ -37,6 +37,7 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
+#[cfg(feature = "test-hooks")]
 use axum::routing::get;
 use futures_util::FutureExt;
 use ringwatch_core::NodeId;
@@ -48,21 +49,72 @@ use self::dto::{
 use crate::state::{CoreFailed, Shared};
 use ringwatch_transport::http;
 
+/// The OpenAPI document's frame; the paths come from the handlers' `#[utoipa::path]`
+/// attributes as [`routes`] registers them.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "ringwatch aggregator API",
+        version = "v1",
+        description = "Verdicts on collectives and GPU health for a cluster scheduler: telemetry loss or real degradation. Act on final verdicts only; every answer says how fresh it is (as_of). With an api_token_file every route but /healthz, /readyz and /metrics needs Authorization: Bearer <token>."
+    ),
+    modifiers(&BearerScheme)
+)]
+#[derive(Debug)]
+pub struct ApiDoc;
+
+/// The optional bearer token, as a security scheme.
+struct BearerScheme;
+
+impl utoipa::Modify for BearerScheme {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        doc.components
+            .get_or_insert_with(Default::default)
+            .add_security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
+    }
+}
+
+/// Every API route, each registered with its OpenAPI path (a route cannot be served
+/// undocumented), and the document they make.
+pub fn routes() -> (Router<Arc<Shared>>, utoipa::openapi::OpenApi) {
+    use utoipa::OpenApi as _;
+    use utoipa_axum::router::OpenApiRouter;
+    use utoipa_axum::routes;
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(nodes))
+        .routes(routes!(verdicts))
+        .routes(routes!(ingest))
+        .routes(routes!(events::events))
+        .routes(routes!(resources::node))
+        .routes(routes!(resources::gpu))
+        .routes(routes!(resources::collectives))
+        .routes(routes!(resources::collective))
+        .routes(routes!(resources::loss))
+        .routes(routes!(resources::summary))
+        .routes(routes!(openapi_json))
+        .split_for_parts()
+}
+
+/// The document, built once.
+static OPENAPI: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The OpenAPI 3.1 document of this API.
+#[must_use]
+pub fn openapi() -> &'static str {
+    OPENAPI.get_or_init(|| routes().1.to_pretty_json().unwrap_or_default())
+}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, description = "this API's OpenAPI 3.1 document", content_type = "application/json", body = Object), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto)))]
+async fn openapi_json() -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi()).into_response()
+}
+
 /// The router.
 pub fn router(shared: Arc<Shared>) -> Router {
-    let r = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/v1/nodes", get(nodes))
-        .route("/v1/verdicts", get(verdicts))
-        .route("/v1/ingest", get(ingest))
-        .route("/v1/events", get(events::events))
-        .route("/v1/nodes/{node}", get(resources::node))
-        .route("/v1/gpus/{uuid}", get(resources::gpu))
-        .route("/v1/collectives", get(resources::collectives))
-        .route("/v1/collectives/{id}", get(resources::collective))
-        .route("/v1/loss", get(resources::loss))
-        .route("/v1/summary", get(resources::summary));
+    let r = routes().0;
     #[cfg(feature = "test-hooks")]
     let r = r.route("/test/panic", get(test_panic)).route("/test/arm-timer-panic", get(arm_timer_panic));
     r.fallback(http::not_found)
@@ -165,6 +217,7 @@ fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
     why
 }
 
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "ok", body = HealthzDto), (status = 503, description = "degraded or failed (reasons given)", body = HealthzDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto)))]
 async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -226,6 +279,7 @@ pub(crate) fn pressure_dto(s: &Shared) -> Option<dto::AggregatorPressureDto> {
     })
 }
 
+#[utoipa::path(get, path = "/readyz", tag = "operations", responses((status = 200, description = "ready", body = ReadyzDto), (status = 503, description = "not ready (reasons given)", body = ReadyzDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto)))]
 async fn readyz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -235,6 +289,7 @@ async fn readyz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     (code, Json(ReadyzDto { ready: reasons.is_empty(), reasons })).into_response()
 }
 
+#[utoipa::path(get, path = "/v1/ingest", tag = "operations", responses((status = 200, description = "the aggregator's own counters", body = IngestDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -379,6 +434,7 @@ pub(crate) fn as_of(s: &Shared, core: &ringwatch_core::Core, now: u64) -> dto::A
     }
 }
 
+#[utoipa::path(get, path = "/v1/nodes", tag = "nodes", responses((status = 200, description = "every node", body = NodesDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -472,6 +528,16 @@ pub(crate) fn node_dto(
     }
 }
 
+#[utoipa::path(get, path = "/v1/verdicts", tag = "verdicts",
+    params(
+        ("node" = Option<String>, Query, description = "a node's name"),
+        ("gpu" = Option<String>, Query, description = "a GPU uuid (32 hex digits)", pattern = "^[0-9a-fA-F]{32}$"),
+        ("outcome" = Option<String>, Query, description = "an outcome kind, optionally followed by (…)", pattern = "^(completed|completed_inferred|entered_inferred|in_flight|waiting_on|not_joined|stuck|blocked_by|unknown_silent|indeterminate)(\\(.*)?$"),
+        ("final" = Option<bool>, Query, description = "final verdicts only, or open ones only"),
+        ("limit" = Option<u32>, Query, description = "1..=100000 (default 10000)", minimum = 1, maximum = 100000),
+        ("cursor" = Option<String>, Query, description = "the previous page's next_cursor"),
+    ),
+    responses((status = 200, description = "a page of rank verdicts", body = VerdictsDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 404, description = "no such node", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     let q = match http::params(&uri, &["node", "gpu", "outcome", "final", "limit", "cursor"]) {
         Ok(q) => q,
@@ -575,3 +641,47 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
 /// Verdicts one `/v1/verdicts` request looks at, at most (past it the page ends early
 /// with a `next_cursor`): a selective filter costs a bounded time under the store's lock.
 pub const VERDICT_SCAN_BUDGET: usize = 100_000;
+
+#[cfg(test)]
+mod tests {
+    /// Every route is documented and every documented path is a route: the router is
+    /// built only from `routes()` (each route registered with its path document by
+    /// utoipa-axum; test hooks apart), and the document holds exactly these paths.
+    #[test]
+    fn the_openapi_document_and_the_router_agree() {
+        let doc: serde_json::Value = serde_json::from_str(super::openapi()).expect("JSON");
+        let paths: std::collections::BTreeSet<&str> =
+            doc["paths"].as_object().expect("paths").keys().map(String::as_str).collect();
+        let want: std::collections::BTreeSet<&str> = [
+            "/healthz",
+            "/readyz",
+            "/openapi.json",
+            "/v1/nodes",
+            "/v1/nodes/{node}",
+            "/v1/gpus/{uuid}",
+            "/v1/verdicts",
+            "/v1/collectives",
+            "/v1/collectives/{id}",
+            "/v1/loss",
+            "/v1/summary",
+            "/v1/events",
+            "/v1/ingest",
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(paths, want);
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            let get = &item["get"];
+            assert!(get.is_object(), "{path}: GET");
+            assert!(get["responses"]["200"].is_object(), "{path}: a 200 answer");
+            if path != "/healthz" && path != "/readyz" {
+                assert!(get["responses"]["401"].is_object(), "{path}: the token's 401");
+            }
+        }
+        // The only routes added beside `routes()` are the test hooks.
+        let src = include_str!("mod.rs");
+        let extra: Vec<&str> =
+            src.lines().filter(|l| l.contains(".route(\"") && !l.contains(".route(\"/test/")).collect();
+        assert_eq!(extra, Vec::<&str>::new(), "a route outside routes(): it would be undocumented");
+    }
+}

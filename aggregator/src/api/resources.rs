@@ -26,12 +26,17 @@ use ringwatch_core::verdict::OpRef;
 use ringwatch_core::{Cursor, NodeId, PageItem};
 
 use super::dto::{
-    API_VERSION, CollectiveDto, CollectiveSummaryDto, CollectivesDto, GpuDetailDto, LossClassDto, LossDto,
+    API_VERSION, CollectiveDto, CollectiveSummaryDto, CollectivesDto, ErrorDto, GpuDetailDto, LossClassDto, LossDto,
     LossStreamDto, NodeDetailDto, OpDto, SummaryDto, VerdictDto, health_name,
 };
 use super::{as_of, node_dto, registry, unavailable};
 use crate::state::Shared;
 use ringwatch_transport::http;
+
+/// The `outcome` parameter's shape (`/v1/verdicts`, `/v1/collectives`): one of
+/// `ringwatch_core::verdict::OUTCOME_KINDS`, optionally followed by `(…)`. The path
+/// attributes need it as a literal: tests hold the literal, this and the kinds together.
+pub const OUTCOME_PATTERN: &str = "^(completed|completed_inferred|entered_inferred|in_flight|waiting_on|not_joined|stuck|blocked_by|unknown_silent|indeterminate)(\\(.*)?$";
 
 /// Recent verdict events a node or GPU answer lists, at most.
 const RECENT: usize = 50;
@@ -141,6 +146,7 @@ fn by_class<'a>(streams: impl Iterator<Item = &'a ringwatch_core::SeqTracker>) -
 }
 
 /// `GET /v1/nodes/{node}`.
+#[utoipa::path(get, path = "/v1/nodes/{node}", tag = "nodes", params(("node" = String, Path, description = "a node's name, or its id in 16 hex digits")), responses((status = 200, description = "one node", body = NodeDetailDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 404, description = "not held or unknown", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 pub async fn node(State(s): State<Arc<Shared>>, Path(name): Path<String>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -167,6 +173,7 @@ pub async fn node(State(s): State<Arc<Shared>>, Path(name): Path<String>, uri: U
 }
 
 /// `GET /v1/gpus/{uuid}`.
+#[utoipa::path(get, path = "/v1/gpus/{uuid}", tag = "nodes", params(("uuid" = String, Path, description = "the GPU uuid, 32 hex digits", pattern = "^[0-9a-fA-F]{32}$")), responses((status = 200, description = "one GPU", body = GpuDetailDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 404, description = "not held or unknown", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 pub async fn gpu(State(s): State<Arc<Shared>>, Path(uuid): Path<String>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -207,6 +214,19 @@ fn state_of(items: &[PageItem]) -> &'static str {
 }
 
 /// `GET /v1/collectives`.
+#[utoipa::path(get, path = "/v1/collectives", tag = "collectives",
+    params(
+        ("state" = Option<String>, Query, description = "open or final", pattern = "^(open|final)$"),
+        ("outcome" = Option<String>, Query, description = "an outcome kind any rank has, optionally followed by (…)", pattern = "^(completed|completed_inferred|entered_inferred|in_flight|waiting_on|not_joined|stuck|blocked_by|unknown_silent|indeterminate)(\\(.*)?$"),
+        ("comm" = Option<String>, Query, description = "the communicator hash in hex", pattern = "^[0-9a-fA-F]{1,16}$"),
+        ("node" = Option<String>, Query, description = "a node one of its ranks is on"),
+        ("gpu" = Option<String>, Query, description = "a GPU one of its ranks is on (32 hex digits)", pattern = "^[0-9a-fA-F]{32}$"),
+        ("from_ms" = Option<u64>, Query, description = "earliest decision at or after (aggregator ms)", maximum = 18_446_744_073_709_u64),
+        ("to_ms" = Option<u64>, Query, description = "earliest decision at or before (aggregator ms)", maximum = 18_446_744_073_709_u64),
+        ("limit" = Option<u32>, Query, description = "1..=10000 (default 1000)", minimum = 1, maximum = 10000),
+        ("cursor" = Option<String>, Query, description = "the previous page's next_cursor"),
+    ),
+    responses((status = 200, description = "a page of ops", body = CollectivesDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 404, description = "not held or unknown", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 pub async fn collectives(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     let q =
         match http::params(&uri, &["state", "outcome", "comm", "node", "gpu", "from_ms", "to_ms", "limit", "cursor"]) {
@@ -318,6 +338,7 @@ pub async fn collectives(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
 }
 
 /// `GET /v1/collectives/{id}`.
+#[utoipa::path(get, path = "/v1/collectives/{id}", tag = "collectives", params(("id" = String, Path, description = "a collective id from /v1/collectives")), responses((status = 200, description = "one op", body = CollectiveDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 404, description = "not held or unknown", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 pub async fn collective(State(s): State<Arc<Shared>>, Path(id): Path<String>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -346,6 +367,13 @@ pub async fn collective(State(s): State<Arc<Shared>>, Path(id): Path<String>, ur
 }
 
 /// `GET /v1/loss`.
+#[utoipa::path(get, path = "/v1/loss", tag = "loss",
+    params(
+        ("node" = Option<String>, Query, description = "a node's name"),
+        ("class" = Option<String>, Query, description = "p0, p1 or bulk", pattern = "^(p0|p1|bulk)$"),
+        ("cause" = Option<String>, Query, description = "a loss cause (rows with frames lost to it)"),
+    ),
+    responses((status = 200, description = "loss by class and stream", body = LossDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 404, description = "not held or unknown", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 pub async fn loss(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     let q = match http::params(&uri, &["node", "class", "cause"]) {
         Ok(q) => q,
@@ -405,6 +433,7 @@ pub async fn loss(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
 }
 
 /// `GET /v1/summary`.
+#[utoipa::path(get, path = "/v1/summary", tag = "summary", responses((status = 200, description = "the cluster at a glance", body = SummaryDto), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto), (status = 503, description = "the core failed: the aggregator is restarting", body = ErrorDto)))]
 pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
@@ -472,4 +501,40 @@ pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         saturated_reasons: reasons,
     })
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_outcome_pattern_names_exactly_the_outcome_kinds() {
+        let inner = OUTCOME_PATTERN.strip_prefix("^(").and_then(|p| p.split_once(')')).map(|(k, _)| k).unwrap();
+        let listed: Vec<&str> = inner.split('|').collect();
+        assert_eq!(listed, ringwatch_core::verdict::OUTCOME_KINDS.to_vec());
+        let doc: serde_json::Value = serde_json::from_str(crate::api::openapi()).unwrap();
+        for path in ["/v1/verdicts", "/v1/collectives"] {
+            let params = doc["paths"][path]["get"]["parameters"].as_array().unwrap();
+            let outcome = params.iter().find(|p| p["name"] == "outcome").unwrap();
+            assert_eq!(outcome["schema"]["pattern"], OUTCOME_PATTERN, "{path}");
+        }
+    }
+
+    #[test]
+    fn collective_ids_round_trip_and_uuids_parse() {
+        use ringwatch_core::records::Comm;
+        let comm = Comm { hash: 0xabc, disambiguator: 2, instance: 3 };
+        for op in [
+            OpRef::Coll { comm, seq: 41 },
+            OpRef::P2p { comm, src: 1, dst: 2, p2p_seq: 9 },
+            OpRef::Graph { comm, graph_id: 7, graph_node: 1, replay_idx: 4 },
+        ] {
+            assert_eq!(parse_op_id(&op_id(&op)), Ok(op));
+        }
+        assert!(parse_op_id("c.1.2").is_err());
+        assert_eq!(parse_uuid(&"0f".repeat(16)), Some([0x0f; 16]));
+        for bad in ["", "0f", &"zz".repeat(16), &"é".repeat(16)] {
+            assert_eq!(parse_uuid(bad), None, "{bad}");
+        }
+    }
 }

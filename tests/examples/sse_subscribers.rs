@@ -3,14 +3,16 @@
 //! its bulk rate raised until this machine is saturated, run once per subscriber count;
 //! every subscriber follows the whole run and reads every event (as `curl -N` would: raw
 //! bytes, events counted by their `id:` lines, so the harness's own parsing does not
-//! weigh on the figure — it shares the machine). Prints a table: frames
-//! the aggregator received per wall second from the start until every stream settled,
-//! verdicts, events delivered, and the rate against the run without subscribers.
+//! weigh on the figure — it shares the machine). The aggregator runs on a runtime of its
+//! own (threads `agg-rt`), as on its own machine. Prints a table: frames the aggregator
+//! received per wall second from the start until every stream settled and per CPU-second
+//! of its runtime, events, events delivered, gaps, and both against the runs without
+//! subscribers.
 //!
-//!     cargo run -p ringwatch-tests --release --example sse_subscribers [-- BULK_SCALE [COUNTS]]
+//!     cargo run -p ringwatch-tests --profile ci --example sse_subscribers [-- BULK_SCALE [COUNTS]]
 //!
 //! BULK_SCALE defaults to 0.02 (of the scenario's line rate), COUNTS to `0,100,0,100`
-//! (alternating, so drift of the machine shows).
+//! (alternating, so drift of the machine shows). `.ci/long` runs it at 0.05, three pairs.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

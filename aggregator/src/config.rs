@@ -109,6 +109,19 @@ const FIELDS: &[Field] = &[
     ),
     ("correlated_window_s", Kind::Int { min: 1, max: 86_400 }, Some("60"), "the window of correlated_share_pct"),
     (
+        "http_tls_cert",
+        Kind::OptText,
+        Some(""),
+        "serve the HTTP API over TLS with this certificate (PEM; with http_tls_key); empty: plain HTTP",
+    ),
+    ("http_tls_key", Kind::OptText, Some(""), "the HTTP API's TLS private key (PEM)"),
+    (
+        "http_client_ca",
+        Kind::OptText,
+        Some(""),
+        "with TLS: clients must present a certificate this CA signs (mTLS for scheduler clients); empty: none asked",
+    ),
+    (
         "api_token_file",
         Kind::OptText,
         Some(""),
@@ -168,6 +181,14 @@ impl Schema for Aggregator {
             v.problem("http", format!("{h} is also the QUIC listen address"));
         }
         let psi = ringwatch_transport::psi::config_from(v);
+        match (v.opt_text("http_tls_cert").is_some(), v.opt_text("http_tls_key").is_some()) {
+            (true, false) => v.problem("http_tls_key", "required with http_tls_cert"),
+            (false, true) => v.problem("http_tls_cert", "required with http_tls_key"),
+            _ => {}
+        }
+        if v.opt_text("http_client_ca").is_some() && v.opt_text("http_tls_cert").is_none() {
+            v.problem("http_client_ca", "client certificates need TLS: give http_tls_cert and http_tls_key");
+        }
         if v.has_problems() {
             return None;
         }
@@ -197,6 +218,14 @@ impl Schema for Aggregator {
             ..c.events
         };
         c.api_token_file = v.opt_text("api_token_file").map(PathBuf::from);
+        c.http_tls = match (v.opt_text("http_tls_cert"), v.opt_text("http_tls_key")) {
+            (Some(cert), Some(key)) => Some(crate::HttpTls {
+                cert: PathBuf::from(cert),
+                key: PathBuf::from(key),
+                client_ca: v.opt_text("http_client_ca").map(PathBuf::from),
+            }),
+            _ => None,
+        };
         c.summary = crate::state::SummaryConfig {
             correlated_share_pct: int("correlated_share_pct"),
             correlated_window_ns: s_to_ns("correlated_window_s"),
@@ -220,6 +249,12 @@ pub fn check_files(c: &AggregatorConfig) -> Vec<ConfigError> {
     problems.extend(check::identity("cert", &c.cert, "key", &c.key, None));
     if let Some(problem) = c.psi.as_ref().and_then(ringwatch_transport::psi::check_config) {
         problems.push(problem);
+    }
+    if let Some(t) = &c.http_tls {
+        problems.extend(check::identity("http_tls_cert", &t.cert, "http_tls_key", &t.key, None));
+        if let Some(ca) = &t.client_ca {
+            problems.extend(check::ca("http_client_ca", ca));
+        }
     }
     if let Some(token) = &c.api_token_file
         && let Err(e) = crate::api::auth::read_token(token)
@@ -270,6 +305,7 @@ mod tests {
         assert_eq!(c.http_limits, d.http_limits);
         assert_eq!(c.events, d.events);
         assert_eq!(c.api_token_file, None);
+        assert_eq!(c.http_tls, None);
         assert_eq!(c.summary, d.summary);
         assert!(!v.log_json);
     }

@@ -79,6 +79,17 @@ pub struct AggregatorConfig {
     pub api_token_file: Option<PathBuf>,
     /// `/v1/summary`'s correlated-degradation rule.
     pub summary: state::SummaryConfig,
+    /// TLS on the HTTP listener (none: plain HTTP).
+    pub http_tls: Option<HttpTls>,
+}
+
+/// The HTTP API's TLS: its certificate and key, and the CA client certificates must be
+/// signed by (mTLS; none: no client certificate asked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
 }
 
 impl AggregatorConfig {
@@ -108,6 +119,7 @@ impl AggregatorConfig {
             events: api::events::EventsConfig::default(),
             api_token_file: None,
             summary: state::SummaryConfig::default(),
+            http_tls: None,
         }
     }
 }
@@ -121,6 +133,8 @@ pub enum StartError {
     Http { addr: SocketAddr, source: std::io::Error },
     #[error("snapshot: {0}")]
     Snapshot(#[from] snapshots::SnapshotFileError),
+    #[error("HTTP TLS: {0}")]
+    HttpTls(ringwatch_transport::TransportError),
 }
 
 /// A running aggregator.
@@ -227,6 +241,13 @@ impl Aggregator {
             .map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let http_addr = listener.local_addr().map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let router = api::router(Arc::clone(&shared));
+        let http_tls = match &cfg.http_tls {
+            Some(t) => Some(
+                ringwatch_transport::http_tls_config(&t.cert, &t.key, t.client_ca.as_deref())
+                    .map_err(StartError::HttpTls)?,
+            ),
+            None => None,
+        };
         let (limits, http_counters) = (cfg.http_limits, Arc::clone(&shared.http));
         let ep = endpoint.clone();
         let sh = Arc::clone(&shared);
@@ -240,7 +261,15 @@ impl Aggregator {
             supervise::spawn_io_task(
                 Arc::clone(&shared),
                 |s| &s.tasks.http,
-                move || serve_http(listener.try_clone(), router.clone(), limits, Arc::clone(&http_counters)),
+                move || {
+                    serve_http(
+                        listener.try_clone(),
+                        router.clone(),
+                        limits,
+                        Arc::clone(&http_counters),
+                        http_tls.clone(),
+                    )
+                },
             ),
         ];
         let sh = Arc::clone(&shared);
@@ -319,6 +348,7 @@ async fn serve_http(
     router: axum::Router,
     limits: ringwatch_transport::http::HttpLimits,
     counters: Arc<ringwatch_transport::http::HttpCounters>,
+    tls: Option<Arc<ringwatch_transport::TlsServerConfig>>,
 ) {
     let listener = match listener.and_then(tokio::net::TcpListener::from_std) {
         Ok(l) => l,
@@ -327,7 +357,7 @@ async fn serve_http(
             return;
         }
     };
-    ringwatch_transport::http::serve(listener, router, limits, counters).await;
+    ringwatch_transport::http::serve(listener, router, limits, counters, tls).await;
 }
 
 /// Writes a snapshot every `interval_ms`.

@@ -944,7 +944,7 @@ pub async fn run_and_return_source(
         match listener {
             Ok(l) => {
                 let router = health_router(Arc::clone(&shared), cfg.aggregator);
-                Some(tokio::spawn(ringwatch_transport::http::serve(l, router, *limits, Arc::default())))
+                Some(tokio::spawn(ringwatch_transport::http::serve(l, router, *limits, Arc::default(), None)))
             }
             Err(e) => {
                 tracing::error!(error = %e, "HTTP listener unusable: /healthz and /readyz are not served");

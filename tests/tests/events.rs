@@ -421,3 +421,84 @@ async fn check_resources(http: std::net::SocketAddr, verdicts: &VerdictsDto) {
         assert!(body.contains("\"error\""), "{path}: {body}");
     }
 }
+
+/// `GET path` over TLS, trusting `ca`, presenting `client` (certificate, key) if given.
+async fn tls_get(
+    addr: std::net::SocketAddr,
+    ca: &std::path::Path,
+    client: Option<(&std::path::Path, &std::path::Path)>,
+    path: &str,
+) -> Result<(u16, String), String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca).map_err(|e| e.to_string())? {
+        roots.add(c.map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    }
+    let b = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let cfg = match client {
+        Some((cert, key)) => {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+                .map_err(|e| e.to_string())?
+                .collect::<Result<_, _>>()
+                .map_err(|e| e.to_string())?;
+            b.with_client_auth_cert(certs, PrivateKeyDer::from_pem_file(key).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?
+        }
+        None => b.with_no_client_auth(),
+    };
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let name = ServerName::try_from("localhost").map_err(|e| e.to_string())?;
+    let mut s = tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(name, tcp).await.map_err(|e| e.to_string())?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    // A peer that ends without close_notify still gave its answer: keep what was read.
+    if let Err(e) = s.read_to_end(&mut raw).await
+        && raw.is_empty()
+    {
+        return Err(e.to_string());
+    }
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or(format!("not HTTP: {text:?}"))?;
+    Ok((status, text))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_the_api_over_tls_and_with_client_certificates() {
+    let dir = TempDir::new("http-tls");
+    let set = cert_set(dir.path(), 1);
+    // TLS alone: any client that trusts the CA; plain HTTP gets no answer.
+    let mut cfg = AggregatorConfig::local(&set);
+    cfg.http_tls =
+        Some(aggregator::HttpTls { cert: set.server_cert.clone(), key: set.server_key.clone(), client_ca: None });
+    let agg = Aggregator::start(cfg.clone()).await.expect("aggregator starts");
+    let (code, body) = tls_get(agg.http_addr, &set.ca, None, "/healthz").await.expect("TLS answer");
+    assert_eq!(code, 200, "{body}");
+    let plain = aggregator::api::client::get(agg.http_addr, "/healthz").await;
+    assert!(!matches!(plain, Ok((200, _))), "plain HTTP on the TLS port: {plain:?}");
+    agg.shutdown();
+
+    // mTLS: a client certificate the CA signed is needed.
+    cfg.http_tls = Some(aggregator::HttpTls {
+        cert: set.server_cert.clone(),
+        key: set.server_key.clone(),
+        client_ca: Some(set.ca.clone()),
+    });
+    let agg = Aggregator::start(cfg).await.expect("aggregator starts");
+    let node = aggregator::certs::node_name(0);
+    let (cert, key) = (dir.path().join(format!("{node}.pem")), dir.path().join(format!("{node}.key")));
+    let (code, body) = tls_get(agg.http_addr, &set.ca, Some((&cert, &key)), "/v1/ingest").await.expect("mTLS answer");
+    assert_eq!(code, 200, "{body}");
+    let refused = tls_get(agg.http_addr, &set.ca, None, "/v1/ingest").await;
+    assert!(refused.is_err(), "no client certificate: {refused:?}");
+    let (_, body) = tls_get(agg.http_addr, &set.ca, Some((&cert, &key)), "/v1/ingest").await.expect("mTLS answer");
+    let json = body.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+    let ingest: IngestDto = serde_json::from_str(json).expect("ingest JSON");
+    assert!(ingest.http.tls_handshake_failures >= 1, "{:?}", ingest.http);
+    agg.shutdown();
+}

@@ -8,7 +8,9 @@
 //!   takes the bytes at once) and closed, counted, so half-open clients cannot exhaust the
 //!   process's file limit and starve the routes everyone else needs;
 //! - accept errors (`EMFILE` and kin) pause the accept loop for 50 ms instead of spinning,
-//!   counted.
+//!   counted;
+//! - optional TLS ([`crate::http_tls_config`], mTLS as an option): the handshake must end
+//!   within the header-read timeout; failures are counted and the connection closed.
 //!
 //! And the answers every route shares: JSON error bodies (`{"error": "..."}`) for 400,
 //! 404 and 405, and [`params`], which refuses unknown and repeated query parameters.
@@ -58,6 +60,8 @@ pub struct HttpCounters {
     pub header_timeouts: AtomicU64,
     /// `accept` failures (the file limit, most often).
     pub accept_errors: AtomicU64,
+    /// TLS handshakes that failed or timed out (with TLS on).
+    pub tls_handshake_failures: AtomicU64,
 }
 
 /// Serves `router` on `listener` until the listener fails for good (never, in practice:
@@ -67,7 +71,9 @@ pub async fn serve(
     router: axum::Router,
     limits: HttpLimits,
     counters: Arc<HttpCounters>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) {
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let mut last_error_log = None::<std::time::Instant>;
     loop {
@@ -99,12 +105,31 @@ pub async fn serve(
         counters.connections.fetch_add(1, Relaxed);
         counters.open.fetch_add(1, Relaxed);
         let (counters, router) = (Arc::clone(&counters), router.clone());
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
-            if let Err(e) = conn.await
+            let builder = {
+                let mut b = hyper::server::conn::http1::Builder::new();
+                b.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
+                b
+            };
+            let service = TowerToHyperService::new(router);
+            let served = match tls {
+                None => builder.serve_connection(TokioIo::new(stream), service).await,
+                Some(acceptor) => match tokio::time::timeout(limits.header_read_timeout, acceptor.accept(stream)).await
+                {
+                    Ok(Ok(tls_stream)) => builder.serve_connection(TokioIo::new(tls_stream), service).await,
+                    Ok(Err(e)) => {
+                        counters.tls_handshake_failures.fetch_add(1, Relaxed);
+                        tracing::debug!(%peer, error = %e, "HTTP TLS handshake failed");
+                        Ok(())
+                    }
+                    Err(_) => {
+                        counters.tls_handshake_failures.fetch_add(1, Relaxed);
+                        Ok(())
+                    }
+                },
+            };
+            if let Err(e) = served
                 && e.is_timeout()
             {
                 counters.header_timeouts.fetch_add(1, Relaxed);

@@ -263,6 +263,33 @@ pub fn server_config(files: TlsFiles<'_>, tuning: &Tuning) -> Result<quinn::Serv
     Ok(config)
 }
 
+/// A TLS server configuration (for [`http_tls_config`] and `http::serve`).
+pub type TlsServerConfig = rustls::ServerConfig;
+
+/// TLS for an HTTP listener (the aggregator's API): the server's certificate and key,
+/// TLS 1.3 and 1.2, ALPN `http/1.1`; with `client_ca`, every client must present a
+/// certificate it signs (mTLS), else none is asked.
+///
+/// # Errors
+/// A file is missing or not PEM, the CA is unusable, or the key does not match.
+pub fn http_tls_config(
+    cert: &Path,
+    key_file: &Path,
+    client_ca: Option<&Path>,
+) -> Result<Arc<rustls::ServerConfig>, TransportError> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?;
+    let builder = match client_ca {
+        Some(ca) => builder.with_client_cert_verifier(
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider()).build()?,
+        ),
+        None => builder.with_no_client_auth(),
+    };
+    let mut tls = builder.with_single_cert(certs(cert, "certificate")?, key(key_file)?)?;
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(tls))
+}
+
 /// The node name of a connected peer: the first DNS SAN of its (verified) client
 /// certificate.
 ///

@@ -217,6 +217,9 @@ pub struct HttpDto {
     /// Requests answered 401 (no bearer token, or the wrong one).
     #[serde(default)]
     pub unauthorized: u64,
+    /// TLS handshakes that failed or timed out (TLS on: `http_tls_cert`).
+    #[serde(default)]
+    pub tls_handshake_failures: u64,
     /// Times the token file brought a new token.
     #[serde(default)]
     pub token_rotations: u64,

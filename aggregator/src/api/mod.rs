@@ -401,6 +401,7 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
             header_timeouts: s.http.header_timeouts.load(Relaxed),
             accept_errors: s.http.accept_errors.load(Relaxed),
             unauthorized: s.http_unauthorized.load(Relaxed),
+            tls_handshake_failures: s.http.tls_handshake_failures.load(Relaxed),
             token_rotations: s.api_token.as_ref().map_or(0, |t| t.rotations.load(Relaxed)),
         },
     })

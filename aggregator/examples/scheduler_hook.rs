@@ -196,10 +196,15 @@ async fn follow(hook: &mut Hook, once: bool) -> Result<(), client::ClientError> 
                 last.clone_from(id);
             }
             if e.event == "gap" {
+                // What was missed is gone: the state is re-listed, and the watch goes on
+                // from the list's own event id (older events would be stale).
                 eprintln!("gap ({}): re-listing", e.data);
-                // Keep `last`: the stream goes on after the gap's id.
-                let _ = hook.list().await?;
-                continue;
+                last = hook.list().await?;
+                if until.is_some() {
+                    hook.quiet = false;
+                    return Ok(());
+                }
+                break;
             }
             hook.apply(&e);
             let seq = e.id.as_deref().and_then(|i| i.parse::<aggregator::events::EventId>().ok()).map(|i| i.seq);
@@ -213,7 +218,7 @@ async fn follow(hook: &mut Hook, once: bool) -> Result<(), client::ClientError> 
         if once {
             return Ok(());
         }
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
 }
 

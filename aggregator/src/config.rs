@@ -125,7 +125,7 @@ const FIELDS: &[Field] = &[
         "api_token_file",
         Kind::OptText,
         Some(""),
-        "a file holding the API's bearer token (re-read when it changes): requests without it get 401; /healthz, /readyz and /metrics are exempt (empty: no token)",
+        "a file holding the API's bearer token (re-read when it changes): requests without it get 401; /healthz and /readyz are exempt (empty: no token)",
     ),
     ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
 ];

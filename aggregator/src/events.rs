@@ -343,45 +343,55 @@ impl NodeDiff {
         Self { window_ns: window_ns.max(1), ..Self::default() }
     }
 
-    /// The changes from the last poll to `now`'s `views` (keyed by node id).
-    pub fn poll(&mut self, now: u64, views: BTreeMap<u64, NodeView>, out: &mut Vec<NodeChange>) {
+    /// The changes from the last poll to `now`'s `views` (keyed by node id), each with
+    /// its node's id.
+    pub fn poll(&mut self, now: u64, views: BTreeMap<u64, NodeView>, out: &mut Vec<(u64, NodeChange)>) {
         for (id, v) in &views {
             let prev = self.last.get(id);
             if prev.is_none_or(|p| p.health != v.health) {
-                out.push(NodeChange::Health {
-                    node: v.name.clone(),
-                    gpu: None,
-                    health: v.health,
-                    previous: prev.map(|p| p.health),
-                });
+                out.push((
+                    *id,
+                    NodeChange::Health {
+                        node: v.name.clone(),
+                        gpu: None,
+                        health: v.health,
+                        previous: prev.map(|p| p.health),
+                    },
+                ));
             }
             for (uuid, h) in &v.gpus {
                 let was = prev.and_then(|p| p.gpus.get(uuid).copied());
                 if was != Some(*h) {
-                    out.push(NodeChange::Health {
-                        node: v.name.clone(),
-                        gpu: Some(uuid.clone()),
-                        health: h,
-                        previous: was,
-                    });
+                    out.push((
+                        *id,
+                        NodeChange::Health { node: v.name.clone(), gpu: Some(uuid.clone()), health: h, previous: was },
+                    ));
                 }
             }
             if prev.is_none_or(|p| (p.liveness, p.connected) != (v.liveness, v.connected)) {
-                out.push(NodeChange::Liveness {
-                    node: v.name.clone(),
-                    liveness: v.liveness,
-                    connected: v.connected,
-                    previous: prev.map(|p| (p.liveness, p.connected)),
-                });
+                out.push((
+                    *id,
+                    NodeChange::Liveness {
+                        node: v.name.clone(),
+                        liveness: v.liveness,
+                        connected: v.connected,
+                        previous: prev.map(|p| (p.liveness, p.connected)),
+                    },
+                ));
             }
-            let lost_before = prev.map_or(0, |p| p.p0_lost);
+            // First sight (a restart of this process or of the task): the running total is
+            // not news; only growth from here on is.
+            let lost_before = prev.map_or(v.p0_lost, |p| p.p0_lost);
             if v.p0_lost > lost_before {
-                out.push(NodeChange::P0Loss {
-                    node: v.name.clone(),
-                    lost: v.p0_lost - lost_before,
-                    lost_total: v.p0_lost,
-                    attempted_total: v.p0_attempted,
-                });
+                out.push((
+                    *id,
+                    NodeChange::P0Loss {
+                        node: v.name.clone(),
+                        lost: v.p0_lost - lost_before,
+                        lost_total: v.p0_lost,
+                        attempted_total: v.p0_attempted,
+                    },
+                ));
             }
             let w = self.windows.entry(*id).or_insert(Window {
                 started_ns: now,
@@ -394,14 +404,17 @@ impl NodeDiff {
                 // A window without frames says nothing about the rate: the band stands.
                 let band = if frames == 0 { w.band } else { LossBand::of(lost, frames) };
                 if band != w.band {
-                    out.push(NodeChange::LossRate {
-                        node: v.name.clone(),
-                        band,
-                        previous: w.band,
-                        lost,
-                        frames,
-                        window_ns: now.saturating_sub(w.started_ns),
-                    });
+                    out.push((
+                        *id,
+                        NodeChange::LossRate {
+                            node: v.name.clone(),
+                            band,
+                            previous: w.band,
+                            lost,
+                            frames,
+                            window_ns: now.saturating_sub(w.started_ns),
+                        },
+                    ));
                 }
                 *w = Window { started_ns: now, lost: v.bulk_lost, frames: v.bulk_frames, band };
             }
@@ -553,13 +566,16 @@ mod tests {
     #[test]
     fn the_diff_reports_changes_only() {
         let mut d = NodeDiff::new(1_000);
-        let mut out = Vec::new();
+        let mut out: Vec<(u64, NodeChange)> = Vec::new();
         d.poll(0, BTreeMap::from([(1, view("healthy", "fresh", 0, (0, 0)))]), &mut out);
         assert_eq!(out.len(), 3, "first sight: node health, GPU health, liveness: {out:?}");
+        assert!(out.iter().all(|(id, _)| *id == 1));
         out.clear();
         d.poll(500, BTreeMap::from([(1, view("healthy", "fresh", 0, (0, 100)))]), &mut out);
         assert_eq!(out, vec![], "nothing changed");
         d.poll(600, BTreeMap::from([(1, view("healthy_lossy", "fresh", 7, (0, 100)))]), &mut out);
+        let got: Vec<NodeChange> = out.drain(..).map(|(_, c)| c).collect();
+        let out = got;
         assert!(matches!(
             &out[0],
             NodeChange::Health { gpu: None, health: "healthy_lossy", previous: Some("healthy"), .. }
@@ -567,9 +583,23 @@ mod tests {
         assert!(matches!(&out[1], NodeChange::Health { gpu: Some(_), health: "healthy_lossy", .. }));
         assert!(matches!(&out[2], NodeChange::P0Loss { lost: 7, lost_total: 7, attempted_total: 1000, .. }), "{out:?}");
         assert_eq!(out.len(), 3);
+        let mut more = Vec::new();
+        d.poll(700, BTreeMap::from([(1, view("healthy_lossy", "silent", 7, (0, 100)))]), &mut more);
+        assert!(matches!(
+            &more[..],
+            [(1, NodeChange::Liveness { liveness: "silent", previous: Some(("fresh", true)), .. })]
+        ));
+    }
+
+    #[test]
+    fn a_p0_loss_total_seen_first_is_not_news() {
+        let mut d = NodeDiff::new(1_000);
+        let mut out = Vec::new();
+        d.poll(0, BTreeMap::from([(1, view("healthy_lossy", "fresh", 40, (0, 0)))]), &mut out);
+        assert!(!out.iter().any(|(_, c)| matches!(c, NodeChange::P0Loss { .. })), "{out:?}");
         out.clear();
-        d.poll(700, BTreeMap::from([(1, view("healthy_lossy", "silent", 7, (0, 100)))]), &mut out);
-        assert!(matches!(&out[..], [NodeChange::Liveness { liveness: "silent", previous: Some(("fresh", true)), .. }]));
+        d.poll(1, BTreeMap::from([(1, view("healthy_lossy", "fresh", 45, (0, 0)))]), &mut out);
+        assert!(matches!(&out[..], [(1, NodeChange::P0Loss { lost: 5, lost_total: 45, .. })]), "{out:?}");
     }
 
     #[test]
@@ -577,7 +607,9 @@ mod tests {
         let mut d = NodeDiff::new(1_000);
         let mut out = Vec::new();
         let at = |d: &mut NodeDiff, t: u64, lost: u64, frames: u64, out: &mut Vec<NodeChange>| {
-            d.poll(t, BTreeMap::from([(1, view("healthy", "fresh", 0, (lost, frames)))]), out);
+            let mut raw = Vec::new();
+            d.poll(t, BTreeMap::from([(1, view("healthy", "fresh", 0, (lost, frames)))]), &mut raw);
+            out.extend(raw.into_iter().map(|(_, c)| c));
         };
         at(&mut d, 0, 0, 0, &mut out);
         out.clear();

@@ -519,6 +519,7 @@ const WAKE_MS: u64 = 20;
 /// to the event log, still under the lock — so a list's `as_of.event_id` never names an
 /// event its content does not reflect.
 async fn watch_nodes(shared: Arc<Shared>) {
+    use ringwatch_core::NodeId;
     let cfg = shared.events.config;
     let mut diff = events::NodeDiff::new(cfg.loss_window_ms.saturating_mul(1_000_000));
     let mut tick = tokio::time::interval(Duration::from_millis(WAKE_MS));
@@ -578,7 +579,7 @@ async fn watch_nodes(shared: Arc<Shared>) {
             }
             diff.poll(now, views, &mut changes);
             if !changes.is_empty() {
-                shared.push_events(now, changes.drain(..).map(|c| api::events::Event::of_change(&c)));
+                shared.push_events(now, changes.drain(..).map(|(id, c)| api::events::Event::of_change(NodeId(id), &c)));
             }
         }
         shared.wake_subscribers();

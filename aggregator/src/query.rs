@@ -349,26 +349,30 @@ pub async fn run(q: &Query) -> Result<(), QueryError> {
 }
 
 /// `events`: without `--follow`, the events the log holds (after `-q after=ID` if
-/// given; a `gap` line first if some are gone) up to the newest when asked; with it, on
-/// and on (from now, or after `after=`), resuming after the last id printed whenever the
-/// connection drops (a `gap` event says what was missed).
+/// given; a `gap` line first if some are gone) up to the newest when asked (`until=`: the
+/// server ends the stream there, filters or not); with it, on and on (from now, or after
+/// `after=`), resuming after the last id seen whenever the connection drops (a `gap`
+/// event says what was missed).
 async fn events(q: &Query, path: &str, follow: bool) -> Result<(), QueryError> {
     let auth = q.token.as_ref().map(|t| format!("Bearer {t}"));
-    let mut last: Option<String> = None;
-    let until = if follow {
-        None
+    let ingest: crate::api::dto::IngestDto = parse("/v1/ingest", &get_text(q, "/v1/ingest").await?)?;
+    let newest: crate::events::EventId =
+        ingest.events.last_id.parse().map_err(|e: crate::events::BadEventId| QueryError::Usage(e.to_string()))?;
+    let given_after = q.params.iter().any(|(k, _)| k == "after");
+    // Where to start: `after=` if given (the server reads it); else the newest event now
+    // with --follow (a drop before the first event resumes from there, missing nothing),
+    // or the start of this process's log without.
+    let mut last: Option<String> = match (given_after, follow) {
+        (true, _) => None,
+        (false, true) => Some(newest.to_string()),
+        (false, false) => Some(crate::events::EventId { seq: 0, ..newest }.to_string()),
+    };
+    // Without --follow the server ends the stream once past the newest event now.
+    let path = if follow {
+        path.to_owned()
     } else {
-        let ingest: crate::api::dto::IngestDto = parse("/v1/ingest", &get_text(q, "/v1/ingest").await?)?;
-        let newest: crate::events::EventId =
-            ingest.events.last_id.parse().map_err(|e: crate::events::BadEventId| QueryError::Usage(e.to_string()))?;
-        if !q.params.iter().any(|(k, _)| k == "after") {
-            // From the start of this process's log.
-            last = Some(crate::events::EventId { seq: 0, ..newest }.to_string());
-        }
-        if newest.seq == 0 {
-            return Ok(());
-        }
-        Some(newest)
+        let sep = if path.contains('?') { '&' } else { '?' };
+        format!("{path}{sep}until={}", encode(&newest.to_string()))
     };
     let mut failures = 0u32;
     loop {
@@ -376,7 +380,7 @@ async fn events(q: &Query, path: &str, follow: bool) -> Result<(), QueryError> {
         if let Some(l) = &last {
             headers.push(("Last-Event-ID", l.as_str()));
         }
-        let mut s = match EventStream::open(q.http, path, &headers).await {
+        let mut s = match EventStream::open(q.http, &path, &headers).await {
             Ok(s) => s,
             Err(e @ ClientError::Status { .. }) => return Err(e.into()),
             Err(e) if follow && failures < 30 => {
@@ -392,14 +396,8 @@ async fn events(q: &Query, path: &str, follow: bool) -> Result<(), QueryError> {
             match s.next().await {
                 Ok(Some(e)) => {
                     println!("{}", render_event(&e, q.json));
-                    last.clone_from(&e.id);
-                    let reached = until.is_some_and(|u| {
-                        e.id.as_deref()
-                            .and_then(|i| i.parse::<crate::events::EventId>().ok())
-                            .is_some_and(|i| i.seq >= u.seq)
-                    });
-                    if reached {
-                        return Ok(());
+                    if e.id.is_some() {
+                        last.clone_from(&e.id);
                     }
                 }
                 Ok(None) | Err(_) if follow => break,

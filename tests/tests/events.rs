@@ -299,6 +299,12 @@ async fn net_api_token_rotates_without_restart_and_event_queries_are_checked() {
         assert!([200, 404].contains(&code), "{concrete}: {code} {body}");
     }
 
+    // `until=` ends the stream once past it (here: the newest id, before any event).
+    let mut upto =
+        EventStream::open(http, &format!("/v1/events?until={}", ingest.events.last_id), &with).await.expect("open");
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(30), upto.next()).await;
+    assert!(matches!(ended, Ok(Ok(None))), "the stream ends: {ended:?}");
+
     // A quiet stream carries heartbeat comments (every 100 ms here).
     let mut quiet = EventStream::open(http, "/v1/events?kind=verdict", &with).await.expect("open");
     let waited = tokio::time::timeout(std::time::Duration::from_millis(1500), quiet.next()).await;

@@ -185,7 +185,7 @@ pub struct OpPage {
     pub ops: Vec<(OpRef, Vec<PageItem>)>,
     /// Set when more may follow: pass it as `after` for the next page.
     pub next: Option<OpRef>,
-    /// Ops looked at, and the last one.
+    /// Rank verdicts looked at, and the last op.
     pub scanned: usize,
     last: Option<OpRef>,
 }
@@ -480,7 +480,8 @@ impl VerdictStore {
     }
 
     /// Up to `limit` ops after `after` (from the first without one) whose verdicts `keep`
-    /// accepts, looking at no more than `max_scan` ops; owned.
+    /// accepts, looking at no more than `max_scan` rank verdicts (whole ops: at least
+    /// one); owned.
     pub fn page_ops(
         &self,
         after: Option<OpRef>,
@@ -495,9 +496,9 @@ impl VerdictStore {
                 page.next = page.last;
                 return page;
             }
-            page.scanned = page.scanned.saturating_add(1);
             page.last = Some(*op);
             let items = op_items(*op, &e.entry);
+            page.scanned = page.scanned.saturating_add(items.len().max(1));
             if keep(op, &items) {
                 page.ops.push((*op, items));
             }
@@ -507,15 +508,21 @@ impl VerdictStore {
 
     /// Rank verdicts by outcome kind (the outcome's name up to `(`), and ops with a
     /// final unfinished verdict (`stuck`, `waiting_on`, `blocked_by`, `not_joined`) whose
-    /// rank has not recovered: at most `max_scan` ops looked at.
+    /// rank has not recovered: at most `max_scan` rank verdicts looked at (a compacted
+    /// op counts one).
     #[must_use]
     pub fn tally(&self, max_scan: usize) -> StoreTally {
         let mut t = StoreTally { complete: true, ..StoreTally::default() };
-        for (i, e) in self.ops.values().enumerate() {
-            if i >= max_scan {
+        let mut scanned = 0usize;
+        for e in self.ops.values() {
+            if scanned >= max_scan {
                 t.complete = false;
                 break;
             }
+            scanned = scanned.saturating_add(match &e.entry {
+                Entry::Full(m) => m.len().max(1),
+                Entry::Completed { .. } => 1,
+            });
             t.ops_scanned = t.ops_scanned.saturating_add(1);
             match &e.entry {
                 Entry::Completed { ranks, .. } => {

@@ -1,7 +1,7 @@
 //! The API's optional bearer token (`api_token_file`): a request without
 //! `Authorization: Bearer <token>` is answered `401` (JSON error body,
-//! `WWW-Authenticate: Bearer`); `/healthz`, `/readyz` and `/metrics` are exempt (probes
-//! and Prometheus carry no token).
+//! `WWW-Authenticate: Bearer`); `/healthz` and `/readyz` are exempt (probes carry no
+//! token).
 //!
 //! The file is re-read when it changes (its inode, size or modification time; and at
 //! least once a second, for a rewrite the file system's timestamps cannot tell apart), so
@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 use crate::state::Shared;
 
 /// Paths answered without a token.
-pub const EXEMPT: &[&str] = &["/healthz", "/readyz", "/metrics"];
+pub const EXEMPT: &[&str] = &["/healthz", "/readyz"];
 
 /// The longest token file read.
 const MAX_TOKEN_BYTES: u64 = 4096;

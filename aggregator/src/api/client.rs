@@ -99,6 +99,10 @@ pub async fn get_all_verdicts(addr: SocketAddr, query: &str) -> Result<super::dt
     Ok(all)
 }
 
+/// The most a chunk, or a line not yet ended, may hold (a server cannot make the client
+/// buffer more).
+const MAX_CHUNK: usize = 16 << 20;
+
 /// One Server-Sent Event.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SseEvent {
@@ -171,6 +175,9 @@ impl EventStream {
             return Ok(false);
         }
         if !self.chunked {
+            if self.decoded.len() > MAX_CHUNK {
+                return Err(ClientError::NotHttp { path });
+            }
             let mut buf = [0u8; 8192];
             let n = self.reader.read(&mut buf).await.map_err(io)?;
             self.decoded.extend_from_slice(buf.get(..n).unwrap_or_default());
@@ -183,7 +190,13 @@ impl EventStream {
             return Ok(false);
         }
         let n = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16)
-            .map_err(|_| ClientError::NotHttp { path: path.clone() })?;
+            .ok()
+            .filter(|&n| n <= MAX_CHUNK)
+            .ok_or_else(|| ClientError::NotHttp { path: path.clone() })?;
+        if self.decoded.len().saturating_add(n) > MAX_CHUNK {
+            // A line this long is no event stream.
+            return Err(ClientError::NotHttp { path });
+        }
         if n == 0 {
             self.ended = true;
             return Ok(false);

@@ -10,7 +10,8 @@
 //! line (`: heartbeat`) every `events_heartbeat_ms` keeps proxies from closing a quiet
 //! stream.
 //!
-//! Query parameters (all optional): `after=ID`; `node=NAME`; `kind=K[,K…]` (of
+//! Query parameters (all optional): `after=ID`; `until=ID` (the stream ends once past
+//! it: "what is logged up to now", for scripts); `node=NAME` (or a 16-hex-digit id); `kind=K[,K…]` (of
 //! [`dto::EVENT_KINDS`]; `gap` is always sent); `final=true|false` (verdict and revision
 //! events only; other kinds pass).
 //!
@@ -123,10 +124,10 @@ impl Event {
         Self { kind, node, is_final, at_ns: 0, body: Body::Matcher(e.clone()), json: OnceLock::new() }
     }
 
-    /// A change the `events` task saw.
+    /// A change the `events` task saw on node `id`.
     #[must_use]
-    pub fn of_change(c: &NodeChange) -> Self {
-        let (kind, node, json) = match c {
+    pub fn of_change(id: NodeId, c: &NodeChange) -> Self {
+        let (kind, _name, json) = match c {
             NodeChange::Health { node, gpu, health, previous } => (
                 Kind::Health,
                 node,
@@ -174,7 +175,7 @@ impl Event {
         let json: Arc<str> = json.unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")).into();
         Self {
             kind,
-            node: Some(NodeId(proto_flat::node_id_of(node))),
+            node: Some(id),
             is_final: None,
             at_ns: 0,
             body: Body::Json(Arc::clone(&json)),
@@ -225,7 +226,9 @@ impl Event {
 /// A subscriber's filter.
 #[derive(Debug, Clone, Copy)]
 struct Filter {
-    node: Option<NodeId>,
+    /// A node's name hashed to its id, and the name read as a 16-hex-digit id (how a
+    /// node that has not connected to this process is named).
+    node: Option<[NodeId; 2]>,
     kinds: u8,
     is_final: Option<bool>,
 }
@@ -233,7 +236,7 @@ struct Filter {
 impl Filter {
     fn keeps(&self, e: &Event) -> bool {
         self.kinds & e.kind.bit() != 0
-            && self.node.is_none_or(|n| e.node == Some(n))
+            && self.node.is_none_or(|n| e.node.is_some_and(|id| n.contains(&id)))
             && (self.is_final.is_none() || e.is_final.is_none() || e.is_final == self.is_final)
     }
 }
@@ -263,6 +266,11 @@ struct Sub {
     /// write, not one per event).
     pending: String,
     heartbeat: Duration,
+    /// When the last bytes went out: the heartbeat is timed from it (a filtered stream
+    /// whose events are all dropped still gets one).
+    last_sent: tokio::time::Instant,
+    /// `until=`: the stream ends once past this sequence number.
+    until: Option<u64>,
     wake: tokio::sync::watch::Receiver<u64>,
     /// When the log was last read and found empty past `next`.
     caught_up_at: Option<tokio::time::Instant>,
@@ -311,8 +319,15 @@ impl Sub {
     /// any; `None` once the aggregator stops.
     async fn next_chunk(&mut self) -> Option<axum::body::Bytes> {
         loop {
+            if self.pending.is_empty() && self.last_sent.elapsed() >= self.heartbeat {
+                self.pending.push_str(": heartbeat\n\n");
+            }
             if !self.pending.is_empty() {
+                self.last_sent = tokio::time::Instant::now();
                 return Some(std::mem::take(&mut self.pending).into());
+            }
+            if self.until.is_some_and(|u| self.next > u) {
+                return None;
             }
             if self.s.events.closing.load(Relaxed) {
                 return None;
@@ -327,7 +342,8 @@ impl Sub {
             match read {
                 Err(gap) => self.gap(&gap),
                 Ok(()) if got.is_empty() => {
-                    match tokio::time::timeout(self.heartbeat, self.wake.changed()).await {
+                    let wait = self.heartbeat.saturating_sub(self.last_sent.elapsed());
+                    match tokio::time::timeout(wait, self.wake.changed()).await {
                         Err(_) => {
                             self.pending.push_str(": heartbeat\n\n");
                             continue;
@@ -357,6 +373,7 @@ fn bad(msg: impl Into<String>) -> Response {
 #[utoipa::path(get, path = "/v1/events", tag = "events",
     params(
         ("after" = Option<String>, Query, description = "resume after this event id (Last-Event-ID wins when both are given)"),
+        ("until" = Option<String>, Query, description = "end the stream once past this event id (an id of another process ends it at once)"),
         ("node" = Option<String>, Query, description = "a node's name"),
         ("kind" = Option<String>, Query, description = "comma-separated kinds: verdict, revision, recovery, health, liveness, p0_loss, loss_rate (gap is always sent)"),
         ("final" = Option<bool>, Query, description = "verdict and revision events: final ones only, or open ones only"),
@@ -364,13 +381,15 @@ fn bad(msg: impl Into<String>) -> Response {
     ),
     responses((status = 200, description = "Server-Sent Events: id <epoch>.<seq>@<instance>, event <kind>, data one JSON object", content_type = "text/event-stream", body = String), (status = 400, description = "a bad query or event id", body = super::dto::ErrorDto), (status = 401, description = "no bearer token, or the wrong one", body = super::dto::ErrorDto), (status = 503, description = "events_max_subscribers streams already", body = super::dto::ErrorDto)))]
 pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: HeaderMap, uri: Uri) -> Response {
-    let q = match http::params(&uri, &["after", "node", "kind", "final"]) {
+    let q = match http::params(&uri, &["after", "until", "node", "kind", "final"]) {
         Ok(q) => q,
         Err(r) => return r.into_response(),
     };
     let mut filter = Filter { node: None, kinds: u8::MAX, is_final: None };
     if let Some(n) = q.get("node") {
-        filter.node = Some(NodeId(proto_flat::node_id_of(n)));
+        let by_name = NodeId(proto_flat::node_id_of(n));
+        let as_id = (n.len() == 16).then(|| u64::from_str_radix(n, 16).ok()).flatten().map_or(by_name, NodeId);
+        filter.node = Some([by_name, as_id]);
     }
     if let Some(k) = q.get("kind") {
         filter.kinds = 0;
@@ -405,6 +424,11 @@ pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: Header
             Err(e) => return bad(e.to_string()),
         },
     };
+    let until = match q.get("until").map(|u| u.parse::<EventId>()) {
+        None => None,
+        Some(Ok(id)) => Some(id),
+        Some(Err(e)) => return bad(format!("until: {e}")),
+    };
     let cfg = s.events.config;
     if s.events.subscribers.fetch_add(1, Relaxed) >= cfg.max_subscribers {
         s.events.subscribers.fetch_sub(1, Relaxed);
@@ -415,11 +439,16 @@ pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: Header
         );
     }
     let counted = Subscribed(Arc::clone(&s));
-    let start = s.events_log().start(after);
+    let (start, this) = {
+        let log = s.events_log();
+        (log.start(after), log.last_id())
+    };
     let start = match start {
         Ok(st) => st,
         Err(e) => return bad(e.to_string()),
     };
+    // `until` of another process: nothing of it is here to wait for.
+    let until = until.map(|u| if (u.epoch, u.instance) == (this.epoch, this.instance) { u.seq } else { 0 });
     let mut sub = Sub {
         wake: s.events.wake.subscribe(),
         s: Arc::clone(&s),
@@ -427,6 +456,8 @@ pub async fn events(axum::extract::State(s): State<Arc<Shared>>, headers: Header
         filter,
         pending: String::new(),
         heartbeat: Duration::from_millis(cfg.heartbeat_ms.max(1)),
+        last_sent: tokio::time::Instant::now(),
+        until,
         caught_up_at: None,
         names: BTreeMap::new(),
         _counted: counted,

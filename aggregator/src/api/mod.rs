@@ -56,7 +56,7 @@ use ringwatch_transport::http;
     info(
         title = "ringwatch aggregator API",
         version = "v1",
-        description = "Verdicts on collectives and GPU health for a cluster scheduler: telemetry loss or real degradation. Act on final verdicts only; every answer says how fresh it is (as_of). With an api_token_file every route but /healthz, /readyz and /metrics needs Authorization: Bearer <token>."
+        description = "Verdicts on collectives and GPU health for a cluster scheduler: telemetry loss or real degradation. Act on final verdicts only; every answer says how fresh it is (as_of). With an api_token_file every route but /healthz and /readyz needs Authorization: Bearer <token>."
     ),
     modifiers(&BearerScheme)
 )]

@@ -40,8 +40,8 @@ pub const OUTCOME_PATTERN: &str = "^(completed|completed_inferred|entered_inferr
 
 /// Recent verdict events a node or GPU answer lists, at most.
 const RECENT: usize = 50;
-/// Ops one `/v1/collectives` request looks at, at most (past it the page ends early with
-/// a `next_cursor`); ops `/v1/summary` counts, at most.
+/// Rank verdicts one `/v1/collectives` request looks at, at most (past it the page ends
+/// early with a `next_cursor`), and `/v1/summary` counts, at most.
 pub const OP_SCAN_BUDGET: usize = 100_000;
 
 fn bad(msg: impl Into<String>) -> Response {
@@ -103,8 +103,10 @@ fn recent_verdicts(
     names: &BTreeMap<u64, String>,
     keep: impl Fn(&ringwatch_core::verdict::Verdict) -> bool,
 ) -> Vec<VerdictDto> {
-    let log = s.events_log();
-    log.newest_first()
+    // The log's lock only for copying its handles (ingest pushes under the core's lock
+    // and waits on this one); the scan runs after.
+    let held: Vec<_> = s.events_log().newest_first().cloned().collect();
+    held.iter()
         .filter_map(|e| e.item.verdict())
         .filter(|v| keep(v))
         .take(RECENT)
@@ -456,10 +458,11 @@ pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     }
     let cfg = s.summary;
     let since = now.saturating_sub(cfg.correlated_window_ns);
+    // Handles copied under the log's lock; the health events parsed after it.
+    let window: Vec<_> = s.events_log().newest_first().take_while(|e| e.item.at_ns >= since).cloned().collect();
     let mut recent: Vec<String> = {
-        let log = s.events_log();
-        log.newest_first()
-            .take_while(|e| e.item.at_ns >= since)
+        window
+            .iter()
             .filter_map(|e| e.item.node_health())
             .filter(|h| h.health == "degraded" || h.health == "healthy_lossy")
             .map(|h| h.node)

@@ -87,6 +87,7 @@ fn shipper_core_ns() -> f64 {
             bulk_batch_bytes: 256 * 1024,
             flush_interval_ns: 5_000_000,
             pool_size: 64,
+            ..BatcherConfig::default()
         },
         spool: SpoolConfig { cap_bytes: 64 << 20, p0_reserve_bytes: 4 << 20, p1_reserve_bytes: 4 << 20 },
         heartbeat_interval_ns: 1_000_000_000,

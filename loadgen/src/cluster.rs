@@ -339,6 +339,7 @@ pub fn shipper_config(
             bulk_batch_bytes: 256 * 1024,
             flush_interval_ns: scaled(5.0) * 1_000_000,
             pool_size: 64,
+            ..BatcherConfig::default()
         },
         spool: SpoolConfig { cap_bytes: 64 << 20, p0_reserve_bytes: 4 << 20, p1_reserve_bytes: 4 << 20 },
         #[allow(clippy::cast_precision_loss, reason = "ms")]

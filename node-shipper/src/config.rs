@@ -62,7 +62,7 @@ const FIELDS: &[Field] = &[
         "memory_headroom_bytes",
         Kind::Int { min: 0, max: 1 << 40 },
         Some("25165824"),
-        "memory_budget = cgroup: what the process needs besides the spool, the reader queue and the rings",
+        "memory_budget = cgroup: what the process itself needs (code, runtime, TLS, allocator slack) besides the spool, the reader queue, the rings, QUIC's send window and the buffer pools",
     ),
     ("p0_reserve_bytes", Kind::Int { min: 0, max: 1 << 40 }, Some("8388608"), "spool room only P0 may use"),
     ("p1_reserve_bytes", Kind::Int { min: 0, max: 1 << 40 }, Some("8388608"), "spool room only P1 may use"),

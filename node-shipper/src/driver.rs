@@ -100,6 +100,8 @@ pub struct Report {
     pub throttle: Option<ThrottleDto>,
     /// What P3 shedding did under memory pressure.
     pub p3: P3Dto,
+    /// The recycled batch buffers at the end.
+    pub pools: PoolsDto,
     /// Ring frames given up at shutdown (named in `shipper_shutdown` loss records, or
     /// unflushed when even those could not be delivered).
     pub frames_lost_shutdown: u64,
@@ -374,6 +376,11 @@ struct Shared {
     pressure_ended: Mutex<Option<String>>,
     /// What P3 shedding did.
     p3: P3Counters,
+    /// The reader's spare writers: capacity held, writers their cap turned away.
+    reader_spare_bytes: AtomicUsize,
+    reader_spare_turned_away: AtomicU64,
+    /// Each pool's byte cap.
+    pool_cap_bytes: usize,
     /// The background cgroups to throttle under pressure.
     throttle: Mutex<Throttling>,
 }
@@ -393,6 +400,38 @@ pub struct P3Dto {
     pub sheds: u64,
     pub pooled_bytes_freed: u64,
     pub rss_returned_bytes: u64,
+}
+
+/// The recycled batch buffers (the core's pool, the reader's spare writers), as
+/// `/healthz` and the report show them: each capped at `cap_bytes`; what a cap turned
+/// away was freed.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct PoolsDto {
+    pub cap_bytes: usize,
+    pub core_bytes: usize,
+    pub core_turned_away: u64,
+    pub reader_bytes: usize,
+    pub reader_turned_away: u64,
+}
+
+impl Shared {
+    /// Takes the core's lock.
+    fn pools_dto(&self) -> PoolsDto {
+        let (core_bytes, core_turned_away) = self.core().pool();
+        PoolsDto { core_bytes, core_turned_away, ..self.pools_dto_without_core() }
+    }
+
+    /// The reader's side and the cap (the core's figures zero): for a caller that holds
+    /// the core's lock.
+    fn pools_dto_without_core(&self) -> PoolsDto {
+        PoolsDto {
+            cap_bytes: self.pool_cap_bytes,
+            core_bytes: 0,
+            core_turned_away: 0,
+            reader_bytes: self.reader_spare_bytes.load(Ordering::Relaxed),
+            reader_turned_away: self.reader_spare_turned_away.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl P3Counters {
@@ -501,6 +540,9 @@ pub struct BudgetDto {
     pub limit_bytes: Option<u64>,
     pub limit_file: Option<String>,
     pub ring_bytes: u64,
+    /// QUIC's connection send window and both buffer pools' caps, counted off the limit.
+    pub transport_bytes: u64,
+    pub pool_bytes: u64,
     pub headroom_bytes: u64,
     pub spool_cap_bytes: u64,
     pub reader_queue_cap_bytes: u64,
@@ -549,6 +591,8 @@ impl Shared {
             limit_bytes: budget.limit_bytes,
             limit_file: file.as_ref().map(|f| f.display().to_string()),
             ring_bytes: input.ring_bytes,
+            transport_bytes: input.transport_bytes,
+            pool_bytes: input.pool_bytes,
             headroom_bytes: input.headroom_bytes,
             spool_cap_bytes: budget.spool_cap_bytes,
             reader_queue_cap_bytes: budget.reader_queue_cap_bytes,
@@ -686,12 +730,15 @@ async fn follow_pressure(shared: Arc<Shared>, mut state: watch::Receiver<Pressur
 /// what it was derived from, and the limit's file.
 fn derive_budget(
     cfg: &ShipperConfig,
+    tuning: &Tuning,
     queue_ceiling: usize,
 ) -> Result<Option<(BudgetInput, Budget, Option<PathBuf>)>, crate::core::budget::TooSmall> {
     let Some(headroom) = cfg.memory_budget else { return Ok(None) };
     let limit = ringwatch_transport::memcg::own_limit();
-    let input =
-        BudgetInput { limit_bytes: limit.as_ref().map(|l| l.bytes), ..budget_input(cfg, headroom, queue_ceiling) };
+    let input = BudgetInput {
+        limit_bytes: limit.as_ref().map(|l| l.bytes),
+        ..budget_input(cfg, tuning, headroom, queue_ceiling)
+    };
     let b = crate::core::budget::derive(input)?;
     Ok(Some((input, b, limit.map(|l| l.file))))
 }
@@ -701,12 +748,12 @@ fn derive_budget(
 ///
 /// # Errors
 /// The cgroup's limit cannot hold the spool's floor.
-pub fn memory_budget(cfg: &ShipperConfig) -> Result<Option<Budget>, crate::core::budget::TooSmall> {
-    derive_budget(cfg, READER_QUEUE_BYTES).map(|b| b.map(|(_, b, _)| b))
+pub fn memory_budget(cfg: &ShipperConfig, tuning: &Tuning) -> Result<Option<Budget>, crate::core::budget::TooSmall> {
+    derive_budget(cfg, tuning, READER_QUEUE_BYTES).map(|b| b.map(|(_, b, _)| b))
 }
 
 /// What the memory budget is derived from, but the limit (read by the caller).
-fn budget_input(cfg: &ShipperConfig, headroom: u64, queue_ceiling: usize) -> BudgetInput {
+fn budget_input(cfg: &ShipperConfig, tuning: &Tuning, headroom: u64, queue_ceiling: usize) -> BudgetInput {
     let ring_bytes = match &cfg.source {
         crate::config::Source::Bpf(b) => u64::from(b.p0_ring_bytes) + u64::from(b.bulk_ring_bytes),
         _ => 0,
@@ -715,6 +762,9 @@ fn budget_input(cfg: &ShipperConfig, headroom: u64, queue_ceiling: usize) -> Bud
     BudgetInput {
         limit_bytes: None,
         ring_bytes,
+        transport_bytes: tuning.send_window(),
+        // The core's pool and the reader's spare writers, each at its cap.
+        pool_bytes: 2 * cfg.batcher.pool_bytes as u64,
         headroom_bytes: headroom,
         spool_ceiling: cfg.spool.cap_bytes as u64,
         queue_ceiling: queue_ceiling as u64,
@@ -773,7 +823,7 @@ pub async fn run_and_return_source(
     let tuning = options.tuning;
     // The memory budget: the spool's and the reader queue's caps from the cgroup's limit.
     let queue_ceiling = options.reader_queue_bytes.unwrap_or(READER_QUEUE_BYTES);
-    let budget = derive_budget(cfg, queue_ceiling)?;
+    let budget = derive_budget(cfg, &tuning, queue_ceiling)?;
     let effective;
     let cfg = match &budget {
         None => cfg,
@@ -848,6 +898,9 @@ pub async fn run_and_return_source(
         budget_rederived: AtomicU64::new(0),
         pressure_ended: Mutex::new(None),
         p3: P3Counters::default(),
+        reader_spare_bytes: AtomicUsize::new(0),
+        reader_spare_turned_away: AtomicU64::new(0),
+        pool_cap_bytes: cfg.batcher.pool_bytes,
         throttle: Mutex::new(throttling),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
@@ -1054,6 +1107,7 @@ pub async fn run_and_return_source(
     let unflushed: Unflushed = if ended == Ended::Shutdown { core.abandon() } else { core.unacked() };
     let stats = *core.stats();
     let spool = *core.spool().counters();
+    let (core_pooled, core_turned_away) = core.pool();
     let slot = |c: proto_flat::LossCause| c.drop_slot().and_then(|s| stats.frames_lost.get(s).copied()).unwrap_or(0);
     let report = Report {
         ended,
@@ -1080,6 +1134,7 @@ pub async fn run_and_return_source(
         memory_budget: shared.budget_dto(),
         throttle: shared.throttling().dto(),
         p3: shared.p3.dto(),
+        pools: PoolsDto { core_bytes: core_pooled, core_turned_away, ..shared.pools_dto_without_core() },
         frames_lost_shutdown: slot(proto_flat::LossCause::ShipperShutdown),
         frames_in_by_lane: stats.frames_in_by_lane,
         frames_lost_by_lane: stats.frames_lost_by_lane,
@@ -1176,6 +1231,8 @@ fn reader_loop(
             stager_pooling = !pressured;
             stager.set_pooling(stager_pooling);
         }
+        shared.reader_spare_bytes.store(stager.spare_bytes(), Ordering::Relaxed);
+        shared.reader_spare_turned_away.store(stager.spare_turned_away, Ordering::Relaxed);
         let mut events = 0usize;
         let mut counters_seen = false;
         state = source.poll(2048, &mut |ev| {
@@ -1687,6 +1744,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         memory_budget: Option<BudgetDto>,
         throttle: Option<ThrottleDto>,
         p3: P3Dto,
+        pools: PoolsDto,
     }
     #[derive(serde::Serialize)]
     struct Ready {
@@ -1731,6 +1789,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
             memory_budget: s.budget_dto(),
             throttle: s.throttling().dto(),
             p3: s.p3.dto(),
+            pools: s.pools_dto(),
         };
         (code, axum::Json(health)).into_response()
     }

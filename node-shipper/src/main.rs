@@ -51,7 +51,7 @@ fn main() -> ExitCode {
     }
     ringwatch_transport::shell::init_logs(cfg.log_json);
     // A cgroup too small for the spool's floor: refused before the source is opened.
-    if let Err(e) = node_shipper::driver::memory_budget(&cfg) {
+    if let Err(e) = node_shipper::driver::memory_budget(&cfg, &RunOptions::default().tuning) {
         eprintln!("node-shipper: memory budget: {e}");
         return ExitCode::from(2);
     }

@@ -47,6 +47,7 @@ fn steady_state_batching_allocates_nothing_per_batch() {
         bulk_batch_bytes: 64 * 1024,
         flush_interval_ns: 1_000_000,
         pool_size: 8,
+        ..BatcherConfig::default()
     };
     let mut b = Batcher::new(cfg, SessionMeta { node_id: 1, epoch: 1, shipper_session: 1 });
     // Frames from 16 streams across two lanes, pre-encoded (the ring's bytes).

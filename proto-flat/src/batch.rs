@@ -394,6 +394,12 @@ impl BatchWriter {
         Self { buf: Vec::with_capacity(bytes), ..Self::default() }
     }
 
+    /// Bytes of capacity this writer's buffers hold (what keeping it costs).
+    #[must_use]
+    pub fn buffer_capacity(&self) -> usize {
+        self.buf.capacity() + self.summary.capacity() * core::mem::size_of::<StreamSummaryEntry>()
+    }
+
     /// Starts a batch, discarding any unfinished one.
     pub fn begin(&mut self, meta: &BatchMeta) {
         self.buf.clear();

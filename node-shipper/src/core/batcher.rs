@@ -28,8 +28,13 @@ pub struct BatcherConfig {
     pub bulk_batch_bytes: usize,
     /// How long a batch may stay open (P0 latency is bounded by this).
     pub flush_interval_ns: u64,
-    /// Buffers kept for reuse.
+    /// Buffers kept for reuse: at most this many …
     pub pool_size: usize,
+    /// … holding at most this many bytes of capacity (each of the core's pool and the
+    /// reader's spare writers). What the cap turns away is freed and counted
+    /// ([`Batcher::pool_turned_away`], [`Stager::spare_turned_away`]); the memory budget
+    /// counts both pools at this cap.
+    pub pool_bytes: usize,
 }
 
 impl Default for BatcherConfig {
@@ -39,6 +44,9 @@ impl Default for BatcherConfig {
             bulk_batch_bytes: 256 * 1024,
             flush_interval_ns: 5_000_000,
             pool_size: 256,
+            // Sixteen bulk batches: enough for buffers to cycle at line rate (a batch is
+            // acked and its buffer reused long before sixteen more are cut).
+            pool_bytes: 4 << 20,
         }
     }
 }
@@ -104,6 +112,10 @@ pub struct Batcher {
     next_batch_seq: u64,
     totals: RunningTotals,
     pool: Vec<Vec<u8>>,
+    /// Capacity held by `pool`.
+    pooled_bytes: usize,
+    /// Buffers freed because the pool was at its count or byte cap.
+    pool_turned_away: u64,
     /// Whether buffers back from the spool are kept for reuse (off under memory
     /// pressure: they are freed instead).
     pooling: bool,
@@ -120,7 +132,10 @@ impl Batcher {
     /// A batcher for one shipper session; `batch_seq` starts at 1.
     #[must_use]
     pub fn new(config: BatcherConfig, meta: SessionMeta) -> Self {
-        let pool = (0..config.pool_size).map(|_| Vec::with_capacity(config.max_batch_bytes + 4096)).collect();
+        let each = config.max_batch_bytes + 4096;
+        let count = config.pool_size.min(config.pool_bytes / each.max(1));
+        let pool: Vec<Vec<u8>> = (0..count).map(|_| Vec::with_capacity(each)).collect();
+        let pooled_bytes = pool.iter().map(Vec::capacity).sum();
         Self {
             config,
             meta,
@@ -128,6 +143,8 @@ impl Batcher {
             next_batch_seq: 1,
             totals: RunningTotals::default(),
             pool,
+            pooled_bytes,
+            pool_turned_away: 0,
             pooling: true,
             clock_mono_ns: 0,
             clock_realtime_ns: 0,
@@ -180,9 +197,35 @@ impl Batcher {
 
     /// A buffer back from the spool (acked or evicted batch).
     pub fn recycle(&mut self, buf: Vec<u8>) {
-        if self.pooling && self.pool.len() < self.config.pool_size {
+        let cap = buf.capacity();
+        if self.pooling
+            && self.pool.len() < self.config.pool_size
+            && self.pooled_bytes.saturating_add(cap) <= self.config.pool_bytes
+        {
+            self.pooled_bytes += cap;
             self.pool.push(buf);
+        } else if self.pooling {
+            self.pool_turned_away += 1;
         }
+    }
+
+    /// A pooled buffer (or a new empty one).
+    fn take_pooled(&mut self) -> Vec<u8> {
+        let buf = self.pool.pop().unwrap_or_default();
+        self.pooled_bytes = self.pooled_bytes.saturating_sub(buf.capacity());
+        buf
+    }
+
+    /// Capacity held in the pool now.
+    #[must_use]
+    pub fn pooled_bytes(&self) -> usize {
+        self.pooled_bytes
+    }
+
+    /// Buffers freed because the pool was full (by count or bytes) while pooling.
+    #[must_use]
+    pub fn pool_turned_away(&self) -> u64 {
+        self.pool_turned_away
     }
 
     /// Memory pressure (P3): frees the pooled buffers and stops pooling (`false`), or
@@ -192,8 +235,9 @@ impl Batcher {
         if on {
             return 0;
         }
-        let freed = self.pool.iter().map(Vec::capacity).sum();
+        let freed = self.pooled_bytes;
         self.pool = Vec::new();
+        self.pooled_bytes = 0;
         freed
     }
 
@@ -254,7 +298,7 @@ impl Batcher {
     /// core's own), stamped with the running totals, checksummed. The writer is left
     /// empty with a pooled buffer, to go back to the reader.
     pub fn seal(&mut self, staged: &mut Staged) -> Batch {
-        let replacement = self.pool.pop().unwrap_or_default();
+        let replacement = self.take_pooled();
         Self::number_and_seal(
             &mut self.next_batch_seq,
             &mut self.totals,
@@ -294,9 +338,9 @@ impl Batcher {
     }
 
     fn cut(&mut self, i: usize) -> Option<Batch> {
+        let opened_ns = self.lanes.get_mut(i)?.opened_at.take()?;
+        let replacement = self.take_pooled();
         let lane = self.lanes.get_mut(i)?;
-        let opened_ns = lane.opened_at.take()?;
-        let replacement = self.pool.pop().unwrap_or_default();
         let class = Class::from_code(u8::try_from(i).unwrap_or(0));
         Some(Self::number_and_seal(
             &mut self.next_batch_seq,
@@ -350,6 +394,10 @@ pub struct Stager {
     lanes: [Lane; 4],
     /// Emptied writers back from the core.
     spare: Vec<BatchWriter>,
+    /// Buffer capacity held by `spare`.
+    spare_bytes: usize,
+    /// Writers freed because `spare` was at its count or byte cap.
+    pub spare_turned_away: u64,
     /// Whether emptied writers are kept (off under memory pressure).
     pooling: bool,
     /// Frames taken, per lane, and frames refused as malformed.
@@ -365,6 +413,8 @@ impl Stager {
             meta,
             lanes: Default::default(),
             spare: Vec::new(),
+            spare_bytes: 0,
+            spare_turned_away: 0,
             pooling: true,
             frames_by_lane: [0; 4],
             frames_malformed: 0,
@@ -379,16 +429,33 @@ impl Stager {
 
     /// An emptied writer back from the core, for reuse.
     pub fn give_back(&mut self, writer: BatchWriter) {
-        if self.pooling && self.spare.len() < self.config.pool_size {
+        let cap = writer.buffer_capacity();
+        if self.pooling
+            && self.spare.len() < self.config.pool_size
+            && self.spare_bytes.saturating_add(cap) <= self.config.pool_bytes
+        {
+            self.spare_bytes += cap;
             self.spare.push(writer);
+        } else if self.pooling {
+            self.spare_turned_away += 1;
         }
+    }
+
+    /// Buffer capacity held by the spare writers now.
+    #[must_use]
+    pub fn spare_bytes(&self) -> usize {
+        self.spare_bytes
     }
 
     /// Memory pressure (P3): frees the spare writers and stops keeping them (`false`), or
     /// keeps them again (`true`). Returns how many were freed.
     pub fn set_pooling(&mut self, on: bool) -> usize {
         self.pooling = on;
-        if on { 0 } else { std::mem::take(&mut self.spare).len() }
+        if on {
+            return 0;
+        }
+        self.spare_bytes = 0;
+        std::mem::take(&mut self.spare).len()
     }
 
     /// Adds one ring record; a lane that had to be cut first to make room is handed to
@@ -414,6 +481,7 @@ impl Stager {
         let Some(lane) = self.lanes.get_mut(i) else { return };
         if lane.opened_at.is_none() {
             if let Some(w) = self.spare.pop() {
+                self.spare_bytes = self.spare_bytes.saturating_sub(w.buffer_capacity());
                 lane.writer = w;
             }
             lane.writer.begin(&meta);
@@ -487,6 +555,7 @@ mod tests {
             bulk_batch_bytes: 48 * 10,
             flush_interval_ns: 1_000,
             pool_size: 4,
+            pool_bytes: usize::MAX,
         };
         let mut b = Batcher::new(cfg, SessionMeta { node_id: 7, epoch: 1, shipper_session: 3 });
         let mut cut = Vec::new();
@@ -527,5 +596,40 @@ mod tests {
         let mut f = bulk(0);
         f.truncate(40);
         assert!(b.push(&f, 0).is_err());
+    }
+
+    #[test]
+    fn pools_hold_at_most_their_byte_cap_and_count_what_they_turn_away() {
+        let cfg = BatcherConfig { pool_size: 100, pool_bytes: 1 << 20, ..BatcherConfig::default() };
+        let mut b = Batcher::new(cfg, SessionMeta::default());
+        // Pre-filled up to the cap: 1 MiB / (64 KiB + 4 KiB) = 15 buffers.
+        assert_eq!(b.pooled_bytes(), 15 * (68 << 10));
+        // Bulk-sized buffers back from the spool: two more fit under 1 MiB, none after.
+        for _ in 0..15 {
+            b.take_pooled();
+        }
+        assert_eq!(b.pooled_bytes(), 0);
+        for _ in 0..5 {
+            b.recycle(Vec::with_capacity(300 << 10));
+        }
+        assert_eq!(b.pooled_bytes(), 3 * (300 << 10));
+        assert_eq!(b.pool_turned_away(), 2);
+        // Under pressure the pool is emptied and nothing is kept (nor counted turned away).
+        assert_eq!(b.set_pooling(false), 3 * (300 << 10));
+        b.recycle(Vec::with_capacity(1024));
+        assert_eq!((b.pooled_bytes(), b.pool_turned_away()), (0, 2));
+
+        let mut st = Stager::new(cfg, SessionMeta::default());
+        for _ in 0..5 {
+            st.give_back(BatchWriter::with_capacity(300 << 10));
+        }
+        assert!(st.spare_bytes() <= 1 << 20 && st.spare_bytes() >= 3 * (300 << 10), "{}", st.spare_bytes());
+        assert_eq!(st.spare_turned_away, 2);
+        // A lane opened takes a spare writer and its bytes leave the count.
+        let before = st.spare_bytes();
+        st.push(&bulk(0), 0, &mut |_| {});
+        assert!(st.spare_bytes() < before);
+        assert_eq!(st.set_pooling(false), 2);
+        assert_eq!(st.spare_bytes(), 0);
     }
 }

@@ -2,8 +2,11 @@
 //! reading it is `ringwatch_transport::memcg`).
 //!
 //! What the shipper holds that grows with load is the spool and the reader's queue. Both
-//! caps are derived from the limit: `available = limit − ring memory − headroom` (the
-//! headroom is the process itself: code, runtime, QUIC's buffers); the reader queue gets
+//! caps are derived from the limit: `available = limit − ring memory − transport − pools −
+//! headroom`, where the transport is QUIC's connection send window (quinn holds a copy
+//! of every batch written until it is acked), the pools are the recycled batch buffers
+//! (the core's and the reader's, each at its byte cap) and the headroom is the process
+//! itself (code, runtime, TLS, allocator slack); the reader queue gets
 //! an eighth of it (at most its configured cap), the spool the rest (at most
 //! `spool_bytes`: configuration can only lower the cap). The P0/P1 reserves plus two
 //! batches are the floor: a cgroup that cannot hold them is a configuration error, with
@@ -16,7 +19,11 @@ pub struct BudgetInput {
     pub limit_bytes: Option<u64>,
     /// BPF ring memory, charged to the cgroup that created the rings.
     pub ring_bytes: u64,
-    /// The process outside the spool and the reader queue.
+    /// QUIC's connection send window: batch copies quinn holds until acked.
+    pub transport_bytes: u64,
+    /// Both buffer pools at their byte caps.
+    pub pool_bytes: u64,
+    /// The process itself: code, runtime, TLS, allocator slack.
     pub headroom_bytes: u64,
     /// `spool_bytes` from the configuration: the ceiling.
     pub spool_ceiling: u64,
@@ -39,13 +46,16 @@ pub struct Budget {
 /// The cgroup cannot hold the floor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the memory limit ({limit} bytes) less ring memory ({rings}) and headroom ({headroom}) leaves {available} bytes; \
-     the spool needs at least {floor} (both reserves plus two batches) and the reader queue {queue_floor}: \
-     raise the cgroup's limit or lower p0_reserve_bytes / p1_reserve_bytes / memory_headroom_bytes / the ring sizes"
+    "the memory limit ({limit} bytes) less ring memory ({rings}), QUIC's send window ({transport}), the buffer pools \
+     ({pools}) and headroom ({headroom}) leaves {available} bytes; the spool needs at least {floor} (both reserves \
+     plus two batches) and the reader queue {queue_floor}: raise the cgroup's limit or lower p0_reserve_bytes / \
+     p1_reserve_bytes / memory_headroom_bytes / the ring sizes"
 )]
 pub struct TooSmall {
     pub limit: u64,
     pub rings: u64,
+    pub transport: u64,
+    pub pools: u64,
     pub headroom: u64,
     pub available: u64,
     pub floor: u64,
@@ -68,13 +78,19 @@ pub fn derive(i: BudgetInput) -> Result<Budget, TooSmall> {
             reader_queue_cap_bytes: i.queue_ceiling,
         });
     };
-    let available = limit.saturating_sub(i.ring_bytes).saturating_sub(i.headroom_bytes);
+    let available = limit
+        .saturating_sub(i.ring_bytes)
+        .saturating_sub(i.transport_bytes)
+        .saturating_sub(i.pool_bytes)
+        .saturating_sub(i.headroom_bytes);
     let queue = (available / 8).clamp(QUEUE_FLOOR.min(i.queue_ceiling), i.queue_ceiling.max(1));
     let spool = available.saturating_sub(queue).min(i.spool_ceiling);
     if spool < i.spool_floor {
         return Err(TooSmall {
             limit,
             rings: i.ring_bytes,
+            transport: i.transport_bytes,
+            pools: i.pool_bytes,
             headroom: i.headroom_bytes,
             available,
             floor: i.spool_floor,
@@ -99,6 +115,8 @@ mod tests {
         BudgetInput {
             limit_bytes: limit,
             ring_bytes: 0,
+            transport_bytes: 0,
+            pool_bytes: 0,
             headroom_bytes: 24 * MIB,
             spool_ceiling: 256 * MIB,
             queue_ceiling: 64 * MIB,
@@ -120,6 +138,13 @@ mod tests {
             (b.available_bytes, b.reader_queue_cap_bytes, b.spool_cap_bytes),
             (Some(40 * MIB), 5 * MIB, 35 * MIB)
         );
+        // So do QUIC's send window and the buffer pools.
+        let b =
+            derive(BudgetInput { transport_bytes: 10 * MIB, pool_bytes: 6 * MIB, ..input(Some(64 * MIB)) }).unwrap();
+        assert_eq!(
+            (b.available_bytes, b.reader_queue_cap_bytes, b.spool_cap_bytes),
+            (Some(24 * MIB), 3 * MIB, 21 * MIB)
+        );
         // Rings come off first.
         let b = derive(BudgetInput { ring_bytes: 16 * MIB, ..input(Some(64 * MIB)) }).unwrap();
         assert_eq!((b.reader_queue_cap_bytes, b.spool_cap_bytes), (3 * MIB, 21 * MIB));
@@ -138,6 +163,13 @@ mod tests {
         let text = e.to_string();
         for n in ["29360128", "4194304", "4718592", "25165824"] {
             assert!(text.contains(n), "{n} in {text}");
+        }
+        // The transport and the pools are named.
+        let e = derive(BudgetInput { transport_bytes: 10 * MIB, pool_bytes: 8 * MIB, ..input(Some(44 * MIB)) })
+            .unwrap_err();
+        assert_eq!(e.available, 2 * MIB);
+        for n in ["QUIC's send window (10485760)", "buffer pools (8388608)"] {
+            assert!(e.to_string().contains(n), "{n} in {e}");
         }
         // A limit below the rings and headroom together does not wrap.
         assert_eq!(derive(BudgetInput { ring_bytes: 1 << 40, ..input(Some(64 * MIB)) }).unwrap_err().available, 0);

@@ -785,6 +785,12 @@ impl ShipperCore {
         self.batcher.set_pooling(false)
     }
 
+    /// The batcher's buffer pool: capacity held now, and buffers its cap turned away.
+    #[must_use]
+    pub fn pool(&self) -> (usize, u64) {
+        (self.batcher.pooled_bytes(), self.batcher.pool_turned_away())
+    }
+
     /// Pressure eased: buffers are pooled again (the batch log stays off).
     pub fn restore_p3(&mut self) {
         self.batcher.set_pooling(true);
@@ -1125,6 +1131,7 @@ mod tests {
                 bulk_batch_bytes: 48 * 10,
                 flush_interval_ns: 5 * MS,
                 pool_size: 4,
+                pool_bytes: usize::MAX,
             },
             spool: SpoolConfig { cap_bytes: spool_cap, p0_reserve_bytes: 1000, p1_reserve_bytes: 4000 },
             heartbeat_interval_ns: 1000 * MS,

@@ -15,6 +15,9 @@
 //!   question; never a cordon for that alone;
 //! - `keep`: healthy.
 //!
+//! For `cordon` and `investigate` it names the jobs on the node's GPUs (pods, Slurm
+//! jobs: the owners the list shows) — the jobs to move or requeue, not just ranks.
+//!
 //! With `--emit kubectl` or `--emit slurm` it also prints (never runs) the command that
 //! would act on a cordon: `kubectl cordon` + `kubectl taint`, or `scontrol update
 //! nodename=… state=drain`.
@@ -56,6 +59,8 @@ struct NodeState {
     fault: Option<String>,
     lossy_band: bool,
     decided: Option<Decision>,
+    /// The jobs on its GPUs as the last list named them (pods, Slurm jobs).
+    jobs: std::collections::BTreeSet<String>,
 }
 
 impl NodeState {
@@ -110,6 +115,16 @@ impl Hook {
         for n in &nodes.nodes {
             let st = self.nodes.entry(n.name.clone()).or_default();
             st.health.clone_from(&n.health);
+            st.jobs = n
+                .gpus
+                .iter()
+                .flat_map(|g| &g.owners)
+                .filter_map(|o| match (&o.pod_uid, o.slurm_job_id) {
+                    (Some(pod), _) => Some(format!("pod {pod}")),
+                    (None, Some(job)) => Some(format!("slurm job {job}")),
+                    (None, None) => None,
+                })
+                .collect();
         }
         for name in nodes.nodes.iter().map(|n| n.name.clone()).collect::<Vec<_>>() {
             self.report(&name);
@@ -128,6 +143,10 @@ impl Hook {
         }
         st.decided = Some(d);
         println!("{node}: {} ({why})", d.name());
+        if d >= Decision::Investigate && !st.jobs.is_empty() {
+            let jobs: Vec<&str> = st.jobs.iter().map(String::as_str).collect();
+            println!("  jobs on its GPUs: {}", jobs.join(", "));
+        }
         if d == Decision::Cordon {
             match self.emit.as_deref() {
                 Some("kubectl") => {

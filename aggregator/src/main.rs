@@ -91,6 +91,29 @@ fn query_command() -> Command {
                 .value_name("FILE")
                 .help("a file holding the API's bearer token"),
         )
+        .arg(
+            Arg::new("tls-ca")
+                .long("tls-ca")
+                .global(true)
+                .value_name("FILE")
+                .help("speak HTTPS, trusting servers this CA (PEM) signed (an aggregator with http_tls_cert)"),
+        )
+        .arg(
+            Arg::new("tls-cert")
+                .long("tls-cert")
+                .global(true)
+                .value_name("FILE")
+                .requires("tls-key")
+                .help("with --tls-ca: a client certificate (PEM), for an aggregator with http_client_ca"),
+        )
+        .arg(Arg::new("tls-key").long("tls-key").global(true).value_name("FILE").requires("tls-cert").help("its key"))
+        .arg(
+            Arg::new("tls-server-name")
+                .long("tls-server-name")
+                .global(true)
+                .value_name("NAME")
+                .help("with --tls-ca: the name the server's certificate holds (default localhost)"),
+        )
         .arg(Arg::new("json").long("json").global(true).action(ArgAction::SetTrue).help("print the API's JSON"))
         .arg(
             Arg::new("q")
@@ -163,7 +186,37 @@ fn query(m: &clap::ArgMatches) -> ExitCode {
             Err(_) => std::net::SocketAddr::from(([127, 0, 0, 1], 8080)),
         },
     };
-    let q = Query { http, token, json: sm.get_flag("json"), params, what };
+    let tls = match sm.get_one::<String>("tls-ca") {
+        None => {
+            if sm.get_one::<String>("tls-cert").is_some() || sm.get_one::<String>("tls-server-name").is_some() {
+                eprintln!("aggregator query: --tls-cert / --tls-server-name need --tls-ca");
+                return ExitCode::from(2);
+            }
+            None
+        }
+        Some(ca) => {
+            let client = sm
+                .get_one::<String>("tls-cert")
+                .zip(sm.get_one::<String>("tls-key"))
+                .map(|(c, k)| (std::path::Path::new(c), std::path::Path::new(k)));
+            let cfg = match ringwatch_transport::http_client_tls_config(std::path::Path::new(ca), client) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("aggregator query: TLS: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let name = sm.get_one::<String>("tls-server-name").map_or("localhost", String::as_str).to_owned();
+            match rustls::pki_types::ServerName::try_from(name.clone()) {
+                Ok(n) => Some((cfg, n)),
+                Err(e) => {
+                    eprintln!("aggregator query: --tls-server-name {name:?}: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
+    let q = Query { http, tls, token, json: sm.get_flag("json"), params, what };
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -31,11 +31,19 @@ pub enum What {
 #[derive(Debug, Clone)]
 pub struct Query {
     pub http: SocketAddr,
+    /// Over HTTPS: the client side ([`client::Endpoint::tls`]).
+    pub tls: Option<(std::sync::Arc<rustls::ClientConfig>, rustls::pki_types::ServerName<'static>)>,
     pub token: Option<String>,
     pub json: bool,
     /// Query parameters passed through (the server checks them).
     pub params: Vec<(String, String)>,
     pub what: What,
+}
+
+impl Query {
+    fn endpoint(&self) -> client::Endpoint {
+        client::Endpoint { addr: self.http, tls: self.tls.clone() }
+    }
 }
 
 /// How a query failed, with its exit code.
@@ -291,7 +299,7 @@ pub fn render_event(e: &client::SseEvent, json: bool) -> String {
 async fn get_text(q: &Query, path: &str) -> Result<String, QueryError> {
     let auth = q.token.as_ref().map(|t| format!("Bearer {t}"));
     let headers: Vec<(&str, &str)> = auth.as_deref().map(|a| vec![("Authorization", a)]).unwrap_or_default();
-    let (status, body) = client::get_with(q.http, path, &headers).await?;
+    let (status, body) = client::get_at(&q.endpoint(), path, &headers).await?;
     if status != 200 {
         return Err(ClientError::Status { path: path.to_owned(), status, body }.into());
     }
@@ -380,7 +388,7 @@ async fn events(q: &Query, path: &str, follow: bool) -> Result<(), QueryError> {
         if let Some(l) = &last {
             headers.push(("Last-Event-ID", l.as_str()));
         }
-        let mut s = match EventStream::open(q.http, &path, &headers).await {
+        let mut s = match EventStream::open_at(&q.endpoint(), &path, &headers).await {
             Ok(s) => s,
             Err(e @ ClientError::Status { .. }) => return Err(e.into()),
             Err(e) if follow && failures < 30 => {
@@ -427,7 +435,7 @@ mod tests {
             clock_offset_ns: None,
             clock_epsilon_ns: None,
             knowledge_gaps: vec![],
-            gpus: vec![GpuDto { gpu_uuid: "ab".into(), health: "degraded".into() }],
+            gpus: vec![GpuDto { gpu_uuid: "ab".into(), health: "degraded".into(), owners: Vec::new() }],
             awaiting_first_batch: false,
             prior_instance: 0,
             p0_frames_lost: 3,
@@ -458,6 +466,7 @@ mod tests {
     fn paths_encode_parameters() {
         let q = Query {
             http: SocketAddr::from(([127, 0, 0, 1], 1)),
+            tls: None,
             token: None,
             json: false,
             params: vec![("outcome".into(), "waiting_on(3)".into()), ("node".into(), "a b&c".into())],

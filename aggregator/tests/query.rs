@@ -158,3 +158,51 @@ async fn net_query_cli_tables_json_events_and_exit_codes() {
     assert_eq!(query("127.0.0.1:1", t, &["summary"]).0, 1, "unreachable");
     assert_eq!(query(&http, t, &["collectives", "-q", "oops"]).0, 2, "usage");
 }
+
+/// `aggregator query` against an aggregator serving its API over TLS with client
+/// certificates (`http_tls_cert`, `http_client_ca`): `--tls-ca` with `--tls-cert` /
+/// `--tls-key` answers; without the client certificate, or in plain HTTP, the query
+/// fails with exit 1 (unreachable); TLS options without `--tls-ca` are a usage error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_query_over_tls_with_a_client_certificate() {
+    let dir = TempDir::new("query-tls");
+    let set = cert_set(dir.path(), 1);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_aggregator"))
+        .args(["run", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--certs"])
+        .arg(dir.path())
+        .arg("--http-tls-cert")
+        .arg(&set.server_cert)
+        .arg("--http-tls-key")
+        .arg(&set.server_key)
+        .arg("--http-client-ca")
+        .arg(&set.ca)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("aggregator starts");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let _quic = lines.next().expect("quic").expect("utf-8");
+    let line = lines.next().expect("http").expect("utf-8");
+    let http = line.rsplit_once("://").map(|(_, a)| a.to_owned()).expect("address");
+    let _proc = Proc(child);
+    let node = aggregator::certs::node_name(0);
+    let (cert, key) = (dir.path().join(format!("{node}.pem")), dir.path().join(format!("{node}.key")));
+    let ca = set.ca.to_str().expect("utf-8").to_owned();
+    let (cert, key) = (cert.to_str().expect("utf-8").to_owned(), key.to_str().expect("utf-8").to_owned());
+
+    let (code, out, err) =
+        query(&http, None, &["--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key, "summary", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let summary: SummaryDto = serde_json::from_str(&out).expect("summary JSON");
+    println!("over mTLS: summary as of {}", summary.as_of.event_id);
+    let (code, out, err) = query(&http, None, &["--tls-ca", &ca, "--tls-cert", &cert, "--tls-key", &key, "nodes"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("NODE") && out.contains("as of aggregator"), "{out}");
+    let (code, _, err) = query(&http, None, &["--tls-ca", &ca, "summary"]);
+    assert_eq!(code, 1, "no client certificate: refused: {err}");
+    let (code, _, err) = query(&http, None, &["summary"]);
+    assert_eq!(code, 1, "plain HTTP on the TLS port: {err}");
+    let (code, _, err) = query(&http, None, &["--tls-cert", &cert, "--tls-key", &key, "summary"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--tls-ca"), "{err}");
+}

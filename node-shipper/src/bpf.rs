@@ -874,6 +874,10 @@ fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadE
 }
 
 impl Source for RingSource {
+    fn pids_are_local(&self) -> bool {
+        true
+    }
+
     fn poll(&mut self, budget: usize, out: &mut dyn FnMut(SourceEvent<'_>)) -> SourceState {
         if !self.started {
             self.started = true;
@@ -936,6 +940,8 @@ impl Source for RingSource {
                     .map(|(id, c)| stream_entry(*id, c, fill[usize::from(id.ring()).min(1)]))
                     .collect(),
                 progress,
+                // Filled by the reader (it looks the processes up).
+                owners: Vec::new(),
             };
             self.stats.fill_max_ppm = [0; 2];
             self.next_counters = now + Duration::from_millis(self.cfg.counters_interval_ms);

@@ -42,6 +42,7 @@ use crate::core::backoff::Backoff;
 use crate::core::batcher::{SessionMeta, Staged, Stager};
 use crate::core::budget::{Budget, BudgetInput};
 use crate::core::loss::LostRange;
+use crate::core::owner::OwnerCache;
 use crate::core::shipper::{BatchEvent, LatencySummary, Pressure};
 use crate::core::spool::SpoolCounters;
 use crate::core::throttle::{Plan, Step};
@@ -51,6 +52,7 @@ use crate::source::{Source, SourceEvent, SourceState};
 use crate::throttle::{Mechanism, Target};
 use proto_flat::batch::BatchWriter;
 use proto_flat::codes::{Class, LossCause, WireEnum};
+use proto_flat::sections::OwnerEntry;
 
 /// Why [`run`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -381,8 +383,65 @@ struct Shared {
     reader_spare_turned_away: AtomicU64,
     /// Each pool's byte cap.
     pool_cap_bytes: usize,
+    /// The reader's owner lookups.
+    owners: OwnerCounters,
     /// The background cgroups to throttle under pressure.
     throttle: Mutex<Throttling>,
+}
+
+/// The reader's owner lookups: the processes PROGRESS names, resolved once each from
+/// `/proc/<pid>/cgroup` (sources whose pids are this host's only).
+struct Owned {
+    local: bool,
+    cache: OwnerCache,
+    last: Vec<OwnerEntry>,
+}
+
+impl Owned {
+    /// `c` with the owners of its processes.
+    fn counters(&mut self, c: &SourceCounters, shared: &Shared) -> Box<SourceCounters> {
+        let mut c = Box::new(c.clone());
+        if self.local {
+            let keys = c.progress.iter().map(|p| (p.pid.get(), p.cgroup_id.get()));
+            if let Some(v) = self.cache.refresh(keys, |pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().map(|t| crate::core::owner::parse(&t))
+            }) {
+                self.last = v;
+            }
+            c.owners.clone_from(&self.last);
+            shared.owners.processes.store(self.last.len() as u64, Ordering::Relaxed);
+            shared.owners.lookups.store(self.cache.lookups, Ordering::Relaxed);
+            shared.owners.turned_away.store(self.cache.turned_away, Ordering::Relaxed);
+        }
+        c
+    }
+}
+
+/// Owner lookups, as `/healthz` shows them: processes with a known owner now, lookups
+/// made, processes past the cap.
+#[derive(Debug, Default)]
+struct OwnerCounters {
+    processes: AtomicU64,
+    lookups: AtomicU64,
+    turned_away: AtomicU64,
+}
+
+/// [`OwnerCounters`], as `/healthz` shows them.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct OwnersDto {
+    pub processes: u64,
+    pub lookups: u64,
+    pub turned_away: u64,
+}
+
+impl OwnerCounters {
+    fn dto(&self) -> OwnersDto {
+        OwnersDto {
+            processes: self.processes.load(Ordering::Relaxed),
+            lookups: self.lookups.load(Ordering::Relaxed),
+            turned_away: self.turned_away.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// P3 shedding (entering pressure): times, buffer bytes freed from the pools, resident
@@ -901,6 +960,7 @@ pub async fn run_and_return_source(
         reader_spare_bytes: AtomicUsize::new(0),
         reader_spare_turned_away: AtomicU64::new(0),
         pool_cap_bytes: cfg.batcher.pool_bytes,
+        owners: OwnerCounters::default(),
         throttle: Mutex::new(throttling),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
@@ -1212,6 +1272,7 @@ fn reader_loop(
     if source.set_sampling_level(sampling.level()) {
         q.send(ToCore::Sampling(sampling.level()));
     }
+    let mut owned = Owned { local: source.pids_are_local(), cache: OwnerCache::default(), last: Vec::new() };
     let mut malformed_sent = 0u64;
     let mut next_finished_counters = 0u64;
     let mut frames_in = 0u64;
@@ -1254,7 +1315,7 @@ fn reader_loop(
                         q.send(ToCore::Malformed(stager.frames_malformed - malformed_sent));
                         malformed_sent = stager.frames_malformed;
                     }
-                    q.send(ToCore::Counters(Box::new(c.clone()), mono));
+                    q.send(ToCore::Counters(owned.counters(c, shared), mono));
                 }
                 SourceEvent::SessionStart(st) => q.send(ToCore::SessionStart(st.to_vec(), mono)),
             }
@@ -1286,9 +1347,9 @@ fn reader_loop(
             // so they hold as of now (and the watermarks move on).
             next_finished_counters = now.saturating_add(reader.heartbeat_interval_ns);
             stager.flush(&mut |b| q.staged(b, &mut spare));
-            let mut c = source.counters().clone();
+            let mut c = owned.counters(source.counters(), shared);
             c.mono_ns = mono;
-            q.send(ToCore::Counters(Box::new(c), mono));
+            q.send(ToCore::Counters(c, mono));
         }
         stager.poll_cut(now, &mut |b| q.staged(b, &mut spare));
         if let Some(l) = live {
@@ -1745,6 +1806,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         throttle: Option<ThrottleDto>,
         p3: P3Dto,
         pools: PoolsDto,
+        owners: OwnersDto,
     }
     #[derive(serde::Serialize)]
     struct Ready {
@@ -1790,6 +1852,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
             throttle: s.throttling().dto(),
             p3: s.p3.dto(),
             pools: s.pools_dto(),
+            owners: s.owners.dto(),
         };
         (code, axum::Json(health)).into_response()
     }

@@ -81,6 +81,13 @@ pub trait Source: Send {
     fn ring_stats(&self) -> Option<crate::bpf::RingStats> {
         None
     }
+
+    /// Whether the pids in its PROGRESS entries are processes on this host, whose owners
+    /// (pod, container, Slurm job) the reader looks up in `/proc/<pid>/cgroup`. Replayed
+    /// and simulated sources' pids are not.
+    fn pids_are_local(&self) -> bool {
+        false
+    }
 }
 
 /// Errors opening a source.
@@ -220,6 +227,7 @@ impl Source for CaptureSource {
                         mono_ns: heartbeat.head.snapshot_ns.get(),
                         streams,
                         progress,
+                        owners: Vec::new(),
                     };
                     out(SourceEvent::Counters(&self.counters));
                 }
@@ -342,7 +350,7 @@ impl SyntheticSource {
             next: 0,
             cpus,
             frame: template.as_bytes().to_vec(),
-            counters: SourceCounters { epoch: 1, mono_ns: 0, streams, progress: Vec::new() },
+            counters: SourceCounters { epoch: 1, mono_ns: 0, streams, progress: Vec::new(), owners: Vec::new() },
             epoch_sent: false,
             counters_every_ns,
             next_counters_ns: counters_every_ns,
@@ -570,6 +578,7 @@ mod sim {
                     mono_ns: s.mono_ns,
                     streams: s.streams.to_vec(),
                     progress: s.progress.to_vec(),
+                    owners: Vec::new(),
                 });
                 self.events.push(Kind::Counters);
             }

@@ -104,6 +104,48 @@ const WORLD: &str = "5257574f524c4400";
 /// An aggregator (short deadlines), a shipper on fresh rings with uprobes on the shim,
 /// then the workload with `args`; waits until the verdicts settle.
 async fn run(tag: &str, args: &[&str], ring: &[(&str, &str)]) -> Outcome {
+    run_in(tag, args, ring, None).await
+}
+
+/// A cgroup v2 path shaped like kubelet's (systemd driver) for one pod and container,
+/// under a directory of this test's own; removed on drop.
+struct PodCgroup {
+    top: std::path::PathBuf,
+    leaf: std::path::PathBuf,
+}
+
+const POD_UID: &str = "1f2e3d4c-5b6a-7988-97a6-b5c4d3e2f100";
+const CONTAINER_ID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+impl PodCgroup {
+    fn new() -> Self {
+        let unified = std::path::Path::new("/sys/fs/cgroup/unified");
+        let root = if unified.join("cgroup.procs").exists() { unified } else { std::path::Path::new("/sys/fs/cgroup") };
+        let top = root.join(format!("ringwatch-owner-{}", std::process::id()));
+        let leaf = top
+            .join("kubepods.slice")
+            .join(format!("kubepods-besteffort-pod{}.slice", POD_UID.replace('-', "_")))
+            .join(format!("cri-containerd-{CONTAINER_ID}.scope"));
+        std::fs::create_dir_all(&leaf).unwrap_or_else(|e| panic!("mkdir {}: {e}", leaf.display()));
+        Self { top, leaf }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        let mut dir = self.leaf.clone();
+        while dir.starts_with(&self.top) {
+            let _ = std::fs::remove_dir(&dir);
+            if !dir.pop() {
+                break;
+            }
+        }
+    }
+}
+
+/// [`run`], the workload's rank processes in `cgroup` (they inherit it from the
+/// workload, which moves itself there before it starts).
+async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], cgroup: Option<&std::path::Path>) -> Outcome {
     let dir = std::env::temp_dir().join(format!("rw-nccl-{tag}-{}", std::process::id()));
     let set = certs::init(&dir, &[certs::node_name(0)]).expect("certificates");
     let mut agg_cfg = AggregatorConfig::local(&set);
@@ -129,7 +171,15 @@ async fn run(tag: &str, args: &[&str], ring: &[(&str, &str)]) -> Outcome {
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let workload = Command::new(WORKLOAD)
+    let mut workload = match cgroup {
+        None => Command::new(WORKLOAD),
+        Some(cg) => {
+            let mut c = Command::new("sh");
+            c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\""]).arg(cg).arg(WORKLOAD);
+            c
+        }
+    };
+    let workload = workload
         .env("NCCL_PROFILER_PLUGIN", SHIM)
         .args(["--ranks", "4", "--hold-ms", "3000", "--tail-ms", "1000"])
         .args(args)
@@ -187,8 +237,30 @@ async fn kernel_nccl_collectives_and_p2p_match_through_uprobes() {
     if unavailable("kernel_nccl_collectives_and_p2p_match_through_uprobes").is_some() {
         return;
     }
-    let o = run("clean", &["--ops", "12", "--p2p"], &[]).await;
+    // The ranks run in a pod's container (a kubelet-shaped cgroup path): every verdict
+    // names its owner, resolved by the shipper from /proc/<pid>/cgroup (issue 24).
+    let pod = PodCgroup::new();
+    let o = run_in("clean", &["--ops", "12", "--p2p"], &[], Some(&pod.leaf)).await;
+    drop(pod);
     assert!(!o.workload_stdout.is_empty());
+    for v in &o.verdicts {
+        let owner = v.owner.as_ref().unwrap_or_else(|| panic!("no owner on {v:?}"));
+        assert_eq!(owner.rank, v.rank);
+        assert_eq!(owner.pod_uid.as_deref(), Some(POD_UID), "{v:?}");
+        assert_eq!(owner.container_id.as_deref(), Some(CONTAINER_ID), "{v:?}");
+        assert_eq!(owner.slurm_job_id, None);
+    }
+    let pids: std::collections::BTreeSet<u32> =
+        o.verdicts.iter().filter_map(|v| v.owner.as_ref()).map(|o| o.pid).collect();
+    println!("owners: pod {POD_UID}, container {CONTAINER_ID}, rank pids {pids:?}");
+    assert_eq!(pids.len(), 4, "one process per rank");
+    let gpus: Vec<_> = o.nodes.nodes.iter().flat_map(|n| &n.gpus).collect();
+    assert_eq!(gpus.len(), 4);
+    for g in gpus {
+        assert_eq!(g.owners.len(), 1, "one owner row per rank process: {g:?}");
+        assert_eq!(g.gpu_uuid, format!("5257000000000000000000000000000{}", g.owners[0].rank));
+        assert_eq!(g.owners[0].pod_uid.as_deref(), Some(POD_UID));
+    }
     for k in 1..=12 {
         for r in 0..4 {
             let v = o.world(k, r).unwrap_or_else(|| panic!("no verdict for all-reduce {k} rank {r}"));

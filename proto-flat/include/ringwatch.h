@@ -147,6 +147,7 @@ enum rw_section_tag {
 	RW_SECTION_TAG_SHIPPER_STATE = 5,
 	RW_SECTION_TAG_SESSION_STREAMS = 6,
 	RW_SECTION_TAG_STREAM_SUMMARY = 7,
+	RW_SECTION_TAG_OWNER = 8,
 };
 
 enum rw_shipper_gap_reason {
@@ -361,6 +362,19 @@ struct rw_shipper_state_entry { /* 32 B */
 	__u8 _reserved0[6];
 };
 
+/* flags of rw_owner_entry */
+#define RW_OWNER_POD (1u << 0)
+#define RW_OWNER_CONTAINER (1u << 1)
+#define RW_OWNER_SLURM_JOB (1u << 2)
+
+struct rw_owner_entry { /* 64 B */
+	__u32 pid;
+	__u32 flags;
+	__u64 slurm_job_id;
+	__u8 pod_uid[16];
+	__u8 container_id[32];
+};
+
 struct rw_session_stream_entry { /* 16 B */
 	__u32 stream_id;
 	__u8 _reserved0[4];
@@ -514,6 +528,7 @@ RW_ASSERT_SIZE(rw_clock_gpu_entry, 32);
 RW_ASSERT_SIZE(rw_shipper_state_entry, 32);
 RW_ASSERT_SIZE(rw_session_stream_entry, 16);
 RW_ASSERT_SIZE(rw_stream_summary_entry, 40);
+RW_ASSERT_SIZE(rw_owner_entry, 64);
 RW_ASSERT_SIZE(rw_batch_header, 152);
 RW_ASSERT_SIZE(rw_control_header, 8);
 RW_ASSERT_SIZE(rw_hello_body, 16);

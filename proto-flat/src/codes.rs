@@ -372,6 +372,9 @@ wire_enum! {
         SessionStreams = 6 => "session_streams",
         /// Batch envelope: the stream summary.
         StreamSummary = 7 => "stream_summary",
+        /// Heartbeat: who owns each rank process (Kubernetes pod and container, Slurm
+        /// job), resolved by the shipper from the process's cgroup.
+        Owner = 8 => "owner",
     }
 }
 

@@ -180,6 +180,30 @@ pub struct ShipperStateEntry {
 }
 const _: () = assert!(size_of::<ShipperStateEntry>() == 32);
 
+/// [`OwnerEntry::flags`]: the pod UID is known.
+pub const OWNER_POD: u32 = 1;
+/// [`OwnerEntry::flags`]: the container id is known.
+pub const OWNER_CONTAINER: u32 = 1 << 1;
+/// [`OwnerEntry::flags`]: the Slurm job id is known.
+pub const OWNER_SLURM_JOB: u32 = 1 << 2;
+
+/// Heartbeat `owner` entry: who owns a rank process, from its cgroup (64 B). A field is
+/// meaningful only when its flag is set.
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OwnerEntry {
+    /// The process (as in the `progress` entries of the same heartbeat).
+    pub pid: U32,
+    /// `OWNER_*` bits.
+    pub flags: U32,
+    pub slurm_job_id: U64,
+    /// Kubernetes pod UID, RFC 4122 byte order.
+    pub pod_uid: [u8; 16],
+    /// Container id: the runtime's 64 hex digits as 32 bytes.
+    pub container_id: [u8; 32],
+}
+const _: () = assert!(size_of::<OwnerEntry>() == 64);
+
 /// session_start `session_streams` entry: a stream's `attempted_seq` at takeover (16 B).
 #[repr(C)]
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
@@ -243,6 +267,9 @@ impl Entry for SessionStreamEntry {
 impl Entry for StreamSummaryEntry {
     const TAG: SectionTag = SectionTag::StreamSummary;
 }
+impl Entry for OwnerEntry {
+    const TAG: SectionTag = SectionTag::Owner;
+}
 
 /// The v1 entry size of a known tag (`None` for tags readers skip).
 #[must_use]
@@ -255,6 +282,7 @@ pub fn v1_entry_len(tag: SectionTag) -> Option<usize> {
         SectionTag::ShipperState => size_of::<ShipperStateEntry>(),
         SectionTag::SessionStreams => size_of::<SessionStreamEntry>(),
         SectionTag::StreamSummary => size_of::<StreamSummaryEntry>(),
+        SectionTag::Owner => size_of::<OwnerEntry>(),
         SectionTag::Unrecognized(_) => return None,
     })
 }
@@ -296,6 +324,7 @@ pub enum Section<'a> {
     ShipperState(Entries<'a, ShipperStateEntry>),
     SessionStreams(Entries<'a, SessionStreamEntry>),
     StreamSummary(Entries<'a, StreamSummaryEntry>),
+    Owner(Entries<'a, OwnerEntry>),
     /// A tag this version does not know: skipped, reported so it can be counted.
     Unknown {
         tag: u16,
@@ -346,6 +375,7 @@ pub fn typed_section<'a>(sh: &SectionHeader, body: &'a [u8]) -> Section<'a> {
         SectionTag::ShipperState => Section::ShipperState(entries(body, sh)),
         SectionTag::SessionStreams => Section::SessionStreams(entries(body, sh)),
         SectionTag::StreamSummary => Section::StreamSummary(entries(body, sh)),
+        SectionTag::Owner => Section::Owner(entries(body, sh)),
         SectionTag::Unrecognized(tag) => Section::Unknown { tag, entry_len: sh.entry_len.get(), count: sh.count.get() },
     }
 }

@@ -24,7 +24,7 @@ use proto_flat::frames::{
 use proto_flat::header::FrameHeader;
 use proto_flat::kernel::{EpochMeta, ProgressKey, ProgressStats, RingCounters, SamplingControl};
 use proto_flat::sections::{
-    ClockGpuEntry, ClockRealtimeEntry, HeartbeatHead, ProgressEntry, SectionHeader, SessionStartHead,
+    ClockGpuEntry, ClockRealtimeEntry, HeartbeatHead, OwnerEntry, ProgressEntry, SectionHeader, SessionStartHead,
     SessionStreamEntry, ShipperStateEntry, StreamEntry, StreamSummaryEntry,
 };
 
@@ -182,6 +182,7 @@ fn rust_layouts() -> Vec<Layout> {
             ]
         ),
         layout!(SessionStreamEntry, "rw_session_stream_entry", [stream_id, _reserved0, attempted_seq]),
+        layout!(OwnerEntry, "rw_owner_entry", [pid, flags, slurm_job_id, pod_uid, container_id]),
         layout!(
             StreamSummaryEntry,
             "rw_stream_summary_entry",
@@ -239,6 +240,9 @@ fn rust_consts() -> BTreeMap<String, u64> {
     for &(bit, name) in activation::ALL {
         out.insert(format!("RW_ACTIVATION_{}", name.to_uppercase()), u64::from(bit));
     }
+    out.insert("RW_OWNER_POD".into(), u64::from(proto_flat::sections::OWNER_POD));
+    out.insert("RW_OWNER_CONTAINER".into(), u64::from(proto_flat::sections::OWNER_CONTAINER));
+    out.insert("RW_OWNER_SLURM_JOB".into(), u64::from(proto_flat::sections::OWNER_SLURM_JOB));
     out.insert("RW_WIRE_VERSION".into(), u64::from(proto_flat::WIRE_VERSION));
     out.insert("RW_BATCH_MAGIC".into(), u64::from(proto_flat::BATCH_MAGIC));
     out.insert("RW_DROP_SLOTS".into(), proto_flat::codes::DROP_SLOTS as u64);
@@ -462,10 +466,12 @@ fn c_header_btf_matches_rust_layout() {
             btf_consts.insert(v["name"].as_str().unwrap().to_owned(), v["val"].as_u64().unwrap());
         }
     }
-    for (name, value) in consts
-        .iter()
-        .filter(|(n, _)| !n.starts_with("RW_FLAG_") && !n.starts_with("RW_ACTIVATION_") && !n.contains("RW_WIRE"))
-    {
+    for (name, value) in consts.iter().filter(|(n, _)| {
+        !n.starts_with("RW_FLAG_")
+            && !n.starts_with("RW_ACTIVATION_")
+            && !n.starts_with("RW_OWNER_")
+            && !n.contains("RW_WIRE")
+    }) {
         if [
             "RW_BATCH_MAGIC",
             "RW_DROP_SLOTS",

@@ -298,6 +298,7 @@ impl Sink for Collect {
             mono_ns: s.mono_ns,
             streams: s.streams.to_vec(),
             progress: s.progress.to_vec(),
+            owners: Vec::new(),
         });
         let i = self.counters.len() - 1;
         if let Some(e) = self.events.get_mut(node as usize) {

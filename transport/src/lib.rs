@@ -290,6 +290,27 @@ pub fn http_tls_config(
     Ok(Arc::new(tls))
 }
 
+/// The TLS client side of the HTTP API (`aggregator query` against an aggregator with
+/// `http_tls_cert`): servers `ca` signed, and with `client` (certificate, key) a client
+/// certificate for an aggregator that asks for one (`http_client_ca`).
+///
+/// # Errors
+/// A file that does not load, or a key that does not match its certificate.
+pub fn http_client_tls_config(
+    ca: &Path,
+    client: Option<(&Path, &Path)>,
+) -> Result<Arc<rustls::ClientConfig>, TransportError> {
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
+        .with_root_certificates(roots(ca)?);
+    let mut tls = match client {
+        Some((cert, key_file)) => builder.with_client_auth_cert(certs(cert, "certificate")?, key(key_file)?)?,
+        None => builder.with_no_client_auth(),
+    };
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(tls))
+}
+
 /// The node name of a connected peer: the first DNS SAN of its (verified) client
 /// certificate.
 ///

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use proto_flat::Frame;
 use proto_flat::batch::BatchView;
 use proto_flat::codes::{Class, LossCause, WireEnum};
-use proto_flat::sections::Section;
+use proto_flat::sections::{OWNER_CONTAINER, OWNER_POD, OWNER_SLURM_JOB, Section};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::clock::ClockEstimate;
@@ -112,6 +112,8 @@ pub struct IngestStats {
     pub settles_refused: u64,
     /// Resumes refused for the same reason (the shell closes the connection).
     pub implausible_resumes: u64,
+    /// Owner rows past [`MAX_OWNERS_PER_NODE`] in one heartbeat, not kept.
+    pub owners_turned_away: u64,
 }
 
 /// One node's ingest state.
@@ -141,6 +143,25 @@ pub struct NodeState {
     /// Not snapshotted (the next heartbeat, within a second, says it again).
     #[rkyv(with = rkyv::with::Skip)]
     pub shipper: Option<ShipperState>,
+    /// Who owns its rank processes (pod, container, Slurm job), per GPU, from its last
+    /// heartbeat that named any (at most [`MAX_OWNERS_PER_NODE`]). Not snapshotted, like
+    /// `shipper`.
+    #[rkyv(with = rkyv::with::Skip)]
+    pub owners: Vec<GpuOwner>,
+}
+
+/// The most `owners` a node keeps.
+pub const MAX_OWNERS_PER_NODE: usize = 4096;
+
+/// A rank process's owner, joined with the PROGRESS entries of the same heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GpuOwner {
+    pub gpu_uuid: [u8; 16],
+    pub rank: u32,
+    pub pid: u32,
+    pub pod_uid: Option<[u8; 16]>,
+    pub container_id: Option<[u8; 32]>,
+    pub slurm_job_id: Option<u64>,
 }
 
 /// A shipper's own state, from a heartbeat's `shipper_state` section.
@@ -649,6 +670,7 @@ impl Ingest {
                 open_streams: 0,
                 retired: RetiredStreams::default(),
                 shipper: None,
+                owners: Vec::new(),
             },
         );
         true
@@ -905,6 +927,9 @@ impl Ingest {
                         self.stats.clock_samples_stale.inc();
                     }
                     let clock = self.nodes.get(&node).map(|n| n.clock.clone()).unwrap_or_default();
+                    // The heartbeat's (pid, GPU, rank)s, for its `owner` section.
+                    let mut ranks: Vec<(u32, [u8; 16], u32)> = Vec::new();
+                    let mut owners: Option<Vec<GpuOwner>> = None;
                     for section in hb.sections() {
                         match section {
                             Section::Streams(entries) => {
@@ -948,6 +973,7 @@ impl Ingest {
                                 }
                             }
                             Section::Progress(entries) => {
+                                ranks.extend(entries.iter().map(|p| (p.pid.get(), p.gpu_uuid, p.rank.get())));
                                 for p in entries.iter() {
                                     self.out.push(Record::Progress(Progress {
                                         node,
@@ -987,8 +1013,36 @@ impl Ingest {
                                     });
                                 }
                             }
+                            Section::Owner(entries) => {
+                                let mut v = Vec::new();
+                                for e in entries.iter() {
+                                    let flags = e.flags.get();
+                                    let pid = e.pid.get();
+                                    for &(_, gpu_uuid, rank) in ranks.iter().filter(|r| r.0 == pid && pid != 0) {
+                                        if v.len() >= MAX_OWNERS_PER_NODE {
+                                            self.stats.owners_turned_away.inc();
+                                            break;
+                                        }
+                                        v.push(GpuOwner {
+                                            gpu_uuid,
+                                            rank,
+                                            pid,
+                                            pod_uid: (flags & OWNER_POD != 0).then_some(e.pod_uid),
+                                            container_id: (flags & OWNER_CONTAINER != 0).then_some(e.container_id),
+                                            slurm_job_id: (flags & OWNER_SLURM_JOB != 0).then(|| e.slurm_job_id.get()),
+                                        });
+                                    }
+                                }
+                                // A rank on several communicators has a PROGRESS entry on each.
+                                v.sort_unstable_by_key(|o| (o.gpu_uuid, o.rank, o.pid));
+                                v.dedup_by_key(|o| (o.gpu_uuid, o.rank, o.pid));
+                                owners = Some(v);
+                            }
                             _ => {}
                         }
+                    }
+                    if let Some(n) = self.nodes.get_mut(&node) {
+                        n.owners = owners.unwrap_or_default();
                     }
                 }
                 Frame::LossRecord(r) => {

@@ -671,3 +671,60 @@ fn implausible_shipper_state_is_refused_and_an_unknown_shed_tier_is_not() {
     let state = ringwatch_core::ingest::ShipperState { shed_tier: 9, ..Default::default() };
     assert_eq!(state.pressure_level(), "unknown");
 }
+
+/// A heartbeat's `owner` section is joined to the same heartbeat's PROGRESS entries:
+/// one row per (GPU, rank, process) however many communicators name it, owners of
+/// processes no entry names dropped, unknown fields left out; a heartbeat without the
+/// section clears them (the shipper knows no owner any more).
+#[test]
+fn owners_are_joined_to_the_progress_entries_of_their_heartbeat() {
+    use proto_flat::batch::BatchView;
+    use proto_flat::codes::Class;
+    use proto_flat::encode::SectionedFrameWriter;
+    use proto_flat::sections::{OWNER_POD, OWNER_SLURM_JOB, OwnerEntry, ProgressEntry};
+    use ringwatch_core::{Core, Receipt};
+    use zerocopy::FromZeros;
+    use zerocopy::little_endian::{U32, U64};
+
+    let progress = |comm: u64, rank: u32, pid: u32, gpu: u8| {
+        let mut p = ProgressEntry::new_zeroed();
+        p.comm_hash = U64::new(comm);
+        p.rank = U32::new(rank);
+        p.pid = U32::new(pid);
+        p.gpu_uuid = [gpu; 16];
+        p
+    };
+    let owner = |pid: u32, flags: u32, job: u64| OwnerEntry {
+        pid: U32::new(pid),
+        flags: U32::new(flags),
+        slurm_job_id: U64::new(job),
+        pod_uid: [0xab; 16],
+        container_id: [0; 32],
+    };
+    let entries = [progress(1, 0, 70, 0xa0), progress(2, 0, 70, 0xa0), progress(1, 1, 80, 0xb0)];
+    let hb = |seq: u64, owners: &[OwnerEntry]| {
+        let mut w = SectionedFrameWriter::heartbeat(common::SHIPPER_STREAM, seq, 1_000, 1_000);
+        w.section(&entries);
+        if !owners.is_empty() {
+            w.section(owners);
+        }
+        w.finish()
+    };
+    let node = 0;
+    let mut core = Core::new(Default::default(), Default::default(), 0);
+    let first = hb(0, &[owner(70, OWNER_POD, 99), owner(80, OWNER_SLURM_JOB, 4242), owner(90, OWNER_POD, 0)]);
+    let b = common::batch(node, 1, 1, 1, Class::P1.code(), &[first]);
+    assert_eq!(core.receive_batch(1, node_id(node), 0, &BatchView::parse(&b).unwrap()), Receipt::Applied);
+    let got: Vec<_> = core
+        .ingest()
+        .node(node_id(node))
+        .unwrap()
+        .owners
+        .iter()
+        .map(|o| (o.gpu_uuid[0], o.rank, o.pid, o.pod_uid.is_some(), o.slurm_job_id))
+        .collect();
+    assert_eq!(got, [(0xa0, 0, 70, true, None), (0xb0, 1, 80, false, Some(4242))]);
+    let b = common::batch(node, 1, 1, 2, Class::P1.code(), &[hb(1, &[])]);
+    assert_eq!(core.receive_batch(2, node_id(node), 0, &BatchView::parse(&b).unwrap()), Receipt::Applied);
+    assert!(core.ingest().node(node_id(node)).unwrap().owners.is_empty());
+}

@@ -4,8 +4,37 @@
 //! [`EventStream`], a follower of `GET /v1/events` (Server-Sent Events).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Where the API is: its address, and the TLS client side when it is served over HTTPS
+/// (`http_tls_cert`; [`ringwatch_transport::http_client_tls_config`]).
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    pub tls: Option<(Arc<rustls::ClientConfig>, rustls::pki_types::ServerName<'static>)>,
+}
+
+impl From<SocketAddr> for Endpoint {
+    fn from(addr: SocketAddr) -> Self {
+        Self { addr, tls: None }
+    }
+}
+
+/// A connection, plain or TLS.
+trait Conn: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Conn for T {}
+
+async fn connect(ep: &Endpoint) -> std::io::Result<Box<dyn Conn>> {
+    let tcp = tokio::net::TcpStream::connect(ep.addr).await?;
+    Ok(match &ep.tls {
+        None => Box::new(tcp),
+        Some((cfg, name)) => {
+            Box::new(tokio_rustls::TlsConnector::from(Arc::clone(cfg)).connect(name.clone(), tcp).await?)
+        }
+    })
+}
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,12 +72,25 @@ fn request(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> String {
 /// # Errors
 /// As [`get`].
 pub async fn get_with(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Result<(u16, String), ClientError> {
+    get_at(&addr.into(), path, headers).await
+}
+
+/// [`get_with`] at an [`Endpoint`] (plain or TLS).
+///
+/// # Errors
+/// As [`get`], and a TLS handshake the server refused.
+pub async fn get_at(ep: &Endpoint, path: &str, headers: &[(&str, &str)]) -> Result<(u16, String), ClientError> {
     let io = |source| ClientError::Io { path: path.to_owned(), source };
-    let mut s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
-    let req = request(addr, path, headers);
+    let mut s = connect(ep).await.map_err(io)?;
+    let req = request(ep.addr, path, headers);
     s.write_all(req.as_bytes()).await.map_err(io)?;
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.map_err(io)?;
+    // A TLS peer that closes without close_notify still gave its answer: keep what was read.
+    if let Err(e) = s.read_to_end(&mut raw).await
+        && (raw.is_empty() || ep.tls.is_none())
+    {
+        return Err(io(e));
+    }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let not_http = || ClientError::NotHttp { path: path.to_owned() };
     let (head, body) = text.split_once("\r\n\r\n").ok_or_else(not_http)?;
@@ -113,15 +155,25 @@ pub struct SseEvent {
 }
 
 /// A `GET /v1/events` stream being read.
-#[derive(Debug)]
 pub struct EventStream {
-    reader: tokio::io::BufReader<tokio::net::TcpStream>,
+    reader: tokio::io::BufReader<Box<dyn Conn>>,
     chunked: bool,
     decoded: Vec<u8>,
     ended: bool,
     path: String,
     /// Comment lines (`: heartbeat`) seen.
     pub comments: u64,
+}
+
+impl std::fmt::Debug for EventStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventStream")
+            .field("path", &self.path)
+            .field("chunked", &self.chunked)
+            .field("ended", &self.ended)
+            .field("comments", &self.comments)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EventStream {
@@ -131,12 +183,20 @@ impl EventStream {
     /// The server cannot be reached, answers something else than HTTP, or another
     /// status than 200 (with its body).
     pub async fn open(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Result<Self, ClientError> {
+        Self::open_at(&addr.into(), path, headers).await
+    }
+
+    /// [`Self::open`] at an [`Endpoint`] (plain or TLS).
+    ///
+    /// # Errors
+    /// As [`Self::open`].
+    pub async fn open_at(ep: &Endpoint, path: &str, headers: &[(&str, &str)]) -> Result<Self, ClientError> {
         use tokio::io::AsyncBufReadExt;
         let io = |source| ClientError::Io { path: path.to_owned(), source };
-        let mut s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
+        let mut s = connect(ep).await.map_err(io)?;
         let mut all = headers.to_vec();
         all.push(("Accept", "text/event-stream"));
-        s.write_all(request(addr, path, &all).as_bytes()).await.map_err(io)?;
+        s.write_all(request(ep.addr, path, &all).as_bytes()).await.map_err(io)?;
         let mut reader = tokio::io::BufReader::new(s);
         let mut head = String::new();
         loop {

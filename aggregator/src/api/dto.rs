@@ -177,6 +177,10 @@ pub struct IngestDto {
     /// (`ringwatch_core::plausible`). Each is also logged with the field.
     pub implausible_batches: u64,
     pub implausible_resumes: u64,
+    /// Owner rows (GPU, rank, pod / container / Slurm job) past the per-node cap in one
+    /// heartbeat, not kept.
+    #[serde(default)]
+    pub owners_turned_away: u64,
     /// The last snapshot: how long the core's lock was held to take it (µs), and when
     /// (aggregator ms).
     pub last_snapshot_hold_us: u64,
@@ -319,6 +323,23 @@ pub struct ShipperStateDto {
 pub struct GpuDto {
     pub gpu_uuid: String,
     pub health: String,
+    /// Who owns the rank processes on it, from the node's last heartbeat (empty: none
+    /// known — no process, or a cgroup that names no pod, container or Slurm job).
+    #[serde(default)]
+    pub owners: Vec<OwnerDto>,
+}
+
+/// Who owns a rank process: resolved by the node's shipper from the process's cgroup
+/// (`/proc/<pid>/cgroup`). Act on the pod or the job, not the rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct OwnerDto {
+    pub rank: u32,
+    pub pid: u32,
+    /// Kubernetes pod UID (8-4-4-4-12 hex).
+    pub pod_uid: Option<String>,
+    /// Container id (64 hex digits).
+    pub container_id: Option<String>,
+    pub slurm_job_id: Option<u64>,
 }
 
 /// A time range, aggregator (= cluster) ms.
@@ -443,6 +464,10 @@ pub struct VerdictDto {
     /// per-rank evidence (frame references) is no longer held.
     #[serde(default)]
     pub compacted: bool,
+    /// Who owns the rank's process now (its GPU and rank in the node's last heartbeat;
+    /// absent when unknown). On list and resource responses; not on events.
+    #[serde(default)]
+    pub owner: Option<OwnerDto>,
 }
 
 /// Which op.
@@ -570,6 +595,7 @@ impl VerdictDto {
             final_at_ms: None,
             recovered_at_ms: None,
             compacted: false,
+            owner: None,
         }
     }
 }
@@ -696,6 +722,8 @@ pub struct GpuDetailDto {
     pub gpu_uuid: String,
     pub node: String,
     pub health: String,
+    /// Who owns the rank processes on it (as in [`GpuDto::owners`]).
+    pub owners: Vec<OwnerDto>,
     /// Its latest verdict and revision events still in the event log, newest first (at
     /// most 50).
     pub recent_verdicts: Vec<VerdictDto>,

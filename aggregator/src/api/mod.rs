@@ -376,6 +376,7 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         clock_samples_stale: stats.clock_samples_stale,
         implausible_batches: stats.implausible_batches,
         implausible_resumes: stats.implausible_resumes,
+        owners_turned_away: stats.owners_turned_away,
         last_snapshot_hold_us: c.last_snapshot_hold_us.load(Relaxed),
         last_snapshot_at_ms: c.last_snapshot_at_ms.load(Relaxed),
         batches_durable: c.batches_durable.load(Relaxed),
@@ -509,6 +510,9 @@ pub(crate) fn node_dto(
             .map(|((_, uuid), h)| GpuDto {
                 gpu_uuid: uuid.iter().map(|b| format!("{b:02x}")).collect(),
                 health: health_name(*h).into(),
+                owners: state
+                    .map(|n| n.owners.iter().filter(|o| o.gpu_uuid == *uuid).map(resources::owner_dto).collect())
+                    .unwrap_or_default(),
             })
             .collect(),
         awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
@@ -594,9 +598,10 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         },
         None => None,
     };
-    // Freshness first (the core's lock, briefly): the page reflects at least this.
-    let fresh = match s.core() {
-        Ok(core) => as_of(&s, &core, s.now()),
+    // Freshness first (the core's lock, briefly): the page reflects at least this; the
+    // owners of the ranks as of now.
+    let (fresh, owners) = match s.core() {
+        Ok(core) => (as_of(&s, &core, s.now()), resources::owner_index(&core, s.nodes.iter().map(|e| *e.key()))),
         Err(e) => return unavailable(e),
     };
     // One bounded page under the store's lock (owned), the DTOs after it is released.
@@ -617,7 +622,7 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         });
         (page, total, store.len())
     };
-    let verdicts = page
+    let mut verdicts: Vec<VerdictDto> = page
         .items
         .iter()
         .map(|i| {
@@ -628,6 +633,7 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
             dto
         })
         .collect();
+    resources::fill_owners(&mut verdicts, &owners);
     Json(VerdictsDto {
         api_version: API_VERSION.into(),
         as_of: fresh,

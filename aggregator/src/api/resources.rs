@@ -27,7 +27,7 @@ use ringwatch_core::{Cursor, NodeId, PageItem};
 
 use super::dto::{
     API_VERSION, CollectiveDto, CollectiveSummaryDto, CollectivesDto, ErrorDto, GpuDetailDto, LossClassDto, LossDto,
-    LossStreamDto, NodeDetailDto, OpDto, SummaryDto, VerdictDto, health_name,
+    LossStreamDto, NodeDetailDto, OpDto, OwnerDto, SummaryDto, VerdictDto, health_name,
 };
 use super::{as_of, node_dto, registry, unavailable};
 use crate::state::Shared;
@@ -97,6 +97,46 @@ fn verdict_dto(i: &PageItem, names: &BTreeMap<u64, String>) -> VerdictDto {
     dto
 }
 
+/// A rank process's owner as the API shows it.
+pub(crate) fn owner_dto(o: &ringwatch_core::ingest::GpuOwner) -> OwnerDto {
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    OwnerDto {
+        rank: o.rank,
+        pid: o.pid,
+        pod_uid: o.pod_uid.map(|u| {
+            let h = hex(&u);
+            format!("{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..])
+        }),
+        container_id: o.container_id.map(|c| hex(&c)),
+        slurm_job_id: o.slurm_job_id,
+    }
+}
+
+/// Owners by (GPU uuid in hex, rank) of `nodes`, from their last heartbeats (under the
+/// core's lock; bounded by the nodes' owner caps).
+pub(crate) fn owner_index(
+    core: &ringwatch_core::Core,
+    nodes: impl Iterator<Item = NodeId>,
+) -> std::collections::HashMap<(String, u32), OwnerDto> {
+    let mut idx = std::collections::HashMap::new();
+    for id in nodes {
+        for o in core.node_state(id).map(|n| n.owners.as_slice()).unwrap_or_default() {
+            idx.insert((hex_uuid(&o.gpu_uuid), o.rank), owner_dto(o));
+        }
+    }
+    idx
+}
+
+/// Each verdict's owner from `idx` ([`owner_index`]).
+pub(crate) fn fill_owners(verdicts: &mut [VerdictDto], idx: &std::collections::HashMap<(String, u32), OwnerDto>) {
+    if idx.is_empty() {
+        return;
+    }
+    for v in verdicts {
+        v.owner = idx.get(&(v.gpu_uuid.clone(), v.rank)).cloned();
+    }
+}
+
 /// The latest verdict events `keep` accepts, newest first, from the event log.
 fn recent_verdicts(
     s: &Shared,
@@ -155,7 +195,7 @@ pub async fn node(State(s): State<Arc<Shared>>, Path(name): Path<String>, uri: U
     }
     let now = s.now();
     let names = names(&s);
-    let (dto, fresh, loss) = {
+    let (dto, fresh, loss, owners) = {
         let core = match s.core() {
             Ok(c) => c,
             Err(e) => return unavailable(e),
@@ -166,10 +206,12 @@ pub async fn node(State(s): State<Arc<Shared>>, Path(name): Path<String>, uri: U
         let (health, gpu_health) = (core.node_health(now), core.gpu_health(now));
         let fresh = as_of(&s, &core, now);
         let loss = by_class(core.trackers(id));
-        (node_dto(&s, &core, now, &health, &gpu_health, id, n, live, conns), fresh, loss)
+        let owners = owner_index(&core, std::iter::once(id));
+        (node_dto(&s, &core, now, &health, &gpu_health, id, n, live, conns), fresh, loss, owners)
     };
     let id = NodeId(u64::from_str_radix(&dto.node_id, 16).unwrap_or(0));
-    let recent = recent_verdicts(&s, &names, |v| v.node == Some(id));
+    let mut recent = recent_verdicts(&s, &names, |v| v.node == Some(id));
+    fill_owners(&mut recent, &owners);
     Json(NodeDetailDto { api_version: API_VERSION.into(), as_of: fresh, node: dto, loss, recent_verdicts: recent })
         .into_response()
 }
@@ -189,23 +231,28 @@ pub async fn gpu(State(s): State<Arc<Shared>>, Path(uuid): Path<String>, uri: Ur
     }
     let now = s.now();
     let names = names(&s);
-    let (found, fresh) = {
+    let (found, fresh, owners) = {
         let core = match s.core() {
             Ok(c) => c,
             Err(e) => return unavailable(e),
         };
         let found = core.gpu_health(now).into_iter().find(|((_, u), _)| hex_uuid(u) == want);
-        (found, as_of(&s, &core, now))
+        let owners = found.as_ref().map(|((n, _), _)| owner_index(&core, std::iter::once(*n))).unwrap_or_default();
+        (found, as_of(&s, &core, now), owners)
     };
     let Some(((node, raw), health)) = found else { return not_found(format!("no GPU {want}")) };
     let node_name = names.get(&node.0).cloned().unwrap_or_else(|| format!("{:016x}", node.0));
-    let recent = recent_verdicts(&s, &names, |v| v.gpu_uuid == raw);
+    let mut recent = recent_verdicts(&s, &names, |v| v.gpu_uuid == raw);
+    fill_owners(&mut recent, &owners);
+    let mut gpu_owners: Vec<OwnerDto> = owners.into_iter().filter(|((g, _), _)| *g == want).map(|(_, o)| o).collect();
+    gpu_owners.sort_by_key(|o| (o.rank, o.pid));
     Json(GpuDetailDto {
         api_version: API_VERSION.into(),
         as_of: fresh,
         gpu_uuid: want,
         node: node_name,
         health: health_name(health).into(),
+        owners: gpu_owners,
         recent_verdicts: recent,
     })
     .into_response()
@@ -349,21 +396,23 @@ pub async fn collective(State(s): State<Arc<Shared>>, Path(id): Path<String>, ur
         Ok(op) => op,
         Err(e) => return bad(e),
     };
-    let fresh = match s.core() {
-        Ok(core) => as_of(&s, &core, s.now()),
+    let (fresh, owners) = match s.core() {
+        Ok(core) => (as_of(&s, &core, s.now()), owner_index(&core, s.nodes.iter().map(|e| *e.key()))),
         Err(e) => return unavailable(e),
     };
     let Some(items) = s.store().op(op) else {
         return not_found(format!("collective {id} is not held (never seen, or past the verdict retention)"));
     };
     let names = names(&s);
+    let mut verdicts: Vec<VerdictDto> = items.iter().map(|i| verdict_dto(i, &names)).collect();
+    fill_owners(&mut verdicts, &owners);
     Json(CollectiveDto {
         api_version: API_VERSION.into(),
         as_of: fresh,
         id: op_id(&op),
         op: OpDto::of(&op),
         state: state_of(&items).into(),
-        verdicts: items.iter().map(|i| verdict_dto(i, &names)).collect(),
+        verdicts,
     })
     .into_response()
 }

@@ -12,6 +12,7 @@ pub mod backoff;
 pub mod batcher;
 pub mod budget;
 pub mod loss;
+pub mod owner;
 pub mod sampling;
 pub mod shipper;
 pub mod spool;

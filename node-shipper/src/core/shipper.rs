@@ -156,6 +156,9 @@ pub struct SourceCounters {
     pub streams: Vec<StreamEntry>,
     /// PROGRESS entries, one per (rank, communicator).
     pub progress: Vec<ProgressEntry>,
+    /// Who owns the processes PROGRESS names (pod, container, Slurm job), where known:
+    /// filled by the reader ([`super::owner::OwnerCache`]), not by sources.
+    pub owners: Vec<proto_flat::sections::OwnerEntry>,
 }
 
 /// What the core counted (exported as metrics; printed at shutdown).
@@ -1019,6 +1022,9 @@ impl ShipperCore {
         let seq = self.next_p1_seq();
         let mut w = SectionedFrameWriter::heartbeat(self.shipper_stream, seq, node_mono_ns, self.counters.mono_ns);
         w.section(&streams).section(&self.counters.progress).section(&[state]);
+        if !self.counters.owners.is_empty() {
+            w.section(&self.counters.owners);
+        }
         let frame = w.finish();
         self.push_into_lane(&frame, now);
         let cut = self.batcher.flush();
@@ -1187,6 +1193,34 @@ mod tests {
         c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 0);
         assert!(c.spool().is_empty());
         assert_eq!(c.stats().frames_acked, delivered.len() as u64 + c.stats().loss_records);
+    }
+
+    #[test]
+    fn heartbeats_carry_the_owners_the_reader_found_and_none_when_it_found_none() {
+        let owner = crate::core::owner::Owner { slurm_job_id: Some(4242), ..Default::default() };
+        let owners_in = |c: &mut ShipperCore| -> Vec<(u32, u64)> {
+            let sent = transmit(c);
+            let mut out = Vec::new();
+            for f in frames_of(&sent) {
+                if let Frame::Heartbeat(h) = f {
+                    for sec in h.sections() {
+                        if let Section::Owner(es) = sec {
+                            out.extend(es.iter().map(|e| (e.pid.get(), e.slurm_job_id.get())));
+                        }
+                    }
+                }
+            }
+            out
+        };
+        let mut c = core(1 << 20);
+        let counters = SourceCounters { epoch: 1, owners: vec![owner.entry(42)], ..SourceCounters::default() };
+        c.handle_counters(&counters, 0, MS);
+        c.handle_timeout(0, 2_000 * MS);
+        let seen = owners_in(&mut c);
+        assert!(!seen.is_empty() && seen.iter().all(|&o| o == (42, 4242)), "{seen:?}");
+        c.handle_counters(&SourceCounters { epoch: 1, ..SourceCounters::default() }, 0, 2_001 * MS);
+        c.handle_timeout(0, 4_000 * MS);
+        assert!(owners_in(&mut c).is_empty(), "no section when no owner is known");
     }
 
     #[test]
@@ -1404,7 +1438,7 @@ mod tests {
         e.stream_id = U32::new(StreamId::new(Class::P2, 1, 1).0);
         e.attempted_seq = U64::new(3);
         e.sampled_out = U64::new(7);
-        let counters = SourceCounters { epoch: 1, mono_ns: 900, streams: vec![e], progress: vec![] };
+        let counters = SourceCounters { epoch: 1, mono_ns: 900, streams: vec![e], ..SourceCounters::default() };
         c.handle_counters(&counters, 1_000, MS);
         let sent = transmit(&mut c);
         let hb: Vec<_> =
@@ -1458,7 +1492,7 @@ mod tests {
         let mut e = StreamEntry::new_zeroed();
         e.stream_id = U32::new(StreamId::new(Class::P2, 1, 1).0);
         e.attempted_seq = U64::new(2300);
-        let counters = SourceCounters { epoch: 1, mono_ns: 900, streams: vec![e], progress: vec![] };
+        let counters = SourceCounters { epoch: 1, mono_ns: 900, streams: vec![e], ..SourceCounters::default() };
         c.handle_counters(&counters, 1_000, MS);
         c.handle_epoch(&EpochStart { epoch: 2, mono_ns: 1_500, ..EpochStart::default() }, 2 * MS);
         c.heartbeat_now(2_000, 3 * MS);

@@ -384,46 +384,87 @@ struct Shared {
     /// Each pool's byte cap.
     pool_cap_bytes: usize,
     /// The reader's owner lookups.
-    owners: OwnerCounters,
+    owners: Arc<OwnerCounters>,
     /// The background cgroups to throttle under pressure.
     throttle: Mutex<Throttling>,
 }
 
-/// The reader's owner lookups: the processes PROGRESS names, resolved once each from
-/// `/proc/<pid>/cgroup` (sources whose pids are this host's only).
+/// Owner lookups for the reader: the processes PROGRESS names, resolved from
+/// `/proc/<pid>/cgroup` (sources whose pids are this host's only) on a helper thread of
+/// their own — a procfs read can wait on the kernel's cgroup lock, and the ring reader
+/// must never wait. The reader hands over each counters read's processes (dropped when
+/// the helper is still busy: the next read hands them again) and takes the latest
+/// answer.
 struct Owned {
-    local: bool,
-    cache: OwnerCache,
-    last: Vec<OwnerEntry>,
+    to_helper: Option<std::sync::mpsc::SyncSender<Vec<(u32, u64)>>>,
+    latest: Arc<Mutex<Vec<OwnerEntry>>>,
 }
 
 impl Owned {
-    /// `c` with the owners of its processes.
-    fn counters(&mut self, c: &SourceCounters, shared: &Shared) -> Box<SourceCounters> {
-        let mut c = Box::new(c.clone());
-        if self.local {
-            let keys = c.progress.iter().map(|p| (p.pid.get(), p.cgroup_id.get()));
-            if let Some(v) = self.cache.refresh(keys, |pid| {
-                std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().map(|t| crate::core::owner::parse(&t))
-            }) {
-                self.last = v;
+    fn new(local: bool, counters: &Arc<OwnerCounters>) -> Self {
+        let latest = Arc::new(Mutex::new(Vec::new()));
+        if !local {
+            return Self { to_helper: None, latest };
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, u64)>>(1);
+        let (out, c) = (Arc::clone(&latest), Arc::clone(counters));
+        let spawned = std::thread::Builder::new().name("rw-owners".into()).spawn(move || {
+            // Marks the helper stopped however it ends (a panic included).
+            struct Stopped(Arc<OwnerCounters>);
+            impl Drop for Stopped {
+                fn drop(&mut self) {
+                    self.0.stopped.store(true, Ordering::Relaxed);
+                }
             }
-            c.owners.clone_from(&self.last);
-            shared.owners.processes.store(self.last.len() as u64, Ordering::Relaxed);
-            shared.owners.lookups.store(self.cache.lookups, Ordering::Relaxed);
-            shared.owners.turned_away.store(self.cache.turned_away, Ordering::Relaxed);
+            let _stopped = Stopped(Arc::clone(&c));
+            let mut cache = OwnerCache::default();
+            for keys in rx {
+                if let Some(v) = cache.refresh(keys, |pid| {
+                    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().map(|t| crate::core::owner::parse(&t))
+                }) {
+                    c.processes.store(v.len() as u64, Ordering::Relaxed);
+                    *out.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = v;
+                }
+                c.lookups.store(cache.lookups, Ordering::Relaxed);
+                c.failed.store(cache.failed, Ordering::Relaxed);
+                c.deferred.store(cache.deferred, Ordering::Relaxed);
+                c.turned_away.store(cache.turned_away, Ordering::Relaxed);
+            }
+        });
+        match spawned {
+            Ok(_) => Self { to_helper: Some(tx), latest },
+            Err(e) => {
+                tracing::warn!(error = %e, "could not start the owner lookup thread: rank owners stay unknown");
+                counters.stopped.store(true, Ordering::Relaxed);
+                Self { to_helper: None, latest }
+            }
+        }
+    }
+
+    /// `c` with the owners of its processes, as far as they are known now.
+    fn counters(&self, c: &SourceCounters) -> Box<SourceCounters> {
+        let mut c = Box::new(c.clone());
+        if let Some(tx) = &self.to_helper {
+            let keys = c.progress.iter().map(|p| (p.pid.get(), p.cgroup_id.get())).collect();
+            // Full: the helper is still on the last read's processes.
+            let _ = tx.try_send(keys);
+            c.owners.clone_from(&self.latest.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         }
         c
     }
 }
 
 /// Owner lookups, as `/healthz` shows them: processes with a known owner now, lookups
-/// made, processes past the cap.
+/// made, failed (retried) and put off to the next read, processes past the cap, and
+/// whether the helper thread stopped.
 #[derive(Debug, Default)]
 struct OwnerCounters {
     processes: AtomicU64,
     lookups: AtomicU64,
+    failed: AtomicU64,
+    deferred: AtomicU64,
     turned_away: AtomicU64,
+    stopped: AtomicBool,
 }
 
 /// [`OwnerCounters`], as `/healthz` shows them.
@@ -431,7 +472,10 @@ struct OwnerCounters {
 pub struct OwnersDto {
     pub processes: u64,
     pub lookups: u64,
+    pub failed: u64,
+    pub deferred: u64,
     pub turned_away: u64,
+    pub stopped: bool,
 }
 
 impl OwnerCounters {
@@ -439,7 +483,10 @@ impl OwnerCounters {
         OwnersDto {
             processes: self.processes.load(Ordering::Relaxed),
             lookups: self.lookups.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            deferred: self.deferred.load(Ordering::Relaxed),
             turned_away: self.turned_away.load(Ordering::Relaxed),
+            stopped: self.stopped.load(Ordering::Relaxed),
         }
     }
 }
@@ -960,7 +1007,7 @@ pub async fn run_and_return_source(
         reader_spare_bytes: AtomicUsize::new(0),
         reader_spare_turned_away: AtomicU64::new(0),
         pool_cap_bytes: cfg.batcher.pool_bytes,
-        owners: OwnerCounters::default(),
+        owners: Arc::new(OwnerCounters::default()),
         throttle: Mutex::new(throttling),
     });
     tracing::info!(node = %cfg.node_name, session = format!("{session:016x}"), source = %source.describe(), aggregator = %cfg.aggregator, "shipper starting");
@@ -1272,7 +1319,7 @@ fn reader_loop(
     if source.set_sampling_level(sampling.level()) {
         q.send(ToCore::Sampling(sampling.level()));
     }
-    let mut owned = Owned { local: source.pids_are_local(), cache: OwnerCache::default(), last: Vec::new() };
+    let owned = Owned::new(source.pids_are_local(), &shared.owners);
     let mut malformed_sent = 0u64;
     let mut next_finished_counters = 0u64;
     let mut frames_in = 0u64;
@@ -1315,7 +1362,7 @@ fn reader_loop(
                         q.send(ToCore::Malformed(stager.frames_malformed - malformed_sent));
                         malformed_sent = stager.frames_malformed;
                     }
-                    q.send(ToCore::Counters(owned.counters(c, shared), mono));
+                    q.send(ToCore::Counters(owned.counters(c), mono));
                 }
                 SourceEvent::SessionStart(st) => q.send(ToCore::SessionStart(st.to_vec(), mono)),
             }
@@ -1347,7 +1394,7 @@ fn reader_loop(
             // so they hold as of now (and the watermarks move on).
             next_finished_counters = now.saturating_add(reader.heartbeat_interval_ns);
             stager.flush(&mut |b| q.staged(b, &mut spare));
-            let mut c = owned.counters(source.counters(), shared);
+            let mut c = owned.counters(source.counters());
             c.mono_ns = mono;
             q.send(ToCore::Counters(c, mono));
         }
@@ -1827,6 +1874,12 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         if let Some(why) = s.pressure_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
             reasons.push(format!("memory pressure watcher {why}"));
         }
+        let owners = s.owners.dto();
+        if owners.stopped {
+            reasons.push("the owner lookup thread stopped: rank owners are no longer updated".into());
+        }
+        // The core's lock on its own (the report takes it before the others).
+        let pools = s.pools_dto();
         let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
         let health = Health {
             status: if reasons.is_empty() { "ok" } else { "degraded" },
@@ -1851,8 +1904,8 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
             memory_budget: s.budget_dto(),
             throttle: s.throttling().dto(),
             p3: s.p3.dto(),
-            pools: s.pools_dto(),
-            owners: s.owners.dto(),
+            pools,
+            owners,
         };
         (code, axum::Json(health)).into_response()
     }

@@ -22,12 +22,12 @@
 //! - memory is bounded: `max_nodes`, `max_streams_per_node`, per-tracker gap caps; what a
 //!   cap turns away is counted in [`IngestStats`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use proto_flat::Frame;
 use proto_flat::batch::BatchView;
 use proto_flat::codes::{Class, LossCause, WireEnum};
-use proto_flat::sections::{OWNER_CONTAINER, OWNER_POD, OWNER_SLURM_JOB, Section};
+use proto_flat::sections::{OWNER_CONTAINER, OWNER_POD, OWNER_SLURM_JOB, OwnerEntry, ProgressEntry, Section};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::clock::ClockEstimate;
@@ -143,9 +143,9 @@ pub struct NodeState {
     /// Not snapshotted (the next heartbeat, within a second, says it again).
     #[rkyv(with = rkyv::with::Skip)]
     pub shipper: Option<ShipperState>,
-    /// Who owns its rank processes (pod, container, Slurm job), per GPU, from its last
-    /// heartbeat that named any (at most [`MAX_OWNERS_PER_NODE`]). Not snapshotted, like
-    /// `shipper`.
+    /// Who owns its rank processes (pod, container, Slurm job), per GPU and
+    /// communicator, from its last heartbeat (empty when that heartbeat named none; at
+    /// most [`MAX_OWNERS_PER_NODE`]). Not snapshotted, like `shipper`.
     #[rkyv(with = rkyv::with::Skip)]
     pub owners: Vec<GpuOwner>,
 }
@@ -153,10 +153,13 @@ pub struct NodeState {
 /// The most `owners` a node keeps.
 pub const MAX_OWNERS_PER_NODE: usize = 4096;
 
-/// A rank process's owner, joined with the PROGRESS entries of the same heartbeat.
+/// A rank process's owner, joined with the PROGRESS entries of the same heartbeat: one
+/// row per (GPU, communicator, rank, process).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GpuOwner {
     pub gpu_uuid: [u8; 16],
+    pub comm_hash: u64,
+    pub comm_disambiguator: u64,
     pub rank: u32,
     pub pid: u32,
     pub pod_uid: Option<[u8; 16]>,
@@ -902,6 +905,40 @@ impl Ingest {
         }
     }
 
+    /// A heartbeat's owner entries joined to its PROGRESS entries by pid: one row per
+    /// (GPU, communicator, rank, process), at most [`MAX_OWNERS_PER_NODE`] (the rest
+    /// counted `owners_turned_away`). Linear in both sections.
+    fn join_owners(&mut self, ranks: &[&ProgressEntry], owners: &[OwnerEntry]) -> Vec<GpuOwner> {
+        let mut by_pid: HashMap<u32, &OwnerEntry> = HashMap::with_capacity(owners.len());
+        for e in owners {
+            if e.pid.get() != 0 {
+                by_pid.entry(e.pid.get()).or_insert(e);
+            }
+        }
+        let mut v = Vec::new();
+        for p in ranks {
+            let Some(e) = by_pid.get(&p.pid.get()) else { continue };
+            if v.len() >= MAX_OWNERS_PER_NODE {
+                self.stats.owners_turned_away.inc();
+                break;
+            }
+            let flags = e.flags.get();
+            v.push(GpuOwner {
+                gpu_uuid: p.gpu_uuid,
+                comm_hash: p.comm_hash.get(),
+                comm_disambiguator: p.comm_disambiguator.get(),
+                rank: p.rank.get(),
+                pid: p.pid.get(),
+                pod_uid: (flags & OWNER_POD != 0).then_some(e.pod_uid),
+                container_id: (flags & OWNER_CONTAINER != 0).then_some(e.container_id),
+                slurm_job_id: (flags & OWNER_SLURM_JOB != 0).then(|| e.slurm_job_id.get()),
+            });
+        }
+        v.sort_unstable_by_key(|o| (o.gpu_uuid, o.comm_hash, o.comm_disambiguator, o.rank, o.pid));
+        v.dedup_by_key(|o| (o.gpu_uuid, o.comm_hash, o.comm_disambiguator, o.rank, o.pid));
+        v
+    }
+
     /// P1 lane: heartbeats, loss records, session and epoch frames.
     fn ingest_p1(
         &mut self,
@@ -928,8 +965,8 @@ impl Ingest {
                     }
                     let clock = self.nodes.get(&node).map(|n| n.clock.clone()).unwrap_or_default();
                     // The heartbeat's (pid, GPU, rank)s, for its `owner` section.
-                    let mut ranks: Vec<(u32, [u8; 16], u32)> = Vec::new();
-                    let mut owners: Option<Vec<GpuOwner>> = None;
+                    let mut ranks: Vec<&ProgressEntry> = Vec::new();
+                    let mut owners: Option<Vec<OwnerEntry>> = None;
                     for section in hb.sections() {
                         match section {
                             Section::Streams(entries) => {
@@ -973,7 +1010,7 @@ impl Ingest {
                                 }
                             }
                             Section::Progress(entries) => {
-                                ranks.extend(entries.iter().map(|p| (p.pid.get(), p.gpu_uuid, p.rank.get())));
+                                ranks.extend(entries.iter());
                                 for p in entries.iter() {
                                     self.out.push(Record::Progress(Progress {
                                         node,
@@ -1014,35 +1051,23 @@ impl Ingest {
                                 }
                             }
                             Section::Owner(entries) => {
-                                let mut v = Vec::new();
+                                // Joined once every section is read (any order); a
+                                // process's first entry counts.
+                                let v = owners.get_or_insert_with(Vec::new);
                                 for e in entries.iter() {
-                                    let flags = e.flags.get();
-                                    let pid = e.pid.get();
-                                    for &(_, gpu_uuid, rank) in ranks.iter().filter(|r| r.0 == pid && pid != 0) {
-                                        if v.len() >= MAX_OWNERS_PER_NODE {
-                                            self.stats.owners_turned_away.inc();
-                                            break;
-                                        }
-                                        v.push(GpuOwner {
-                                            gpu_uuid,
-                                            rank,
-                                            pid,
-                                            pod_uid: (flags & OWNER_POD != 0).then_some(e.pod_uid),
-                                            container_id: (flags & OWNER_CONTAINER != 0).then_some(e.container_id),
-                                            slurm_job_id: (flags & OWNER_SLURM_JOB != 0).then(|| e.slurm_job_id.get()),
-                                        });
+                                    if v.len() >= MAX_OWNERS_PER_NODE {
+                                        self.stats.owners_turned_away.inc();
+                                        break;
                                     }
+                                    v.push(*e);
                                 }
-                                // A rank on several communicators has a PROGRESS entry on each.
-                                v.sort_unstable_by_key(|o| (o.gpu_uuid, o.rank, o.pid));
-                                v.dedup_by_key(|o| (o.gpu_uuid, o.rank, o.pid));
-                                owners = Some(v);
                             }
                             _ => {}
                         }
                     }
+                    let joined = owners.map(|o| self.join_owners(&ranks, &o)).unwrap_or_default();
                     if let Some(n) = self.nodes.get_mut(&node) {
-                        n.owners = owners.unwrap_or_default();
+                        n.owners = joined;
                     }
                 }
                 Frame::LossRecord(r) => {

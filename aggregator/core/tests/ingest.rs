@@ -672,10 +672,10 @@ fn implausible_shipper_state_is_refused_and_an_unknown_shed_tier_is_not() {
     assert_eq!(state.pressure_level(), "unknown");
 }
 
-/// A heartbeat's `owner` section is joined to the same heartbeat's PROGRESS entries:
-/// one row per (GPU, rank, process) however many communicators name it, owners of
-/// processes no entry names dropped, unknown fields left out; a heartbeat without the
-/// section clears them (the shipper knows no owner any more).
+/// A heartbeat's `owner` section is joined to the same heartbeat's PROGRESS entries
+/// (whatever the sections' order): one row per (GPU, communicator, rank, process),
+/// owners of processes no entry names dropped, unknown fields left out; a heartbeat
+/// without the section clears them (the shipper knows no owner any more).
 #[test]
 fn owners_are_joined_to_the_progress_entries_of_their_heartbeat() {
     use proto_flat::batch::BatchView;
@@ -704,10 +704,10 @@ fn owners_are_joined_to_the_progress_entries_of_their_heartbeat() {
     let entries = [progress(1, 0, 70, 0xa0), progress(2, 0, 70, 0xa0), progress(1, 1, 80, 0xb0)];
     let hb = |seq: u64, owners: &[OwnerEntry]| {
         let mut w = SectionedFrameWriter::heartbeat(common::SHIPPER_STREAM, seq, 1_000, 1_000);
-        w.section(&entries);
         if !owners.is_empty() {
             w.section(owners);
         }
+        w.section(&entries);
         w.finish()
     };
     let node = 0;
@@ -721,9 +721,9 @@ fn owners_are_joined_to_the_progress_entries_of_their_heartbeat() {
         .unwrap()
         .owners
         .iter()
-        .map(|o| (o.gpu_uuid[0], o.rank, o.pid, o.pod_uid.is_some(), o.slurm_job_id))
+        .map(|o| (o.gpu_uuid[0], o.comm_hash, o.rank, o.pid, o.pod_uid.is_some(), o.slurm_job_id))
         .collect();
-    assert_eq!(got, [(0xa0, 0, 70, true, None), (0xb0, 1, 80, false, Some(4242))]);
+    assert_eq!(got, [(0xa0, 1, 0, 70, true, None), (0xa0, 2, 0, 70, true, None), (0xb0, 1, 1, 80, false, Some(4242))]);
     let b = common::batch(node, 1, 1, 2, Class::P1.code(), &[hb(1, &[])]);
     assert_eq!(core.receive_batch(2, node_id(node), 0, &BatchView::parse(&b).unwrap()), Receipt::Applied);
     assert!(core.ingest().node(node_id(node)).unwrap().owners.is_empty());

@@ -47,7 +47,14 @@ pub enum ClientError {
     Status { path: String, status: u16, body: String },
     #[error("GET {path}: {source}")]
     Json { path: String, source: serde_json::Error },
+    #[error("GET {path}: the response ended before its body did")]
+    Truncated { path: String },
+    #[error("GET {path}: the response is larger than {MAX_RESPONSE} bytes")]
+    TooLarge { path: String },
 }
+
+/// The largest response [`get`] reads (a server cannot make the client buffer more).
+pub const MAX_RESPONSE: u64 = 1 << 30;
 
 /// `GET path`; returns the status and the body.
 ///
@@ -85,31 +92,45 @@ pub async fn get_at(ep: &Endpoint, path: &str, headers: &[(&str, &str)]) -> Resu
     let req = request(ep.addr, path, headers);
     s.write_all(req.as_bytes()).await.map_err(io)?;
     let mut raw = Vec::new();
-    // A TLS peer that closes without close_notify still gave its answer: keep what was read.
-    if let Err(e) = s.read_to_end(&mut raw).await
-        && (raw.is_empty() || ep.tls.is_none())
-    {
-        return Err(io(e));
+    match (&mut s).take(MAX_RESPONSE + 1).read_to_end(&mut raw).await {
+        Ok(_) => {}
+        // A TLS peer that closes without close_notify: what was read stands if it is
+        // whole (checked below).
+        Err(e) if ep.tls.is_some() && e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => return Err(io(e)),
+    }
+    if raw.len() as u64 > MAX_RESPONSE {
+        return Err(ClientError::TooLarge { path: path.to_owned() });
     }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let not_http = || ClientError::NotHttp { path: path.to_owned() };
+    let truncated = || ClientError::Truncated { path: path.to_owned() };
     let (head, body) = text.split_once("\r\n\r\n").ok_or_else(not_http)?;
     let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(not_http)?;
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    Ok((status, if chunked { dechunk(body) } else { body.to_owned() }))
+    let lower = head.to_ascii_lowercase();
+    if lower.contains("transfer-encoding: chunked") {
+        return Ok((status, dechunk(body).ok_or_else(truncated)?));
+    }
+    let length =
+        lower.lines().find_map(|l| l.strip_prefix("content-length:").and_then(|n| n.trim().parse::<usize>().ok()));
+    if length.is_some_and(|n| body.len() < n) {
+        return Err(truncated());
+    }
+    Ok((status, body.to_owned()))
 }
 
-fn dechunk(mut body: &str) -> String {
+/// A chunked body decoded; `None` if it ends before its last (empty) chunk.
+fn dechunk(mut body: &str) -> Option<String> {
     let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+    loop {
+        let (size, rest) = body.split_once("\r\n")?;
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).ok()?;
         if n == 0 {
-            break;
+            return Some(out);
         }
-        out.push_str(rest.get(..n).unwrap_or(rest));
-        body = rest.get(n + 2..).unwrap_or("");
+        out.push_str(rest.get(..n)?);
+        body = rest.get(n..)?.strip_prefix("\r\n")?;
     }
-    out
 }
 
 /// `GET path`, a 200 answer parsed as JSON into `T`.
@@ -320,5 +341,16 @@ impl EventStream {
             }
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn chunked_bodies_decode_only_when_whole() {
+        assert_eq!(super::dechunk("5\r\nhello\r\n6;x=y\r\n world\r\n0\r\n\r\n").as_deref(), Some("hello world"));
+        for cut in ["5\r\nhello\r\n", "5\r\nhel", "5\r\nhello", "zz\r\nhello\r\n0\r\n\r\n", ""] {
+            assert_eq!(super::dechunk(cut), None, "{cut:?}");
+        }
     }
 }

@@ -323,8 +323,9 @@ pub struct ShipperStateDto {
 pub struct GpuDto {
     pub gpu_uuid: String,
     pub health: String,
-    /// Who owns the rank processes on it, from the node's last heartbeat (empty: none
-    /// known — no process, or a cgroup that names no pod, container or Slurm job).
+    /// Who owns the processes on it (one per process), from the node's last heartbeat
+    /// (empty: none known — no process, or a cgroup that names no pod, container or
+    /// Slurm job).
     #[serde(default)]
     pub owners: Vec<OwnerDto>,
 }
@@ -333,7 +334,6 @@ pub struct GpuDto {
 /// (`/proc/<pid>/cgroup`). Act on the pod or the job, not the rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct OwnerDto {
-    pub rank: u32,
     pub pid: u32,
     /// Kubernetes pod UID (8-4-4-4-12 hex).
     pub pod_uid: Option<String>,
@@ -464,8 +464,9 @@ pub struct VerdictDto {
     /// per-rank evidence (frame references) is no longer held.
     #[serde(default)]
     pub compacted: bool,
-    /// Who owns the rank's process now (its GPU and rank in the node's last heartbeat;
-    /// absent when unknown). On list and resource responses; not on events.
+    /// Who owns the rank's process: the process on its GPU, communicator and rank in the
+    /// node's last heartbeat (absent when unknown, or when that communicator is no longer
+    /// in it — an earlier job's verdict). On list and resource responses; not on events.
     #[serde(default)]
     pub owner: Option<OwnerDto>,
 }

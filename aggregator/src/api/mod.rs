@@ -510,9 +510,7 @@ pub(crate) fn node_dto(
             .map(|((_, uuid), h)| GpuDto {
                 gpu_uuid: uuid.iter().map(|b| format!("{b:02x}")).collect(),
                 health: health_name(*h).into(),
-                owners: state
-                    .map(|n| n.owners.iter().filter(|o| o.gpu_uuid == *uuid).map(resources::owner_dto).collect())
-                    .unwrap_or_default(),
+                owners: state.map(|n| resources::gpu_owners(&n.owners, uuid)).unwrap_or_default(),
             })
             .collect(),
         awaiting_first_batch: s.restored && state.is_some_and(|n| !n.heard_since_start),
@@ -598,10 +596,9 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         },
         None => None,
     };
-    // Freshness first (the core's lock, briefly): the page reflects at least this; the
-    // owners of the ranks as of now.
-    let (fresh, owners) = match s.core() {
-        Ok(core) => (as_of(&s, &core, s.now()), resources::owner_index(&core, s.nodes.iter().map(|e| *e.key()))),
+    // Freshness first (the core's lock, briefly): the page reflects at least this.
+    let fresh = match s.core() {
+        Ok(core) => as_of(&s, &core, s.now()),
         Err(e) => return unavailable(e),
     };
     // One bounded page under the store's lock (owned), the DTOs after it is released.
@@ -633,6 +630,11 @@ async fn verdicts(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
             dto
         })
         .collect();
+    // The owners of the page's ranks as of now (the core's lock again, for their nodes).
+    let owners = match s.core() {
+        Ok(core) => resources::owner_index(&core, resources::nodes_of(&verdicts, &names).into_iter()),
+        Err(e) => return unavailable(e),
+    };
     resources::fill_owners(&mut verdicts, &owners);
     Json(VerdictsDto {
         api_version: API_VERSION.into(),

@@ -101,7 +101,6 @@ fn verdict_dto(i: &PageItem, names: &BTreeMap<u64, String>) -> VerdictDto {
 pub(crate) fn owner_dto(o: &ringwatch_core::ingest::GpuOwner) -> OwnerDto {
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     OwnerDto {
-        rank: o.rank,
         pid: o.pid,
         pod_uid: o.pod_uid.map(|u| {
             let h = hex(&u);
@@ -112,28 +111,50 @@ pub(crate) fn owner_dto(o: &ringwatch_core::ingest::GpuOwner) -> OwnerDto {
     }
 }
 
-/// Owners by (GPU uuid in hex, rank) of `nodes`, from their last heartbeats (under the
-/// core's lock; bounded by the nodes' owner caps).
+/// The owners of one GPU's processes (one per process), from its node's rows.
+pub(crate) fn gpu_owners(rows: &[ringwatch_core::ingest::GpuOwner], gpu: &[u8; 16]) -> Vec<OwnerDto> {
+    let mut seen = std::collections::BTreeSet::new();
+    rows.iter().filter(|o| o.gpu_uuid == *gpu && seen.insert(o.pid)).map(owner_dto).collect()
+}
+
+/// A verdict's key into the owner rows: GPU, communicator (hash, disambiguator), rank.
+type OwnerKey = ([u8; 16], u64, u64, u32);
+
+/// Owners by [`OwnerKey`] of `nodes`' rows (under the core's lock; bounded by the
+/// nodes' owner caps).
 pub(crate) fn owner_index(
     core: &ringwatch_core::Core,
     nodes: impl Iterator<Item = NodeId>,
-) -> std::collections::HashMap<(String, u32), OwnerDto> {
+) -> std::collections::HashMap<OwnerKey, OwnerDto> {
     let mut idx = std::collections::HashMap::new();
     for id in nodes {
         for o in core.node_state(id).map(|n| n.owners.as_slice()).unwrap_or_default() {
-            idx.insert((hex_uuid(&o.gpu_uuid), o.rank), owner_dto(o));
+            idx.entry((o.gpu_uuid, o.comm_hash, o.comm_disambiguator, o.rank)).or_insert_with(|| owner_dto(o));
         }
     }
     idx
 }
 
+/// The nodes `verdicts` are on (for [`owner_index`]).
+pub(crate) fn nodes_of(verdicts: &[VerdictDto], names: &BTreeMap<u64, String>) -> Vec<NodeId> {
+    let wanted: std::collections::BTreeSet<&str> = verdicts.iter().filter_map(|v| v.node.as_deref()).collect();
+    names.iter().filter(|(_, n)| wanted.contains(n.as_str())).map(|(id, _)| NodeId(*id)).collect()
+}
+
 /// Each verdict's owner from `idx` ([`owner_index`]).
-pub(crate) fn fill_owners(verdicts: &mut [VerdictDto], idx: &std::collections::HashMap<(String, u32), OwnerDto>) {
+pub(crate) fn fill_owners(verdicts: &mut [VerdictDto], idx: &std::collections::HashMap<OwnerKey, OwnerDto>) {
     if idx.is_empty() {
         return;
     }
     for v in verdicts {
-        v.owner = idx.get(&(v.gpu_uuid.clone(), v.rank)).cloned();
+        let (Some(gpu), Ok(hash), Ok(dis)) = (
+            parse_uuid(&v.gpu_uuid),
+            u64::from_str_radix(&v.op.comm, 16),
+            u64::from_str_radix(&v.op.comm_disambiguator, 16),
+        ) else {
+            continue;
+        };
+        v.owner = idx.get(&(gpu, hash, dis, v.rank)).cloned();
     }
 }
 
@@ -231,28 +252,32 @@ pub async fn gpu(State(s): State<Arc<Shared>>, Path(uuid): Path<String>, uri: Ur
     }
     let now = s.now();
     let names = names(&s);
-    let (found, fresh, owners) = {
+    let (found, fresh, owners, gpu_rows) = {
         let core = match s.core() {
             Ok(c) => c,
             Err(e) => return unavailable(e),
         };
         let found = core.gpu_health(now).into_iter().find(|((_, u), _)| hex_uuid(u) == want);
-        let owners = found.as_ref().map(|((n, _), _)| owner_index(&core, std::iter::once(*n))).unwrap_or_default();
-        (found, as_of(&s, &core, now), owners)
+        let (owners, gpu_rows) = found
+            .as_ref()
+            .map(|((n, u), _)| {
+                let rows = core.node_state(*n).map(|st| gpu_owners(&st.owners, u)).unwrap_or_default();
+                (owner_index(&core, std::iter::once(*n)), rows)
+            })
+            .unwrap_or_default();
+        (found, as_of(&s, &core, now), owners, gpu_rows)
     };
     let Some(((node, raw), health)) = found else { return not_found(format!("no GPU {want}")) };
     let node_name = names.get(&node.0).cloned().unwrap_or_else(|| format!("{:016x}", node.0));
     let mut recent = recent_verdicts(&s, &names, |v| v.gpu_uuid == raw);
     fill_owners(&mut recent, &owners);
-    let mut gpu_owners: Vec<OwnerDto> = owners.into_iter().filter(|((g, _), _)| *g == want).map(|(_, o)| o).collect();
-    gpu_owners.sort_by_key(|o| (o.rank, o.pid));
     Json(GpuDetailDto {
         api_version: API_VERSION.into(),
         as_of: fresh,
         gpu_uuid: want,
         node: node_name,
         health: health_name(health).into(),
-        owners: gpu_owners,
+        owners: gpu_rows,
         recent_verdicts: recent,
     })
     .into_response()
@@ -396,8 +421,8 @@ pub async fn collective(State(s): State<Arc<Shared>>, Path(id): Path<String>, ur
         Ok(op) => op,
         Err(e) => return bad(e),
     };
-    let (fresh, owners) = match s.core() {
-        Ok(core) => (as_of(&s, &core, s.now()), owner_index(&core, s.nodes.iter().map(|e| *e.key()))),
+    let fresh = match s.core() {
+        Ok(core) => as_of(&s, &core, s.now()),
         Err(e) => return unavailable(e),
     };
     let Some(items) = s.store().op(op) else {
@@ -405,6 +430,10 @@ pub async fn collective(State(s): State<Arc<Shared>>, Path(id): Path<String>, ur
     };
     let names = names(&s);
     let mut verdicts: Vec<VerdictDto> = items.iter().map(|i| verdict_dto(i, &names)).collect();
+    let owners = match s.core() {
+        Ok(core) => owner_index(&core, nodes_of(&verdicts, &names).into_iter()),
+        Err(e) => return unavailable(e),
+    };
     fill_owners(&mut verdicts, &owners);
     Json(CollectiveDto {
         api_version: API_VERSION.into(),

@@ -132,8 +132,10 @@ impl Batcher {
     /// A batcher for one shipper session; `batch_seq` starts at 1.
     #[must_use]
     pub fn new(config: BatcherConfig, meta: SessionMeta) -> Self {
+        // Prefilled to half its byte cap: the other half takes buffers back from the
+        // spool (bulk ones are four times this size) without turning them away.
         let each = config.max_batch_bytes + 4096;
-        let count = config.pool_size.min(config.pool_bytes / each.max(1));
+        let count = config.pool_size.min(config.pool_bytes / 2 / each.max(1));
         let pool: Vec<Vec<u8>> = (0..count).map(|_| Vec::with_capacity(each)).collect();
         let pooled_bytes = pool.iter().map(Vec::capacity).sum();
         Self {
@@ -602,10 +604,10 @@ mod tests {
     fn pools_hold_at_most_their_byte_cap_and_count_what_they_turn_away() {
         let cfg = BatcherConfig { pool_size: 100, pool_bytes: 1 << 20, ..BatcherConfig::default() };
         let mut b = Batcher::new(cfg, SessionMeta::default());
-        // Pre-filled up to the cap: 1 MiB / (64 KiB + 4 KiB) = 15 buffers.
-        assert_eq!(b.pooled_bytes(), 15 * (68 << 10));
-        // Bulk-sized buffers back from the spool: two more fit under 1 MiB, none after.
-        for _ in 0..15 {
+        // Pre-filled to half the cap: 512 KiB / (64 KiB + 4 KiB) = 7 buffers.
+        assert_eq!(b.pooled_bytes(), 7 * (68 << 10));
+        // Bulk-sized buffers back from the spool: three fit under 1 MiB, none after.
+        for _ in 0..7 {
             b.take_pooled();
         }
         assert_eq!(b.pooled_bytes(), 0);

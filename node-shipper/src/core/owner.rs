@@ -15,7 +15,9 @@
 //!   `/system.slice/slurmstepd.scope/job_<id>/step_<s>/…` (v2).
 //!
 //! Every line of the file is read (on a hybrid hierarchy v1 controllers and the v2
-//! unified path may differ); the first match of each field wins.
+//! unified path may differ). Each pattern is anchored where kubelet or Slurm puts it and
+//! the outermost match wins ([`parse_path`]): a process cannot name another owner by
+//! creating cgroups below its own.
 
 use std::collections::HashMap;
 
@@ -115,8 +117,12 @@ fn pod_of(component: &str) -> Option<[u8; 16]> {
 }
 
 /// The container id a path component names: 64 hex digits, bare (cgroupfs) or as
-/// `<runtime>-<id>.scope` (systemd).
+/// `<runtime>-<id>.scope` (systemd). Not `crio-conmon-<id>`: the monitor, not the
+/// container.
 fn container_of(component: &str) -> Option<[u8; 32]> {
+    if component.contains("conmon") {
+        return None;
+    }
     let c = component.strip_suffix(".scope").unwrap_or(component);
     let id = c.rsplit_once('-').map_or(c, |(_, id)| id);
     let mut out = [0u8; 32];
@@ -124,9 +130,75 @@ fn container_of(component: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
-/// The Slurm job id of `job_<id>`, in a path that passed through Slurm's own cgroup.
+/// The Slurm job id of `job_<id>`.
 fn job_of(component: &str) -> Option<u64> {
     component.strip_prefix("job_")?.parse().ok().filter(|&j| j > 0)
+}
+
+/// Runtimes' systemd scope prefixes, for containers outside Kubernetes.
+const RUNTIME_SCOPES: [&str; 4] = ["docker-", "libpod-", "cri-containerd-", "crio-"];
+
+/// What one cgroup path names, into `o` (fields already known are kept). Each pattern is
+/// anchored where its manager puts it and the outermost match wins, so cgroups a
+/// process creates below its own (a delegated subtree) cannot claim another owner:
+/// - the pod: the first `pod<uid>` component below a `kubepods` one; its container: the
+///   component right below the pod;
+/// - the Slurm job: `job_<id>` right after `slurmstepd.scope` (v2) or after `uid_<n>`
+///   below a `slurm` component (v1); of a pod and a job, the outer one owns the process;
+/// - outside Kubernetes, a container: the first runtime scope (`docker-<id>.scope`, …)
+///   or a 64-hex component right below `docker`.
+fn parse_path(comps: &[&str], o: &mut Owner) {
+    // Each manager's outermost match: (position, …).
+    let mut kube = None;
+    if let Some(k) = comps.iter().position(|c| c.contains("kubepods")) {
+        kube = comps
+            .iter()
+            .enumerate()
+            .skip(k + 1)
+            .find_map(|(i, c)| pod_of(c).map(|uid| (i, uid, comps.get(i + 1).and_then(|c| container_of(c)))));
+    }
+    let slurm_at = comps.iter().position(|c| c.contains("slurm"));
+    let slurm = comps.windows(2).enumerate().find_map(|(i, w)| {
+        let v2 = w[0] == "slurmstepd.scope";
+        let v1 = w[0].starts_with("uid_") && slurm_at.is_some_and(|s| s < i);
+        if v1 || v2 { job_of(w[1]).map(|j| (i + 1, j)) } else { None }
+    });
+    // The outer manager owns the process; a match of the other below it is the
+    // process's own making.
+    match (kube, slurm) {
+        (Some((k, ..)), Some((j, _))) if j < k => kube = None,
+        (Some((k, ..)), Some((j, _))) if k < j => {
+            if o.pod_uid.is_none() {
+                o.pod_uid = kube.map(|(_, uid, _)| uid);
+                o.container_id = o.container_id.or(kube.and_then(|(.., c)| c));
+            }
+            return;
+        }
+        _ => {}
+    }
+    if o.pod_uid.is_none()
+        && let Some((_, uid, container)) = kube
+    {
+        o.pod_uid = Some(uid);
+        o.container_id = o.container_id.or(container);
+    }
+    if o.slurm_job_id.is_none()
+        && let Some((_, j)) = slurm
+    {
+        o.slurm_job_id = Some(j);
+    }
+    if kube.is_none() && o.pod_uid.is_none() && o.container_id.is_none() {
+        for (i, c) in comps.iter().enumerate() {
+            let scope = c.ends_with(".scope") && RUNTIME_SCOPES.iter().any(|p| c.starts_with(p));
+            let under_docker = i > 0 && comps[i - 1] == "docker";
+            if (scope || under_docker)
+                && let Some(id) = container_of(c)
+            {
+                o.container_id = Some(id);
+                break;
+            }
+        }
+    }
 }
 
 /// The owner a `/proc/<pid>/cgroup` text names (pure).
@@ -136,21 +208,8 @@ pub fn parse(cgroup_file: &str) -> Owner {
     for line in cgroup_file.lines() {
         // hierarchy-ID:controllers:path (the path may hold ':').
         let Some(path) = line.splitn(3, ':').nth(2) else { continue };
-        let mut in_kube = false;
-        let mut in_slurm = false;
-        for c in path.split('/').filter(|c| !c.is_empty()) {
-            in_kube |= c.starts_with("kubepods");
-            in_slurm |= c.contains("slurm");
-            if in_kube && o.pod_uid.is_none() {
-                o.pod_uid = pod_of(c);
-            }
-            if o.container_id.is_none() {
-                o.container_id = container_of(c);
-            }
-            if in_slurm && o.slurm_job_id.is_none() {
-                o.slurm_job_id = job_of(c);
-            }
-        }
+        let comps: Vec<&str> = path.split('/').filter(|c| !c.is_empty()).collect();
+        parse_path(&comps, &mut o);
     }
     o
 }
@@ -158,20 +217,27 @@ pub fn parse(cgroup_file: &str) -> Owner {
 /// The most processes one heartbeat's `owner` section names.
 pub const MAX_OWNERS: usize = 4096;
 
-/// The reader's answers per `(pid, cgroup_id)`: kept only for the processes the latest
-/// PROGRESS entries name, so it is bounded by them and by [`MAX_OWNERS`].
+/// At most this many lookups per refresh (the rest wait for the next one).
+pub const MAX_LOOKUPS_PER_REFRESH: usize = 64;
+
+/// The answers per `(pid, cgroup_id)`: kept only for the processes the latest PROGRESS
+/// entries name, so it is bounded by them and by [`MAX_OWNERS`]. A lookup that failed
+/// (the process was gone, or procfs unreadable) is not kept: it is tried again.
 #[derive(Debug, Default)]
 pub struct OwnerCache {
-    known: HashMap<(u32, u64), Option<Owner>>,
+    known: HashMap<(u32, u64), Owner>,
     /// Processes past [`MAX_OWNERS`] in one refresh: not resolved, not sent.
     pub turned_away: u64,
-    /// Lookups made (a process seen for the first time, or in a new cgroup).
+    /// Lookups made (a process seen for the first time, in a new cgroup, or again after
+    /// a failed read), failed, and put off past [`MAX_LOOKUPS_PER_REFRESH`].
     pub lookups: u64,
+    pub failed: u64,
+    pub deferred: u64,
 }
 
 impl OwnerCache {
     /// The entries for the processes `keys` names (`(pid, cgroup_id)`, repeats allowed),
-    /// resolving the new ones with `resolve`. Processes with nothing known are left out.
+    /// resolving new ones with `resolve`. Processes with nothing known are left out.
     /// Returns `None` when the answer equals the last one.
     pub fn refresh(
         &mut self,
@@ -179,23 +245,33 @@ impl OwnerCache {
         mut resolve: impl FnMut(u32) -> Option<Owner>,
     ) -> Option<Vec<OwnerEntry>> {
         let before: Vec<(u32, u64)> = self.known.keys().copied().collect();
-        let mut next: HashMap<(u32, u64), Option<Owner>> = HashMap::new();
+        let mut next: HashMap<(u32, u64), Owner> = HashMap::new();
+        let mut looked = 0usize;
+        let mut seen = std::collections::HashSet::new();
         for key in keys {
-            if key.0 == 0 || next.contains_key(&key) {
+            if key.0 == 0 || !seen.insert(key) {
                 continue;
             }
-            if next.len() >= MAX_OWNERS {
+            if seen.len() > MAX_OWNERS {
                 self.turned_away += 1;
                 continue;
             }
-            let answer = match self.known.remove(&key) {
-                Some(a) => a,
-                None => {
-                    self.lookups += 1;
-                    resolve(key.0)
+            if let Some(a) = self.known.remove(&key) {
+                next.insert(key, a);
+                continue;
+            }
+            if looked >= MAX_LOOKUPS_PER_REFRESH {
+                self.deferred += 1;
+                continue;
+            }
+            looked += 1;
+            self.lookups += 1;
+            match resolve(key.0) {
+                Some(a) => {
+                    next.insert(key, a);
                 }
-            };
-            next.insert(key, answer);
+                None => self.failed += 1,
+            }
         }
         // A key's answer never changes while it is kept: the same keys, the same entries.
         let same = next.len() == before.len() && before.iter().all(|k| next.contains_key(k));
@@ -204,7 +280,7 @@ impl OwnerCache {
             return None;
         }
         let mut out: Vec<OwnerEntry> =
-            self.known.iter().filter_map(|(&(pid, _), o)| o.filter(Owner::is_known).map(|o| o.entry(pid))).collect();
+            self.known.iter().filter(|(_, o)| o.is_known()).map(|(&(pid, _), o)| o.entry(pid)).collect();
         out.sort_by_key(|e| e.pid.get());
         out.dedup_by_key(|e| e.pid.get());
         Some(out)
@@ -252,11 +328,38 @@ mod tests {
     }
 
     #[test]
+    fn the_outermost_anchored_match_wins_so_cgroups_made_below_cannot_claim_another_owner() {
+        // A rank in a pod makes cgroups below its own, shaped like another pod and job.
+        let spoof = format!(
+            "0::/kubepods/burstable/pod1f2e3d4c-5b6a-7988-97a6-b5c4d3e2f100/{CTR}/x/kubepods/pod00000000-0000-0000-0000-000000000001/{}/slurm/uid_0/job_9\n",
+            "f".repeat(64)
+        );
+        assert_eq!(parse(&spoof), Owner { pod_uid: Some(UID), container_id: Some(ctr()), slurm_job_id: None });
+        // Below a Slurm step (a delegated subtree on v2): the job of the step.
+        let t = "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0/slurmstepd.scope/job_1\n";
+        assert_eq!(parse(t).slurm_job_id, Some(4242));
+        // kind / k3d: a Kubernetes node in a container; the pod's container, not the node's.
+        let kind = format!(
+            "0::/docker/{}/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod1f2e3d4c_5b6a_7988_97a6_b5c4d3e2f100.slice/cri-containerd-{CTR}.scope\n",
+            "e".repeat(64)
+        );
+        assert_eq!(parse(&kind), Owner { pod_uid: Some(UID), container_id: Some(ctr()), slurm_job_id: None });
+        // cri-o's monitor is not the container.
+        let conmon = format!(
+            "0::/kubepods.slice/kubepods-pod1f2e3d4c_5b6a_7988_97a6_b5c4d3e2f100.slice/crio-conmon-{CTR}.scope\n"
+        );
+        assert_eq!(parse(&conmon), Owner { pod_uid: Some(UID), container_id: None, slurm_job_id: None });
+    }
+
+    #[test]
     fn nothing_is_claimed_without_its_pattern() {
         for text in [
             "0::/user.slice/user-1000.slice/session-3.scope\n",
-            // `job_` outside Slurm's tree, `pod` outside kubepods, short or bad hex.
+            // `job_` outside Slurm's tree, `pod` outside kubepods, short or bad hex, a
+            // 64-hex component that is no runtime's scope.
             "0::/system.slice/job_12/pod1f2e3d4c-5b6a-7988-97a6-b5c4d3e2f100\n",
+            "0::/system.slice/uid_3/job_12\n",
+            "0::/user.slice/0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef\n",
             "0::/kubepods/podnot-a-uuid/0123\n",
             "0::/kubepods/pod1f2e3d4c-5b6a-7988-97a6-b5c4d3e2f10g/\n",
             "garbage without colons\n\n::\n",
@@ -277,27 +380,44 @@ mod tests {
     }
 
     #[test]
-    fn the_cache_resolves_each_process_once_and_again_in_a_new_cgroup() {
+    fn the_cache_resolves_each_process_once_and_again_in_a_new_cgroup_or_after_a_failure() {
         let mut c = OwnerCache::default();
         let job = |j| Some(Owner { slurm_job_id: Some(j), ..Owner::default() });
         let mut asked = Vec::new();
-        let first = c.refresh([(10, 1), (11, 1), (10, 1), (0, 1)], |p| {
+        let first = c.refresh([(10, 1), (11, 1), (10, 1), (0, 1), (13, 1)], |p| {
             asked.push(p);
-            job(u64::from(p))
+            if p == 13 { None } else { job(u64::from(p)) }
         });
         assert_eq!(first.map(|v| v.len()), Some(2));
-        assert_eq!(asked, [10, 11]);
-        // The same processes: nothing asked, nothing new to send.
-        assert!(c.refresh([(11, 1), (10, 1)], |_| panic!("cached")).is_none());
+        assert_eq!(asked, [10, 11, 13]);
+        assert_eq!(c.failed, 1);
+        // The same processes: only the failed one asked again; nothing new to send.
+        let mut again = Vec::new();
+        assert!(
+            c.refresh([(11, 1), (10, 1), (13, 1)], |p| {
+                again.push(p);
+                None
+            })
+            .is_none()
+        );
+        assert_eq!(again, [13]);
         // pid 10 in another cgroup (reused), pid 11 gone, pid 12 has no owner.
         let v = c.refresh([(10, 2), (12, 1)], |p| if p == 12 { Some(Owner::default()) } else { job(5) }).unwrap();
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].pid.get(), v[0].slurm_job_id.get()), (10, 5));
-        assert_eq!(c.lookups, 4);
-        // The cap.
+        assert_eq!(c.lookups, 6);
+        // The caps: lookups per refresh, then processes per heartbeat.
         let mut c = OwnerCache::default();
+        let v = c.refresh((1..=100).map(|p| (p, 1)), |_| job(1)).unwrap();
+        assert_eq!((v.len(), c.deferred), (MAX_LOOKUPS_PER_REFRESH, 100 - MAX_LOOKUPS_PER_REFRESH as u64));
         let many = (1..=u32::try_from(MAX_OWNERS).unwrap() + 3).map(|p| (p, 1));
-        let v = c.refresh(many, |_| job(1)).unwrap();
-        assert_eq!((v.len(), c.turned_away), (MAX_OWNERS, 3));
+        let mut rounds = 0;
+        let mut v = Vec::new();
+        while let Some(next) = c.refresh(many.clone(), |_| job(1)) {
+            v = next;
+            rounds += 1;
+        }
+        assert_eq!(v.len(), MAX_OWNERS);
+        assert!(rounds > 1 && c.turned_away >= 3, "{rounds} rounds, {} turned away", c.turned_away);
     }
 }

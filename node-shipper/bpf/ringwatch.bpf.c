@@ -10,7 +10,7 @@
  *      failure bumps drops[cause - 1] and leaves an exact hole
  *      (bulk: and sheds, counted the same way, until the ring is half empty again);
  *   4. fill the frame, submit with BPF_RB_NO_WAKEUP: the shipper drains on a timer
- *      (adaptive wakeups dominate producer cost on these VMs: shared/notes/kernel.md).
+ *      (adaptive wakeups dominated producer cost when measured on these VMs).
  * So per stream: attempted_seq = delivered + dropped-by-cause, and sampled_out counts
  * the rest of what was generated.
  *

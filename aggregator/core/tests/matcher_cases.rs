@@ -1056,6 +1056,104 @@ fn a_gpu_pause_past_the_deadline_is_stuck_then_recovered_and_unblocks_its_commun
     assert_eq!(c.m.stats().revisions_after_final, 0);
 }
 
+/// Regression (a sweep under a CPU hog, `gpu-pause`): batches are applied in any order.
+/// After a GPU's stall made op 1 final `stuck` (op 2 `blocked_by` it), ops 3–5 run; op 5's
+/// frames are applied first, so ops 3 and 4 are known only from the seq gap, and node 3's
+/// recovery (the end of ops 1 and 2) is in a batch still to come. Dated by the stall's
+/// decision (their own frames: none yet), ops 3 and 4 went final at once — `blocked_by`
+/// op 1 for node 3's rank, `completed_inferred` from PROGRESS for the others — and the
+/// frames that came a moment later changed nothing. They wait for the watermarks to pass
+/// the frame that made them known, by which time their frames are in: `completed`.
+#[test]
+fn ops_known_only_from_a_seq_gap_are_not_final_before_their_frames_could_arrive() {
+    let mut c = Case::with_config(MatcherConfig {
+        stuck_min_ns: 5 * S,
+        reorder_timeout_ns: 6 * S,
+        degraded_clear_ns: 40 * S,
+        ..MatcherConfig::default()
+    });
+    let k = comm(18);
+    let nodes = [1, 2, 3];
+    stall_in_op_1(&mut c, k);
+    c.tick(S / 10);
+    for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        c.frame(node, pid, k, 2, rank, 3, Phase::EnqueueStart, None, 2);
+        if rank < 2 {
+            c.frame(node, pid, k, 2, rank, 3, Phase::KernelStart, None, 2);
+        }
+    }
+    for _ in 0..30 {
+        c.progress(1, 10, k, 0, 2, 2, 1, ProcState::Running);
+        c.progress(2, 20, k, 1, 2, 2, 1, ProcState::Running);
+        c.progress(3, 30, k, 2, 2, 1, 0, ProcState::Running);
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    assert_eq!(c.outcome(k, 1, 2), (Outcome::Stuck, true));
+    let op1 = OpRef::Coll { comm: k, seq: 1 };
+    assert_eq!(c.outcome(k, 2, 2), (Outcome::BlockedBy(op1), true));
+
+    // Op 5's frames first, from nodes 1 and 2 (node 3's are behind its recovery); ranks
+    // 0 and 1 report op 5 done.
+    for (rank, node) in [(0, 1), (1, 2)] {
+        let pid = u32::try_from(node * 10).unwrap();
+        for phase in [Phase::EnqueueStart, Phase::KernelStart, Phase::KernelEnd] {
+            c.frame(node, pid, k, 5, rank, 3, phase, None, 5);
+        }
+    }
+    c.progress(1, 10, k, 0, 5, 5, 5, ProcState::Running);
+    c.progress(2, 20, k, 1, 5, 5, 5, ProcState::Running);
+    // Every watermark is honest: it stops below the batch still to come (here: now).
+    c.watermarks(&nodes);
+    for _ in 0..3 {
+        c.tick(S);
+    }
+    let op = |c: &Case, seq: u64, rank: u32| {
+        c.verdicts.get(&(OpRef::Coll { comm: k, seq }, rank)).map(|v| (v.outcome, v.is_final))
+    };
+    for seq in [3, 4] {
+        for rank in 0..3 {
+            assert!(
+                matches!(op(&c, seq, rank), Some((_, false))),
+                "op {seq} rank {rank}: decided, not final before its frames: {:?}",
+                op(&c, seq, rank)
+            );
+        }
+    }
+    // The batch that was still to come: node 3's recovery and ops 3 and 4 everywhere.
+    c.frame(3, 30, k, 1, 2, 3, Phase::KernelEnd, None, 1);
+    c.frame(3, 30, k, 2, 2, 3, Phase::KernelStart, None, 2);
+    c.frame(3, 30, k, 2, 2, 3, Phase::KernelEnd, None, 2);
+    for (rank, node) in [(0, 1), (1, 2)] {
+        c.frame(node, u32::try_from(node * 10).unwrap(), k, 2, rank, 3, Phase::KernelEnd, None, 2);
+    }
+    for seq in [3, 4, 5] {
+        for (rank, node) in [(0, 1), (1, 2), (2, 3)] {
+            if seq == 5 && rank < 2 {
+                continue;
+            }
+            let pid = u32::try_from(node * 10).unwrap();
+            for phase in [Phase::EnqueueStart, Phase::KernelStart, Phase::KernelEnd] {
+                c.frame(node, pid, k, seq, rank, 3, phase, None, seq);
+            }
+        }
+    }
+    for _ in 0..10 {
+        c.progress(1, 10, k, 0, 5, 5, 5, ProcState::Running);
+        c.progress(2, 20, k, 1, 5, 5, 5, ProcState::Running);
+        c.progress(3, 30, k, 2, 5, 5, 5, ProcState::Running);
+        c.watermarks(&nodes);
+        c.tick(S);
+    }
+    for seq in [3, 4, 5] {
+        for rank in 0..3 {
+            assert_eq!(op(&c, seq, rank), Some((Outcome::Completed, true)), "op {seq} rank {rank}");
+        }
+    }
+    assert_eq!(c.m.stats().revisions_after_final, 0);
+}
+
 /// Recovery memory is bounded: a GPU stuck in op 1 with thousands of ops blocked behind
 /// it fills the 4,096-op cap; the oldest blocked ops are forgotten (counted), the
 /// communicator's blocking root never, so its recovery still unblocks the communicator.

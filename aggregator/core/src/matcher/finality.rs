@@ -90,13 +90,18 @@ impl CollectiveMatcher {
             .max()
             .and_then(|t| u64::try_from(t).ok());
         let any_inferred = rs.iter().any(|r| r.completion == Completion::Inferred);
-        // The latest frame this op's decision can rest on.
+        // The latest frame this op's decision can rest on — at least the frame that made
+        // the op known: an op known only from a seq gap (a later op's frame came first:
+        // batches are applied in any order) has no frames of its own yet, and dated at
+        // 0 it went final at once, `blocked_by` or `completed_inferred`, before its own
+        // batch was applied (a sweep under a CPU hog: 100 wrong final verdicts).
         let latest_frame = op
             .observed()
             .map(|o| o.enqueued_cluster_ns.max(o.started_cluster_ns).max(o.first_cluster_ns))
             .max()
             .and_then(|t| u64::try_from(t).ok())
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(op.first_seen_ns);
         // Ranks that will never say more: completed, or undecidable for good. A rank
         // without PROGRESS only when the cluster's size is known and every node's data is
         // in past the decision: otherwise it looks the same as a rank of a node that has
@@ -149,6 +154,10 @@ impl CollectiveMatcher {
         } else {
             decided_now
         };
+        // An inferred completion is never dated before its evidence arrived (PROGRESS, a
+        // later op): whatever the branch above, a frame stamped before the inference was
+        // reached is in once the gating watermarks pass this date.
+        let decided_at = if any_inferred { decided_at.max(decided_now) } else { decided_at };
         // Finality waits for an unreachable node until it is presumed dead (its
         // deadlines did not: `horizon` above).
         let gating: Vec<NodeId> =

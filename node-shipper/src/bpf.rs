@@ -764,11 +764,19 @@ impl RingSource {
         entries
     }
 
-    /// Drains `ring` until it is empty or `limit` records were read; true when empty.
+    /// Drains `ring` until it is empty, `limit` records were read or one ring's worth of
+    /// bytes was; true when empty.
     fn drain(&mut self, ring: usize, limit: usize, out: &mut dyn FnMut(SourceEvent<'_>)) -> (usize, bool) {
         let mut n = 0;
+        // At most one ring's worth of bytes per pass: every record in the ring when the
+        // pass began is then read (records are consumed in order and the ring holds at
+        // most its size), while a producer faster than this thread cannot hold it here
+        // forever — a pass "to empty" against such a producer never ended, so the
+        // counters (heartbeats, sampling decisions) that wait for it never came.
+        let budget_bytes = u64::from(self.stats.ring_bytes.get(ring).copied().unwrap_or(0)).max(1);
+        let mut bytes = 0u64;
         let Some(rb) = self.rings.get_mut(ring) else { return (0, true) };
-        while n < limit {
+        while n < limit && bytes < budget_bytes {
             let Some(item) = rb.next() else {
                 // End of a pass: what it found is the fill at this drain.
                 let size = u64::from(self.stats.ring_bytes[ring].max(1));
@@ -780,7 +788,9 @@ impl RingSource {
                 return (n, true);
             };
             let len = item.len();
-            self.pass_bytes[ring] += (len as u64 + 8).next_multiple_of(8);
+            let record = (len as u64 + 8).next_multiple_of(8);
+            bytes += record;
+            self.pass_bytes[ring] += record;
             self.stats.records[ring] += 1;
             self.stats.bytes[ring] += len as u64;
             if len < size_of::<proto_flat::FrameHeader>() {
@@ -904,8 +914,9 @@ impl Source for RingSource {
             self.stats.drain_gap_max_us = self.drain_gaps.max();
         }
         self.last_drain = Some(now);
-        // Counters first, then drain to empty: every seq they count is then yielded (or
-        // was dropped in the kernel) before they are.
+        // Counters first, then drain what the rings held then (a ring's worth of bytes
+        // at most, see `drain`): every seq they count is then yielded (or was dropped in
+        // the kernel) before they are.
         let snapshot = if counters_due {
             match read_counters(&self.counter_map) {
                 Ok(c) => Some((c, mono_ns())),

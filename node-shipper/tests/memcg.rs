@@ -54,6 +54,9 @@ fn args(set: &certs::CertSet, to: SocketAddr, scenario: &Path, extra: &[(&str, &
         ("sim-bulk-scale-ppm", BULK_SCALE_PPM.into()),
         ("heartbeat-interval-ms", "250".into()),
         ("http-listen", "127.0.0.1:0".into()),
+        // The SIGTERM flush ends when the spool is empty; the deadline only bounds a
+        // flush that cannot finish, and a loaded machine must not turn it into loss.
+        ("shutdown-deadline-ms", "45000".into()),
     ] {
         v.push(format!("--{k}"));
         v.push(val);

@@ -133,7 +133,17 @@ async fn kernel_real_pressure_sheds_bulk_as_psi_shed_keeps_p0_and_the_aggregator
     );
     assert!(r.frames_lost_psi_shed > 0, "bulk was shed: {r:?}");
     assert!(r.p3.sheds >= 1 && r.p3.pooled_bytes_freed > 0, "P3 shed: {:?}", r.p3);
-    assert_eq!(shed(&after, "p2"), r.frames_lost_psi_shed, "the aggregator counts what the shipper shed");
+    // The shipper names every batch it sheds in a `psi_shed` loss record; one shed while
+    // in flight (sent, not yet acked: the spool evicts sent bulk when no unsent bulk is
+    // left) may still arrive and be applied, and the aggregator then counts its frames
+    // received, not lost. So the aggregator's count is at most the shipper's, and the
+    // streams stay exact (received + lost = delivered, checked below).
+    let counted = shed(&after, "p2");
+    assert!(
+        counted > 0 && counted <= r.frames_lost_psi_shed,
+        "the aggregator counts {counted} of {} shed",
+        r.frames_lost_psi_shed
+    );
     assert_eq!(shed(&after, "p0") + shed(&after, "p1"), 0, "P0 and P1 are never shed");
     let p = r.pressure.as_ref().expect("the watcher ran");
     assert!(p.fired[0] >= 1 && p.transitions >= 2, "{p:?}");

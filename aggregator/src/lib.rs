@@ -17,6 +17,7 @@ pub mod certs;
 pub mod config;
 pub mod events;
 pub mod ingest;
+pub mod metrics;
 pub mod query;
 pub mod snapshots;
 pub mod state;
@@ -418,6 +419,7 @@ pub fn snapshot_now(shared: &Shared, path: &std::path::Path) -> bool {
             shared.counters.snapshot_failures_in_a_row.store(0, Relaxed);
             shared.counters.last_snapshot_bytes.store(bytes as u64, Relaxed);
             shared.counters.last_snapshot_hold_us.store(hold_us, Relaxed);
+            shared.snapshot_seconds.observe(started.elapsed().as_secs_f64());
             shared.counters.last_snapshot_at_ms.store(now / 1_000_000, Relaxed);
             true
         }

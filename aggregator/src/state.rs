@@ -341,6 +341,8 @@ pub struct Shared {
     pub handshake_log: LogThrottle,
     /// The snapshot task's buffers, kept from one snapshot to the next.
     pub snapshot_buffers: std::sync::Mutex<crate::snapshots::Buffers>,
+    /// Time to capture and write each snapshot (served by `/metrics`).
+    pub snapshot_seconds: prometheus::Histogram,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
     failure: tokio::sync::watch::Sender<Option<String>>,
 }
@@ -377,6 +379,7 @@ impl Shared {
             http: Arc::default(),
             handshake_log: LogThrottle::default(),
             snapshot_buffers: std::sync::Mutex::new(crate::snapshots::Buffers::default()),
+            snapshot_seconds: crate::metrics::snapshot_histogram(),
             failure: tokio::sync::watch::Sender::new(None),
         }
     }

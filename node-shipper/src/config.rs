@@ -124,7 +124,7 @@ const FIELDS: &[Field] = &[
         "http_listen",
         Kind::OptText,
         Some(""),
-        "address (ip:port) of the shipper's HTTP listener for /healthz and /readyz (empty: none; give one under hostNetwork only deliberately)",
+        "address (ip:port) of the shipper's HTTP listener for /healthz, /readyz and /metrics (empty: none; give one under hostNetwork only deliberately)",
     ),
     (
         "psi_bulk_share_pct",
@@ -190,7 +190,7 @@ pub struct ShipperConfig {
     pub reader_cpus: Vec<usize>,
     /// Bulk sampling: the floor and how far spool pressure may raise it.
     pub sampling: crate::core::SamplingConfig,
-    /// The HTTP listener for `/healthz` and `/readyz` (none: not served).
+    /// The HTTP listener for `/healthz`, `/readyz` and `/metrics` (none: not served).
     pub http_listen: Option<SocketAddr>,
     /// The memory-pressure watcher (none: `psi = "off"`).
     pub psi: Option<ringwatch_transport::psi::PsiConfig>,

@@ -199,7 +199,7 @@ pub struct RunOptions {
     /// messages (the run must end `Ended::Failed`, not shed into a dead queue).
     #[doc(hidden)]
     pub test_panic_pump_after: Option<u64>,
-    /// A bound listener to serve `/healthz` and `/readyz` on while the shipper runs
+    /// A bound listener to serve `/healthz`, `/readyz` and `/metrics` on while the shipper runs
     /// (the binary binds `http_listen`), with its limits.
     pub http: Option<(Arc<std::net::TcpListener>, ringwatch_transport::http::HttpLimits)>,
 }
@@ -521,6 +521,36 @@ pub struct PoolsDto {
 }
 
 impl Shared {
+    /// What `/metrics` serves (takes the core's lock on its own, then the others').
+    fn metrics_reading(&self) -> crate::metrics::Reading {
+        let mut r = {
+            let core = self.core();
+            let spool = core.spool();
+            crate::metrics::Reading {
+                stats: *core.stats(),
+                counters: core.counters().clone(),
+                sampling_level: core.sampling_level(),
+                spool_lane_bytes: spool.lane_bytes(),
+                spool_cap_bytes: spool.cap_bytes(),
+                spool_evicted: spool.counters().evicted,
+                spool_shed_pressure: spool.counters().shed_pressure,
+                pools: [core.pool(), (0, 0)],
+                ..crate::metrics::Reading::default()
+            }
+        };
+        let reader = self.pools_dto_without_core();
+        r.pools[1] = (reader.reader_bytes, reader.reader_turned_away);
+        r.queue_bytes = self.queue_bytes.load(Ordering::Relaxed);
+        r.queue_cap_bytes = self.queue_cap;
+        r.connected = self.net.established.load(Ordering::Relaxed);
+        r.connect_attempts = self.net.attempts.load(Ordering::Relaxed);
+        r.connections = self.net.connections.load(Ordering::Relaxed);
+        r.connections_refused = self.net.refused.load(Ordering::Relaxed);
+        r.pressure_level = self.pressure_level.load(Ordering::Relaxed);
+        r.p3_sheds = self.p3.dto().sheds;
+        r
+    }
+
     /// Takes the core's lock.
     fn pools_dto(&self) -> PoolsDto {
         let (core_bytes, core_turned_away) = self.core().pool();
@@ -1107,7 +1137,7 @@ pub async fn run_and_return_source(
                 Some(tokio::spawn(ringwatch_transport::http::serve(l, router, *limits, Arc::default(), None)))
             }
             Err(e) => {
-                tracing::error!(error = %e, "HTTP listener unusable: /healthz and /readyz are not served");
+                tracing::error!(error = %e, "HTTP listener unusable: /healthz, /readyz and /metrics are not served");
                 None
             }
         }
@@ -1924,9 +1954,17 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
         (code, axum::Json(Ready { ready: reasons.is_empty(), reasons })).into_response()
     }
+    async fn metrics(State((s, _)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
+        if let Err(r) = http::params(&uri, &[]) {
+            return r.into_response();
+        }
+        let text = crate::metrics::render(&s.metrics_reading());
+        ([(axum::http::header::CONTENT_TYPE, ringwatch_transport::metrics::CONTENT_TYPE)], text).into_response()
+    }
     axum::Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
         .with_state((shared, aggregator))

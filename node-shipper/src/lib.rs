@@ -15,6 +15,7 @@ pub mod bpf;
 pub mod config;
 pub mod core;
 pub mod driver;
+pub mod metrics;
 pub mod source;
 pub mod throttle;
 

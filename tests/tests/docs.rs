@@ -78,3 +78,30 @@ fn readme_test_command_is_what_ci_runs() {
         assert!(ci.contains(step), ".ci/run must run {step}");
     }
 }
+
+/// `docs/metrics.md` as the metric tables make it: the prose around two generated
+/// tables. `RINGWATCH_WRITE_DOCS=1` rewrites the tables in place.
+#[test]
+fn metrics_doc_lists_every_metric_of_both_binaries() {
+    use ringwatch_transport::metrics::{markdown, problems};
+    let path = repo_root().join("docs/metrics.md");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut want = text.clone();
+    for (binary, specs) in [
+        ("both binaries", &ringwatch_transport::metrics::STANDARD[..]),
+        ("aggregator", aggregator::metrics::SPECS),
+        ("node-shipper", node_shipper::metrics::SPECS),
+    ] {
+        assert_eq!(problems(specs), Vec::<String>::new(), "{binary}");
+        let begin = format!("<!-- {binary} metrics: generated -->\n");
+        let end = format!("<!-- end {binary} metrics -->");
+        let from = want.find(&begin).unwrap_or_else(|| panic!("docs/metrics.md lacks {begin:?}")) + begin.len();
+        let to = want[from..].find(&end).unwrap_or_else(|| panic!("docs/metrics.md lacks {end:?}")) + from;
+        want.replace_range(from..to, &markdown(specs));
+    }
+    if std::env::var_os("RINGWATCH_WRITE_DOCS").is_some() {
+        std::fs::write(&path, &want).unwrap();
+        return;
+    }
+    assert!(text == want, "docs/metrics.md is out of date: rerun with RINGWATCH_WRITE_DOCS=1");
+}

@@ -22,6 +22,7 @@ pub mod check;
 pub mod config;
 pub mod http;
 pub mod memcg;
+pub mod metrics;
 pub mod pressure;
 pub mod psi;
 

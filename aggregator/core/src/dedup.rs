@@ -62,7 +62,8 @@ pub enum Admit {
     WindowFull,
 }
 
-/// Counters (exported as metrics by the aggregator).
+/// Counters (the aggregator serves `resumes`, `resume_settled` and `window_full` in
+/// `/v1/ingest` and `/metrics`).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DedupStats {
     pub new: u64,

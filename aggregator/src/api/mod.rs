@@ -95,6 +95,7 @@ pub fn routes() -> (Router<Arc<Shared>>, utoipa::openapi::OpenApi) {
         .routes(routes!(resources::loss))
         .routes(routes!(resources::summary))
         .routes(routes!(openapi_json))
+        .routes(routes!(metrics))
         .split_for_parts()
 }
 
@@ -110,6 +111,19 @@ pub fn openapi() -> &'static str {
 #[utoipa::path(get, path = "/openapi.json", tag = "operations", responses((status = 200, description = "this API's OpenAPI 3.1 document", content_type = "application/json", body = Object), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto)))]
 async fn openapi_json() -> Response {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], openapi()).into_response()
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "the aggregator's metrics in the Prometheus text format 0.0.4 (every name in docs/metrics.md)", content_type = "text/plain; version=0.0.4; charset=utf-8", body = String), (status = 400, description = "a bad query (the parameter named)", body = ErrorDto), (status = 401, description = "a bearer token is configured and the request has none, or the wrong one", body = ErrorDto)))]
+async fn metrics(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
+    if let Err(r) = http::params(&uri, &[]) {
+        return r.into_response();
+    }
+    // The scrape takes the core's and the store's locks in turn, like the API's handlers.
+    let text = match tokio::task::spawn_blocking(move || crate::metrics::scrape(&s)).await {
+        Ok(t) => t,
+        Err(e) => return http::error(StatusCode::INTERNAL_SERVER_ERROR, format!("metrics: {e}")),
+    };
+    ([(axum::http::header::CONTENT_TYPE, ringwatch_transport::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 /// The router.
@@ -294,15 +308,20 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
     }
+    match ingest_dto(&s) {
+        Ok(d) => Json(d).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// The body of `GET /v1/ingest` (also read by `/metrics`).
+pub(crate) fn ingest_dto(s: &Shared) -> Result<IngestDto, CoreFailed> {
     let c = &s.counters;
     let (stats, matcher, dedup, evictions, mut maps, fresh) = {
-        let core = match s.core() {
-            Ok(c) => c,
-            Err(e) => return unavailable(e),
-        };
+        let core = s.core()?;
         {
             let (ingest, matcher, dedup) = core.stats();
-            (ingest, matcher, dedup, core.evictions(), core.map_sizes(), as_of(&s, &core, s.now()))
+            (ingest, matcher, dedup, core.evictions(), core.map_sizes(), as_of(s, &core, s.now()))
         }
     };
     let (store, store_stats) = {
@@ -340,7 +359,7 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     ] {
         evictions.insert(k.to_owned(), v);
     }
-    Json(IngestDto {
+    Ok(IngestDto {
         api_version: API_VERSION.into(),
         as_of: fresh,
         aggregator_epoch: s.epoch,
@@ -406,7 +425,6 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
             token_rotations: s.api_token.as_ref().map_or(0, |t| t.rotations.load(Relaxed)),
         },
     })
-    .into_response()
 }
 
 /// [`dto::AsOfDto`] from the core (its lock held by the caller) at aggregator time `now`.
@@ -441,24 +459,27 @@ async fn nodes(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
     }
+    match nodes_dto(&s) {
+        Ok(d) => Json(d).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// The body of `GET /v1/nodes` (also read by `/metrics`).
+pub(crate) fn nodes_dto(s: &Shared) -> Result<NodesDto, CoreFailed> {
     let now = s.now();
-    let core = match s.core() {
-        Ok(c) => c,
-        Err(e) => return unavailable(e),
-    };
+    let core = s.core()?;
     let health = core.node_health(now);
     let gpu_health = core.gpu_health(now);
-    let fresh = as_of(&s, &core, now);
-    let registry = registry(&s, &core);
+    let fresh = as_of(s, &core, now);
+    let registry = registry(s, &core);
     let mut out: Vec<NodeDto> = registry
         .into_iter()
-        .map(|(id, name, live, connections)| {
-            node_dto(&s, &core, now, &health, &gpu_health, id, name, live, connections)
-        })
+        .map(|(id, name, live, connections)| node_dto(s, &core, now, &health, &gpu_health, id, name, live, connections))
         .collect();
     drop(core);
     out.sort_by(|a, b| a.name.cmp(&b.name));
-    Json(NodesDto { api_version: API_VERSION.into(), as_of: fresh, nodes: out }).into_response()
+    Ok(NodesDto { api_version: API_VERSION.into(), as_of: fresh, nodes: out })
 }
 
 /// The registry's node list: (id, name, live connections, connections), with the nodes
@@ -675,6 +696,7 @@ mod tests {
             "/v1/summary",
             "/v1/events",
             "/v1/ingest",
+            "/metrics",
         ]
         .into_iter()
         .collect();

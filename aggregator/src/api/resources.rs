@@ -518,16 +518,21 @@ pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if let Err(r) = http::params(&uri, &[]) {
         return r.into_response();
     }
+    match summary_dto(&s) {
+        Ok(d) => Json(d).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// The body of `GET /v1/summary` (also read by `/metrics`).
+pub(crate) fn summary_dto(s: &Shared) -> Result<SummaryDto, crate::state::CoreFailed> {
     let now = s.now();
     let (fresh, health, n_nodes, names) = {
-        let core = match s.core() {
-            Ok(c) => c,
-            Err(e) => return unavailable(e),
-        };
-        let reg = registry(&s, &core);
+        let core = s.core()?;
+        let reg = registry(s, &core);
         let health = core.node_health(now);
         let names: BTreeMap<NodeId, String> = reg.iter().map(|(id, n, _, _)| (*id, n.clone())).collect();
-        (as_of(&s, &core, now), health, reg.len() as u64, names)
+        (as_of(s, &core, now), health, reg.len() as u64, names)
     };
     let mut by_health: BTreeMap<String, u64> = BTreeMap::new();
     for id in names.keys() {
@@ -552,12 +557,12 @@ pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         n_nodes > 0 && (recent.len() as u64).saturating_mul(100) > n_nodes.saturating_mul(cfg.correlated_share_pct);
     let tally = s.store().tally(OP_SCAN_BUDGET);
     let mut reasons = Vec::new();
-    if let Some(p) = super::pressure_dto(&s)
+    if let Some(p) = super::pressure_dto(s)
         && p.level != "nominal"
     {
         reasons.push(format!("memory pressure: {}", p.level));
     }
-    let stalled = super::tasks(&s).into_iter().filter(|t| t.stalled).map(|t| t.name).collect::<Vec<_>>();
+    let stalled = super::tasks(s).into_iter().filter(|t| t.stalled).map(|t| t.name).collect::<Vec<_>>();
     if !stalled.is_empty() {
         reasons.push(format!("stalled: {}", stalled.join(", ")));
     }
@@ -568,7 +573,7 @@ pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if s.events.subscribers.load(Relaxed) >= s.events.config.max_subscribers {
         reasons.push(format!("event subscribers at the cap ({})", s.events.config.max_subscribers));
     }
-    Json(SummaryDto {
+    Ok(SummaryDto {
         api_version: API_VERSION.into(),
         as_of: fresh,
         verdicts_by_outcome: tally.by_outcome,
@@ -581,7 +586,6 @@ pub async fn summary(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         aggregator_saturated: !reasons.is_empty(),
         saturated_reasons: reasons,
     })
-    .into_response()
 }
 
 #[cfg(test)]

@@ -161,7 +161,7 @@ pub struct SourceCounters {
     pub owners: Vec<proto_flat::sections::OwnerEntry>,
 }
 
-/// What the core counted (exported as metrics; printed at shutdown).
+/// What the core counted (served by the shipper's `/metrics`; printed at shutdown).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ShipperStats {
     /// Ring records handed in.
@@ -756,6 +756,12 @@ impl ShipperCore {
     pub fn reconnected(&mut self) {
         self.connections += 1;
         self.spool.reconnected();
+    }
+
+    /// The kernel sampling level last set.
+    #[must_use]
+    pub fn sampling_level(&self) -> u8 {
+        self.sampling_level
     }
 
     /// The kernel bulk sampling level in force (reported in heartbeats).

@@ -148,6 +148,18 @@ impl Spool {
         self.used
     }
 
+    /// The cap in force.
+    #[must_use]
+    pub fn cap_bytes(&self) -> usize {
+        self.config.cap_bytes
+    }
+
+    /// Bytes held per lane (P0, P1, P2, P3).
+    #[must_use]
+    pub fn lane_bytes(&self) -> [usize; 4] {
+        self.lane_bytes
+    }
+
     /// Counters.
     #[must_use]
     pub fn counters(&self) -> &SpoolCounters {

@@ -493,6 +493,24 @@ pub(crate) fn registry(s: &Shared, core: &ringwatch_core::Core) -> Vec<(NodeId, 
     registry
 }
 
+/// A node's health name. A node the core has heard nothing from (its shipper connected,
+/// or connected and went away, before its first batch) is not `healthy`: it is
+/// `silent` while connected and `unreachable` after — under a CPU hog a node that died
+/// that early was reported `healthy` (a demo sweep, seed 5).
+pub(crate) fn health_of(
+    health: &BTreeMap<NodeId, ringwatch_core::Health>,
+    id: NodeId,
+    heard: bool,
+    connected: bool,
+) -> &'static str {
+    match health.get(&id) {
+        Some(h) => health_name(*h),
+        None if heard => health_name(ringwatch_core::Health::Healthy),
+        None if connected => health_name(ringwatch_core::Health::Silent),
+        None => health_name(ringwatch_core::Health::Unreachable),
+    }
+}
+
 /// One node's [`NodeDto`] (the caller holds the core's lock).
 #[allow(clippy::too_many_arguments, reason = "the pieces one /v1/nodes answer computes once for every node")]
 pub(crate) fn node_dto(
@@ -514,7 +532,7 @@ pub(crate) fn node_dto(
         connected: live > 0,
         live_connections: live,
         liveness: state.map_or("unreachable", |n| liveness_name(n.liveness)).into(),
-        health: health_name(health.get(&id).copied().unwrap_or(ringwatch_core::Health::Healthy)).into(),
+        health: health_of(health, id, state.is_some(), live > 0).into(),
         connections,
         watermark_p0_node_ns: state.map_or(0, |n| n.watermark_ns[0]),
         watermark_bulk_node_ns: state.map_or(0, |n| n.watermark_ns[2]),
@@ -674,6 +692,18 @@ pub const VERDICT_SCAN_BUDGET: usize = 100_000;
 
 #[cfg(test)]
 mod tests {
+    /// A node the core has not heard from is never `healthy`.
+    #[test]
+    fn a_node_never_heard_from_is_silent_or_unreachable_not_healthy() {
+        use ringwatch_core::{Health, NodeId};
+        let mut h = std::collections::BTreeMap::new();
+        h.insert(NodeId(1), Health::Degraded);
+        assert_eq!(super::health_of(&h, NodeId(1), true, true), "degraded");
+        assert_eq!(super::health_of(&h, NodeId(2), true, false), "healthy");
+        assert_eq!(super::health_of(&h, NodeId(2), false, true), "silent");
+        assert_eq!(super::health_of(&h, NodeId(2), false, false), "unreachable");
+    }
+
     /// Every route is documented and every documented path is a route: the router is
     /// built only from `routes()` (each route registered with its path document by
     /// utoipa-axum; test hooks apart), and the document holds exactly these paths.

@@ -531,12 +531,13 @@ pub(crate) fn summary_dto(s: &Shared) -> Result<SummaryDto, crate::state::CoreFa
         let core = s.core()?;
         let reg = registry(s, &core);
         let health = core.node_health(now);
-        let names: BTreeMap<NodeId, String> = reg.iter().map(|(id, n, _, _)| (*id, n.clone())).collect();
+        let names: BTreeMap<NodeId, (String, bool, bool)> =
+            reg.iter().map(|(id, n, live, _)| (*id, (n.clone(), core.node_state(*id).is_some(), *live > 0))).collect();
         (as_of(s, &core, now), health, reg.len() as u64, names)
     };
     let mut by_health: BTreeMap<String, u64> = BTreeMap::new();
-    for id in names.keys() {
-        let h = health_name(health.get(id).copied().unwrap_or(ringwatch_core::Health::Healthy));
+    for (id, (_, heard, connected)) in &names {
+        let h = super::health_of(&health, *id, *heard, *connected);
         *by_health.entry(h.to_owned()).or_default() += 1;
     }
     let cfg = s.summary;

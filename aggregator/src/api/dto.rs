@@ -264,7 +264,8 @@ pub struct NodeDto {
     pub liveness: String,
     /// Worst health over its GPUs: `healthy`, `healthy_lossy`, `suspect`, `degraded`,
     /// `silent`, `unreachable`; an otherwise healthy node whose P0 streams lost frames is
-    /// `healthy_lossy` (loss rate: `p0_frames_lost` / `p0_frames_attempted`).
+    /// `healthy_lossy` (loss rate: `p0_frames_lost` / `p0_frames_attempted`); a node
+    /// not heard from (no batch yet) is `silent` while connected, else `unreachable`.
     pub health: String,
     /// Connections ever accepted from it by this instance.
     pub connections: u64,

@@ -127,6 +127,12 @@ const FIELDS: &[Field] = &[
         Some(""),
         "a file holding the API's bearer token (re-read when it changes): requests without it get 401; /healthz and /readyz are exempt (empty: no token)",
     ),
+    (
+        "otlp_export",
+        Kind::Text,
+        Some("off"),
+        "on: every event of GET /v1/events also leaves as an OTLP log record (OTLP/HTTP protobuf, to OTEL_EXPORTER_OTLP_LOGS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; the standard OTEL_* variables configure it); off: nothing is exported",
+    ),
     ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
 ];
 
@@ -189,6 +195,20 @@ impl Schema for Aggregator {
         if v.opt_text("http_client_ca").is_some() && v.opt_text("http_tls_cert").is_none() {
             v.problem("http_client_ca", "client certificates need TLS: give http_tls_cert and http_tls_key");
         }
+        let otlp = match v.text("otlp_export") {
+            Some("off") => None,
+            Some("on") => match crate::otlp::OtlpConfig::from_env(|k| std::env::var(k).ok()) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    v.problem("otlp_export", e.to_string());
+                    None
+                }
+            },
+            other => {
+                v.problem("otlp_export", format!("{other:?} is neither on nor off"));
+                None
+            }
+        };
         if v.has_problems() {
             return None;
         }
@@ -201,6 +221,7 @@ impl Schema for Aggregator {
         c.snapshot_path = v.opt_text("snapshot").map(PathBuf::from);
         c.snapshot_interval_ms = int("snapshot_interval_ms");
         c.psi = psi;
+        c.otlp = otlp;
         c.ingest.dedup.window = u32::try_from(int("dedup_window")).unwrap_or(u32::MAX);
         c.matcher.expected_nodes = u32::try_from(int("expect_nodes")).unwrap_or(u32::MAX);
         c.store.retention_ns = s_to_ns("verdict_retention_s");
@@ -342,5 +363,13 @@ mod tests {
             assert!(got.contains(&(want.0.to_string(), want.1)), "missing {want:?} in {e}");
         }
         assert_eq!(got.len(), 8, "{e}");
+    }
+
+    #[test]
+    fn otlp_export_is_on_or_off() {
+        let mut i = Inputs::default();
+        i.file("ca = \"a\"\ncert = \"b\"\nkey = \"c\"\notlp_export = \"maybe\"\n");
+        let e = i.validate().unwrap_err();
+        assert!(e.0.iter().any(|p| p.field == "otlp_export" && p.to_string().contains("neither on nor off")), "{e}");
     }
 }

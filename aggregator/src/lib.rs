@@ -18,6 +18,7 @@ pub mod config;
 pub mod events;
 pub mod ingest;
 pub mod metrics;
+pub mod otlp;
 pub mod query;
 pub mod snapshots;
 pub mod state;
@@ -74,6 +75,8 @@ pub struct AggregatorConfig {
     /// the aggregator sheds its P3: the verdict store keeps a quarter of its retention
     /// and bytes, logs drop to WARN, freed heap goes back to the kernel.
     pub psi: Option<ringwatch_transport::psi::PsiConfig>,
+    /// OTLP export of the event stream (`otlp_export`; `None`: off).
+    pub otlp: Option<otlp::OtlpConfig>,
     /// The event stream (`GET /v1/events`): log size, heartbeat, subscriber cap.
     pub events: api::events::EventsConfig,
     /// The API's bearer token file (none: no token asked).
@@ -117,6 +120,7 @@ impl AggregatorConfig {
             // In-process aggregators (tests, loadgen) share their process's cgroup with
             // everything else in it: off unless asked for.
             psi: None,
+            otlp: None,
             events: api::events::EventsConfig::default(),
             api_token_file: None,
             summary: state::SummaryConfig::default(),
@@ -285,6 +289,14 @@ impl Aggregator {
                 Arc::clone(&shared),
                 |s| &s.tasks.pressure,
                 move || follow_pressure(Arc::clone(&sh), psi.clone()),
+            ));
+        }
+        if let Some(o) = cfg.otlp.clone() {
+            let sh = Arc::clone(&shared);
+            tasks.push(supervise::spawn_io_task(
+                Arc::clone(&shared),
+                |s| &s.tasks.otlp,
+                move || otlp::run(Arc::clone(&sh), o.clone()),
             ));
         }
         if let Some(path) = cfg.snapshot_path.clone() {

@@ -101,6 +101,30 @@ pub const SPECS: &[Spec] = &[
         labels: &[],
         help: "Time to capture and write a snapshot.",
     },
+    Spec::histogram(
+        "ringwatch_end_to_end_latency_seconds",
+        "seconds",
+        &["class"],
+        "A frame's kernel timestamp (cluster time) to its batch applied; one observation per batch and stream, its oldest frame.",
+    ),
+    Spec::counter(
+        "ringwatch_end_to_end_unsynced_total",
+        "1",
+        &[],
+        "Batch streams not observed for end-to-end latency: their node's clock was not estimated yet.",
+    ),
+    Spec::counter(
+        "ringwatch_otlp_records_total",
+        "1",
+        &["result"],
+        "Events of the event stream given to the OTLP exporter, by result: exported, dropped_evicted (the event log dropped them before export), dropped_rejected (the collector refused them).",
+    ),
+    Spec::counter(
+        "ringwatch_otlp_requests_total",
+        "1",
+        &["result"],
+        "OTLP export requests, by result (ok, failed: sent again unless rejected).",
+    ),
     Spec::gauge("ringwatch_aggregator_snapshot_size_bytes", "bytes", &[], "Size of the last snapshot written."),
     Spec::gauge(
         "ringwatch_aggregator_snapshot_lock_hold_seconds",
@@ -253,6 +277,30 @@ pub fn scrape(s: &Shared) -> String {
     f.render()
 }
 
+#[allow(clippy::cast_precision_loss, reason = "seconds for a dashboard")]
+fn end_to_end(f: &mut Families, e: &ringwatch_core::ingest::EndToEnd) {
+    use ringwatch_core::ingest::E2E_BOUNDS_NS;
+    for (class, name) in ["p0", "p1", "p2", "p3"].iter().enumerate() {
+        let mut n = 0;
+        let buckets: Vec<(f64, u64)> = E2E_BOUNDS_NS
+            .iter()
+            .zip(&e.counts[class])
+            .map(|(&le, &c)| {
+                n += c;
+                (le as f64 / 1e9, n)
+            })
+            .collect();
+        f.histogram(
+            "ringwatch_end_to_end_latency_seconds",
+            &[name],
+            &buckets,
+            e.sum_ns[class] as f64 / 1e9,
+            e.count(class),
+        );
+    }
+    f.count("ringwatch_end_to_end_unsynced_total", &[], e.unsynced);
+}
+
 fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
     let ingest = api::ingest_dto(s)?;
     let nodes = api::nodes_dto(s)?;
@@ -293,6 +341,20 @@ fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
         f.extend(s.snapshot_seconds.collect());
     }
     f.level("ringwatch_aggregator_snapshot_size_bytes", &[], ingest.last_snapshot_bytes);
+    let o = &s.otlp;
+    for (result, n) in
+        [("exported", &o.exported), ("dropped_evicted", &o.dropped_evicted), ("dropped_rejected", &o.dropped_rejected)]
+    {
+        f.count("ringwatch_otlp_records_total", &[result], n.load(std::sync::atomic::Ordering::Relaxed));
+    }
+    let (requests, failed) = (
+        o.requests.load(std::sync::atomic::Ordering::Relaxed),
+        o.request_failures.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    f.count("ringwatch_otlp_requests_total", &["ok"], requests.saturating_sub(failed));
+    f.count("ringwatch_otlp_requests_total", &["failed"], failed);
+    let e2e = s.core()?.ingest().end_to_end().clone();
+    end_to_end(f, &e2e);
     #[allow(clippy::cast_precision_loss, reason = "seconds for a dashboard")]
     f.gauge("ringwatch_aggregator_snapshot_lock_hold_seconds", &[], ingest.last_snapshot_hold_us as f64 / 1e6);
 

@@ -123,6 +123,8 @@ pub struct Tasks {
     pub pressure: TaskHealth,
     /// The event stream's node-state poll (health, liveness, P0 loss, loss rates).
     pub events: TaskHealth,
+    /// The OTLP exporter (alive only when `otlp_export` is on).
+    pub otlp: TaskHealth,
     /// Panics caught in a connection's or a batch stream's task (that connection is
     /// closed; its shipper reconnects and resends what was not acked).
     pub connection_panics: AtomicU64,
@@ -139,6 +141,7 @@ impl Default for Tasks {
             snapshots: TaskHealth::new("snapshots"),
             pressure: TaskHealth::new("pressure"),
             events: TaskHealth::new("events"),
+            otlp: TaskHealth::new("otlp"),
             connection_panics: AtomicU64::new(0),
             handler_panics: AtomicU64::new(0),
         }
@@ -148,8 +151,8 @@ impl Default for Tasks {
 impl Tasks {
     /// Every long-lived task.
     #[must_use]
-    pub fn all(&self) -> [&TaskHealth; 6] {
-        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure, &self.events]
+    pub fn all(&self) -> [&TaskHealth; 7] {
+        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure, &self.events, &self.otlp]
     }
 }
 
@@ -343,6 +346,8 @@ pub struct Shared {
     pub snapshot_buffers: std::sync::Mutex<crate::snapshots::Buffers>,
     /// Time to capture and write each snapshot (served by `/metrics`).
     pub snapshot_seconds: prometheus::Histogram,
+    /// What the OTLP exporter did (all zero while it is off).
+    pub otlp: crate::otlp::OtlpCounters,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
     failure: tokio::sync::watch::Sender<Option<String>>,
 }
@@ -380,6 +385,7 @@ impl Shared {
             handshake_log: LogThrottle::default(),
             snapshot_buffers: std::sync::Mutex::new(crate::snapshots::Buffers::default()),
             snapshot_seconds: crate::metrics::snapshot_histogram(),
+            otlp: crate::otlp::OtlpCounters::default(),
             failure: tokio::sync::watch::Sender::new(None),
         }
     }

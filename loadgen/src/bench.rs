@@ -106,7 +106,7 @@ fn shipper_core_ns() -> f64 {
             n += 1;
         }
         let mut last = 0;
-        while let Some((_, seq, _)) = core.poll_transmit() {
+        while let Some((_, seq, _)) = core.poll_transmit(r) {
             last = seq;
         }
         core.handle_ack(&[(1, last)], AckStatus::Applied, r);
@@ -855,7 +855,7 @@ mod kernel {
             if tick.is_multiple_of(1024) {
                 core.handle_timeout(tick, tick);
                 let mut seqs = Vec::new();
-                while let Some((_, s, _)) = core.poll_transmit() {
+                while let Some((_, s, _)) = core.poll_transmit(tick) {
                     seqs.push((s, s));
                 }
                 core.handle_ack(&seqs, proto_flat::codes::AckStatus::Applied, tick);

@@ -42,6 +42,7 @@ use proto_flat::{Class, StreamId};
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
+use crate::core::ringstats::{BurstTracker, RingMetrics};
 use crate::core::{EpochStart, SourceCounters};
 use crate::source::{Source, SourceEvent, SourceState};
 
@@ -172,6 +173,10 @@ pub struct RingStats {
     /// maximum so far. A ring must hold peak bytes/s × this gap (× 3 headroom).
     pub drain_gap_p999_us: u64,
     pub drain_gap_max_us: u64,
+    /// Kernel drop bursts the reader saw (runs of missing seqs, see
+    /// [`crate::core::ringstats`]) and the frames they held, per ring.
+    pub drop_bursts: [u64; 2],
+    pub drop_burst_frames: [u64; 2],
 }
 
 fn page_size() -> u32 {
@@ -592,6 +597,10 @@ pub struct RingSource {
     /// Gaps between drain passes (µs, 1 µs .. 60 s, 3 significant digits).
     drain_gaps: hdrhistogram::Histogram<u64>,
     last_drain: Option<Instant>,
+    /// Fill, drain-gap and drop-burst histograms (`/metrics`), and per ring the
+    /// streams' last seqs the bursts are found from.
+    metrics: RingMetrics,
+    bursts: [BurstTracker; 2],
     epoch: EpochStart,
     sessions: u64,
     reopened: bool,
@@ -715,6 +724,8 @@ impl RingSource {
             drain_gaps: hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 3)
                 .map_err(|e| kernel("the drain-gap histogram", &e))?,
             last_drain: None,
+            metrics: RingMetrics::new(ring_bytes),
+            bursts: Default::default(),
         })
     }
 
@@ -783,6 +794,7 @@ impl RingSource {
                 let ppm = u32::try_from((self.pass_bytes[ring] * 1_000_000 / size).min(1_000_000)).unwrap_or(0);
                 self.stats.fill_max_ppm[ring] = self.stats.fill_max_ppm[ring].max(ppm);
                 self.stats.fill_max_ppm_ever[ring] = self.stats.fill_max_ppm_ever[ring].max(ppm);
+                self.metrics.on_drained(ring, self.pass_bytes[ring]);
                 self.pass_bytes[ring] = 0;
                 self.stats.drains += u64::from(ring == 1);
                 return (n, true);
@@ -793,10 +805,22 @@ impl RingSource {
             self.pass_bytes[ring] += record;
             self.stats.records[ring] += 1;
             self.stats.bytes[ring] += len as u64;
-            if len < size_of::<proto_flat::FrameHeader>() {
-                self.stats.malformed += 1;
-            } else {
+            if let Some(r) = self.metrics.read_bytes.get_mut(ring) {
+                *r += record;
+            }
+            if let Ok((h, _)) = proto_flat::FrameHeader::ref_from_prefix(&item) {
+                let id = h.stream();
+                let key = usize::from(id.cpu()) * 4 + usize::from(id.class_code() & 3);
+                if let Some((frames, ns)) =
+                    self.bursts.get_mut(ring).and_then(|t| t.on_frame(key, h.seq.get(), h.ts_ns.get()))
+                {
+                    self.metrics.on_burst(ring, frames, ns);
+                    self.stats.drop_bursts[ring] += 1;
+                    self.stats.drop_burst_frames[ring] += frames;
+                }
                 out(SourceEvent::Frame(&item));
+            } else {
+                self.stats.malformed += 1;
             }
             n += 1;
         }
@@ -888,6 +912,14 @@ impl Source for RingSource {
         true
     }
 
+    fn stamps_frames_now(&self) -> bool {
+        true
+    }
+
+    fn ring_metrics(&self) -> Option<RingMetrics> {
+        Some(self.metrics.clone())
+    }
+
     fn poll(&mut self, budget: usize, out: &mut dyn FnMut(SourceEvent<'_>)) -> SourceState {
         if !self.started {
             self.started = true;
@@ -910,6 +942,7 @@ impl Source for RingSource {
         if let Some(prev) = self.last_drain {
             let gap = u64::try_from(now.duration_since(prev).as_micros()).unwrap_or(u64::MAX);
             self.drain_gaps.saturating_record(gap.max(1));
+            self.metrics.on_drain_gap(gap.saturating_mul(1_000));
             self.stats.drain_gap_p999_us = self.drain_gaps.value_at_quantile(0.999);
             self.stats.drain_gap_max_us = self.drain_gaps.max();
         }

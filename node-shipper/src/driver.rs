@@ -92,6 +92,11 @@ pub struct Report {
     /// the spool's bulk batches shed for it.
     pub frames_lost_psi_shed: u64,
     pub batches_shed_pressure: u64,
+    /// Of the spool-full and `psi_shed` frames, those shed after their batch was sent:
+    /// they may still have been applied (the aggregator then counts them received, so
+    /// its loss count for the cause is at least the total less these, at most the total).
+    pub frames_lost_spool_full_after_send: u64,
+    pub frames_lost_psi_shed_after_send: u64,
     /// The memory-pressure watcher: its state at the end (`None`: off or unavailable,
     /// see `pressure_unavailable`).
     pub pressure: Option<PressureDto>,
@@ -381,6 +386,9 @@ struct Shared {
     /// The reader's spare writers: capacity held, writers their cap turned away.
     reader_spare_bytes: AtomicUsize,
     reader_spare_turned_away: AtomicU64,
+    /// The reader's ring histograms, copied every [`RING_METRICS_EVERY_NS`] (`None`:
+    /// the source reads no rings).
+    ring_metrics: Mutex<Option<crate::core::ringstats::RingMetrics>>,
     /// Each pool's byte cap.
     pool_cap_bytes: usize,
     /// The reader's owner lookups.
@@ -535,6 +543,7 @@ impl Shared {
                 spool_evicted: spool.counters().evicted,
                 spool_shed_pressure: spool.counters().shed_pressure,
                 pools: [core.pool(), (0, 0)],
+                latency: Some(core.latency().clone()),
                 ..crate::metrics::Reading::default()
             }
         };
@@ -548,6 +557,7 @@ impl Shared {
         r.connections_refused = self.net.refused.load(Ordering::Relaxed);
         r.pressure_level = self.pressure_level.load(Ordering::Relaxed);
         r.p3_sheds = self.p3.dto().sheds;
+        r.ring = self.ring_metrics.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         r
     }
 
@@ -1036,6 +1046,7 @@ pub async fn run_and_return_source(
         p3: P3Counters::default(),
         reader_spare_bytes: AtomicUsize::new(0),
         reader_spare_turned_away: AtomicU64::new(0),
+        ring_metrics: Mutex::new(None),
         pool_cap_bytes: cfg.batcher.pool_bytes,
         owners: Arc::new(OwnerCounters::default()),
         throttle: Mutex::new(throttling),
@@ -1190,6 +1201,18 @@ pub async fn run_and_return_source(
         let deadline = Instant::now() + Duration::from_millis(cfg.shutdown_deadline_ms);
         flushed = spool_empties_by(&shared, deadline).await;
         if !flushed {
+            {
+                let core = shared.core();
+                let spool = core.spool();
+                tracing::warn!(
+                    lane_bytes = ?spool.lane_bytes(),
+                    in_flight = ?[0, 1, 2, 3].map(|l| spool.in_flight(l)),
+                    connected = shared.net.established.load(Ordering::Relaxed),
+                    connections = shared.net.connections.load(Ordering::Relaxed),
+                    deadline_ms = cfg.shutdown_deadline_ms,
+                    "the SIGTERM flush did not empty the spool by its deadline"
+                );
+            }
             // What could not be flushed leaves as `shipper_shutdown` loss records (P1,
             // sent first): the aggregator then knows why those frames never come.
             let given_up = shared.core().give_up_data(shared.now());
@@ -1246,6 +1269,9 @@ pub async fn run_and_return_source(
     let spool = *core.spool().counters();
     let (core_pooled, core_turned_away) = core.pool();
     let slot = |c: proto_flat::LossCause| c.drop_slot().and_then(|s| stats.frames_lost.get(s).copied()).unwrap_or(0);
+    let after_send = |c: proto_flat::LossCause| {
+        c.drop_slot().and_then(|s| stats.frames_lost_after_send.get(s).copied()).unwrap_or(0)
+    };
     let report = Report {
         ended,
         node_name: cfg.node_name.clone(),
@@ -1262,6 +1288,8 @@ pub async fn run_and_return_source(
         frames_lost_rejected: slot(proto_flat::LossCause::Rejected),
         frames_lost_psi_shed: slot(proto_flat::LossCause::PsiShed),
         batches_shed_pressure: spool.shed_pressure,
+        frames_lost_spool_full_after_send: after_send(proto_flat::LossCause::ShipperSpoolFull),
+        frames_lost_psi_shed_after_send: after_send(proto_flat::LossCause::PsiShed),
         pressure: shared.pressure_dto(),
         pressure_unavailable: shared
             .pressure_unavailable
@@ -1313,6 +1341,9 @@ pub async fn run_and_return_source(
 pub const FINAL_LOSS_RECORDS_WAIT: Duration = Duration::from_secs(2);
 
 /// Waits until the spool is empty (true) or `deadline` passes (false).
+/// How often the reader copies its ring histograms for `/metrics`.
+const RING_METRICS_EVERY_NS: u64 = 250_000_000;
+
 async fn spool_empties_by(shared: &Shared, deadline: Instant) -> bool {
     loop {
         if shared.core().spool().is_empty() {
@@ -1350,13 +1381,16 @@ fn reader_loop(
         q.send(ToCore::Sampling(sampling.level()));
     }
     let owned = Owned::new(source.pids_are_local(), &shared.owners);
+    let stamps_now = source.stamps_frames_now();
     let mut malformed_sent = 0u64;
     let mut next_finished_counters = 0u64;
+    let mut next_ring_metrics = 0u64;
     let mut frames_in = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let now = shared.now();
         let mono = source.node_mono_ns();
         *shared.mono_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = (mono, now);
+        stager.set_mono_offset(stamps_now.then(|| i128::from(mono) - i128::from(now)));
         while let Ok(w) = writers_back.try_recv() {
             stager.give_back(w);
         }
@@ -1429,6 +1463,12 @@ fn reader_loop(
             q.send(ToCore::Counters(c, mono));
         }
         stager.poll_cut(now, &mut |b| q.staged(b, &mut spare));
+        if now >= next_ring_metrics {
+            next_ring_metrics = now.saturating_add(RING_METRICS_EVERY_NS);
+            if let Some(m) = source.ring_metrics() {
+                *shared.ring_metrics.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(m);
+            }
+        }
         if let Some(l) = live {
             l.store(frames_in, Ordering::Relaxed);
         }
@@ -1685,8 +1725,9 @@ async fn connection(
         // Up to 64 batches per turn of the lock: one handoff per batch would let a busy
         // reader starve the sender.
         let next: Vec<(proto_flat::Class, u64, Vec<u8>)> = {
+            let now = shared.now();
             let mut core = shared.core();
-            std::iter::from_fn(|| core.poll_transmit().map(|(lane, seq, bytes)| (lane, seq, bytes.to_vec())))
+            std::iter::from_fn(|| core.poll_transmit(now).map(|(lane, seq, bytes)| (lane, seq, bytes.to_vec())))
                 .take(64)
                 .collect()
         };

@@ -4,9 +4,14 @@
 //! nothing here is on the per-frame path.
 //!
 //! The ring's write-pointer advance (the lap detector) is
-//! `rate(ringwatch_kernel_events_attempted_total[1m])` against the ring's size: every
-//! event that took a seq was written to the ring or counted as a kernel drop.
+//! `rate(ringwatch_ring_read_bytes_total[1m])` (what the reader consumed) plus the
+//! dropped events, `rate(ringwatch_kernel_events_attempted_total[1m])` in events: every
+//! event that took a seq was written to the ring or counted as a kernel drop. Against
+//! `ringwatch_ring_size_bytes` and the drain gap's p99, it says whether a ring is sized
+//! for its traffic (the alert rules use exactly that).
 
+use crate::core::ringstats::RingMetrics;
+use crate::core::shipper::{LaneLatency, STAGES};
 use crate::core::{ShipperStats, SourceCounters};
 use proto_flat::LossCause;
 use ringwatch_transport::metrics::{Families, Spec};
@@ -38,6 +43,37 @@ pub const SPECS: &[Spec] = &[
         "ratio",
         &["ring", "cpu"],
         "Highest ring fill seen by the reader since the last heartbeat (0..1).",
+    ),
+    Spec::histogram(
+        "ringwatch_ring_fill_ratio",
+        "ratio",
+        &["ring"],
+        "Ring fill found by each drain pass (bytes read before the ring was empty, over its size).",
+    ),
+    Spec::gauge("ringwatch_ring_size_bytes", "bytes", &["ring"], "Each ring's size."),
+    Spec::counter(
+        "ringwatch_ring_read_bytes_total",
+        "bytes",
+        &["ring"],
+        "Record bytes read from each ring, 8-byte record headers included.",
+    ),
+    Spec::histogram(
+        "ringwatch_ring_drain_gap_seconds",
+        "seconds",
+        &[],
+        "Time between the starts of consecutive drain passes.",
+    ),
+    Spec::histogram(
+        "ringwatch_kernel_drop_burst_frames",
+        "frames",
+        &["ring"],
+        "Kernel drops per burst: a run of seqs missing between consecutive frames of one stream.",
+    ),
+    Spec::histogram(
+        "ringwatch_kernel_drop_burst_seconds",
+        "seconds",
+        &["ring"],
+        "Time between the frames either side of a kernel drop burst.",
     ),
     Spec::gauge("ringwatch_shipper_sampling_level", "1", &[], "The kernel's bulk sampling level (keep 1 in 2^level)."),
     // The shipper core.
@@ -114,6 +150,24 @@ pub const SPECS: &[Spec] = &[
         &["pool"],
         "Buffers the pool's byte cap turned away.",
     ),
+    Spec::histogram(
+        "ringwatch_shipper_stage_seconds",
+        "seconds",
+        &["stage"],
+        "Per delivered batch, the time in each stage: read (first frame's kernel timestamp to the reader), batch (to sealed), send (to first sent), ack (to applied ack).",
+    ),
+    Spec::histogram(
+        "ringwatch_shipper_delivery_seconds",
+        "seconds",
+        &["lane"],
+        "Per delivered batch, its first frame read to the aggregator's applied ack.",
+    ),
+    Spec::histogram(
+        "ringwatch_shipper_durable_lag_seconds",
+        "seconds",
+        &[],
+        "Per P0/P1 batch kept until durable, its first frame read to the durable ack.",
+    ),
     // The network side.
     Spec::gauge("ringwatch_shipper_connected", "1", &[], "1 while a session with the aggregator is established."),
     Spec::counter("ringwatch_shipper_connect_attempts_total", "1", &[], "Connection attempts."),
@@ -153,7 +207,15 @@ pub struct Reading {
     pub connections_refused: u64,
     pub pressure_level: u8,
     pub p3_sheds: u64,
+    /// The core's batch latency histograms.
+    pub latency: Option<LaneLatency>,
+    /// The ring reader's histograms (sources that read rings).
+    pub ring: Option<RingMetrics>,
 }
+
+/// Bounds of the shipper's latency histograms, seconds.
+pub const LATENCY_BOUNDS: &[f64] =
+    &[0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
 const LANES: [&str; 4] = ["p0", "p1", "p2", "p3"];
 
@@ -229,6 +291,26 @@ pub fn fill(f: &mut Families, r: &Reading) {
     f.count("ringwatch_shipper_connections_refused_total", &[], r.connections_refused);
     f.level("ringwatch_shipper_memory_pressure_level", &[], u64::from(r.pressure_level));
     f.count("ringwatch_shipper_p3_sheds_total", &[], r.p3_sheds);
+    if let Some(l) = &r.latency {
+        for (stage, h) in STAGES.iter().zip(&l.stages) {
+            f.hdr("ringwatch_shipper_stage_seconds", &[stage], h, 1e6, LATENCY_BOUNDS);
+        }
+        for (lane, h) in LANES.iter().zip(&l.lanes) {
+            f.hdr("ringwatch_shipper_delivery_seconds", &[lane], h, 1e6, LATENCY_BOUNDS);
+        }
+        f.hdr("ringwatch_shipper_durable_lag_seconds", &[], &l.durable, 1e6, LATENCY_BOUNDS);
+    }
+    if let Some(m) = &r.ring {
+        for ring in 0..2 {
+            let label = ring.to_string();
+            f.buckets("ringwatch_ring_fill_ratio", &[&label], &m.fill[ring]);
+            f.level("ringwatch_ring_size_bytes", &[&label], u64::from(m.ring_bytes[ring]));
+            f.count("ringwatch_ring_read_bytes_total", &[&label], m.read_bytes[ring]);
+            f.buckets("ringwatch_kernel_drop_burst_frames", &[&label], &m.burst_frames[ring]);
+            f.buckets("ringwatch_kernel_drop_burst_seconds", &[&label], &m.burst_seconds[ring]);
+        }
+        f.buckets("ringwatch_ring_drain_gap_seconds", &[], &m.drain_gap);
+    }
 }
 
 #[cfg(test)]
@@ -248,6 +330,8 @@ mod tests {
         entry.drops[slot].set(7);
         let r = Reading {
             counters: SourceCounters { streams: vec![entry], ..SourceCounters::default() },
+            latency: Some(LaneLatency::default()),
+            ring: Some(RingMetrics::new([4096, 8192])),
             ..Reading::default()
         };
         let mut f = Families::new(SPECS);

@@ -82,10 +82,22 @@ pub trait Source: Send {
         None
     }
 
+    /// Ring fill, drain-gap and drop-burst histograms, for sources that read rings.
+    fn ring_metrics(&self) -> Option<crate::core::ringstats::RingMetrics> {
+        None
+    }
+
     /// Whether the pids in its PROGRESS entries are processes on this host, whose owners
     /// (pod, container, Slurm job) the reader looks up in `/proc/<pid>/cgroup`. Replayed
     /// and simulated sources' pids are not.
     fn pids_are_local(&self) -> bool {
+        false
+    }
+
+    /// Whether frames are stamped as they happen on [`Self::node_mono_ns`]'s clock, so
+    /// the reader can tell how long one waited before it was read (the `read` stage). A
+    /// replayed capture's timestamps are its recording's.
+    fn stamps_frames_now(&self) -> bool {
         false
     }
 }
@@ -694,6 +706,10 @@ mod sim {
     }
 
     impl Source for SimSource {
+        fn stamps_frames_now(&self) -> bool {
+            true
+        }
+
         fn poll(&mut self, _budget: usize, out: &mut dyn FnMut(SourceEvent<'_>)) -> SourceState {
             if let Some(entries) = self.takeover.take() {
                 if let Some(e) = self.epoch {

@@ -222,6 +222,18 @@ async fn kernel_ring_overflow_is_counted_exactly_end_to_end() {
     );
     assert!(ring_full > 0, "the small ring must have overflowed");
     assert!(delivered > 0, "the shipper delivered frames");
+    // The reader's drop bursts (runs of missing seqs) hold the kernel's drops — all of
+    // them but those after a stream's last frame read (no frame closes that run).
+    let rings = report.rings.expect("ring stats");
+    println!(
+        "drop bursts seen by the reader: {} holding {} frames ({:.1} % of kernel_ring_full), mean {:.0} frames",
+        rings.drop_bursts[1],
+        rings.drop_burst_frames[1],
+        rings.drop_burst_frames[1] as f64 * 100.0 / ring_full as f64,
+        rings.drop_burst_frames[1] as f64 / rings.drop_bursts[1].max(1) as f64
+    );
+    assert!(rings.drop_bursts[1] > 0 && rings.drop_burst_frames[1] <= ring_full, "{rings:?}");
+    assert_eq!(rings.drop_burst_frames[0], 0, "the P0 ring dropped nothing");
     assert_eq!(other, 0, "no loss other than the ring's");
     assert!(report.flushed, "{report:?}");
     assert_eq!(report.frames_in, delivered, "every frame read was delivered");

@@ -257,9 +257,19 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     assert_eq!(report["frames_lost_by_lane"][0], 0, "P0 never lost: {report}");
     assert_eq!(report["frames_in_by_lane"][0].as_u64(), Some(p0_acked), "every P0 frame acked: {report}");
     let http = s.agg.http_addr;
+    // A batch shed after it was sent may still have been applied (its frames then count
+    // received, not lost): the shipper counts those apart, and the aggregator's count lies
+    // between the shed total less them and the total.
+    let maybe_applied = report["frames_lost_psi_shed_after_send"].as_u64().expect("psi_shed after send");
+    let counted = (shed - maybe_applied)..=shed;
     let n: NodesDto =
-        wait_nodes_until(http, "the aggregator counted the shed", |n| shed_at_aggregator(n, "p2") == shed).await;
-    assert_eq!(shed_at_aggregator(&n, "p2"), shed, "the aggregator counts what the shipper shed");
+        wait_nodes_until(http, "the aggregator counted the shed", |n| counted.contains(&shed_at_aggregator(n, "p2")))
+            .await;
+    assert!(
+        counted.contains(&shed_at_aggregator(&n, "p2")),
+        "the aggregator counts what the shipper shed: {} of {shed} ({maybe_applied} after send)",
+        shed_at_aggregator(&n, "p2")
+    );
     let p0: Vec<_> = n.nodes.iter().flat_map(|x| &x.streams).filter(|x| x.class == "p0").collect();
     assert!(!p0.is_empty());
     assert!(p0.iter().all(|x| x.lost_total == 0), "no P0 loss at the aggregator: {p0:?}");
@@ -386,11 +396,13 @@ async fn kernel_without_a_stall_signal_the_cgroup_budget_alone_keeps_a_growing_s
     );
     assert!(peak <= cap, "the spool never passed its derived cap");
     assert_eq!(s.cg.oom_kills(), 0);
+    // As with the shed above: frames evicted after their batch was sent may have arrived.
+    let counted = (evicted - report["frames_lost_spool_full_after_send"].as_u64().expect("after send"))..=evicted;
     let n = wait_nodes_until(s.agg.http_addr, "the aggregator counted the eviction", |n| {
-        lost_at_aggregator(n, "p2", "shipper_spool_full") == evicted
+        counted.contains(&lost_at_aggregator(n, "p2", "shipper_spool_full"))
     })
     .await;
-    assert_eq!(lost_at_aggregator(&n, "p2", "shipper_spool_full"), evicted);
+    assert!(counted.contains(&lost_at_aggregator(&n, "p2", "shipper_spool_full")), "{counted:?}");
     s.agg.shutdown();
     let _ = std::fs::remove_dir_all(&s.dir);
 }

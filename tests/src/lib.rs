@@ -200,6 +200,25 @@ pub async fn wait_json<T: serde::de::DeserializeOwned + std::fmt::Debug>(
     }
 }
 
+/// Waits until every decidable rank verdict of `truth` is final at the aggregator (the
+/// scorer's table with the default 500 ms reorder slack; ops from seq 1); returns how
+/// many that is.
+///
+/// # Panics
+/// As [`wait_json`].
+pub async fn wait_decidable_final(http: SocketAddr, truth: &loadgen_sim::GroundTruth) -> u64 {
+    let table = loadgen_sim::expect::Table::new(truth, 500.0);
+    let decidable = table.ranks().filter(|(c, _, e)| c.comm_op_seq > 0 && e.decidable).count() as u64;
+    wait_json(
+        http,
+        "/v1/verdicts?final=true&limit=1",
+        "every decidable verdict final",
+        |v: &aggregator::api::dto::VerdictsDto| v.total.unwrap_or(0) >= decidable,
+    )
+    .await;
+    decidable
+}
+
 /// Whether every stream of `truth` on the nodes `include` accepts is settled at the
 /// aggregator: its heartbeats reported everything the generator made (attempted +
 /// sampled out = generated), and nothing is pending or in transit.

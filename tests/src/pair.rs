@@ -1300,7 +1300,7 @@ impl Pair {
     /// stream.
     fn transmit(&mut self, i: usize) {
         let Link::Up { conn } = self.shippers[i].link else { return };
-        while let Some(bytes) = self.shippers[i].core.poll_transmit().map(|(_, _, b)| b.to_vec()) {
+        while let Some(bytes) = self.shippers[i].core.poll_transmit(self.now).map(|(_, _, b)| b.to_vec()) {
             let at = self.now + self.delay();
             let at = self.conns.get(&conn).map_or(at, |c| at.max(c.resume_at));
             self.net.batches_sent += 1;

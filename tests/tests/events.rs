@@ -70,8 +70,6 @@ async fn net_events_resumed_after_disconnects_lose_nothing_and_match_the_verdict
     let s = builtin::builtin("seed-case").expect("built in").expect("valid");
     let options = SimOptions { bulk_scale: 1e-4, seed: None };
     let truth = truth(&s, options);
-    let table = loadgen_sim::expect::Table::new(&truth, 500.0);
-    let decidable: u64 = table.ranks().filter(|(c, _, e)| c.comm_op_seq > 0 && e.decidable).count() as u64;
     let set = cert_set(dir.path(), s.cluster.nodes);
     let mut cfg = loadgen::cluster::aggregator_config(&set, &s, 1.0);
     // Everything of the run stays in the log: this test is about disconnects, not eviction.
@@ -88,13 +86,7 @@ async fn net_events_resumed_after_disconnects_lose_nothing_and_match_the_verdict
 
     let shippers = ringwatch_tests::spawn_sim_shippers(&s, options, &set, agg.quic_addr, Instant::now(), |_, _, _| {});
     wait_nodes(http, "every stream settled", |n| streams_settled(n, &truth, |_| true)).await;
-    ringwatch_tests::wait_json(
-        http,
-        "/v1/verdicts?final=true&limit=1",
-        "every decidable verdict final",
-        |v: &VerdictsDto| v.total.unwrap_or(0) >= decidable,
-    )
-    .await;
+    let decidable = ringwatch_tests::wait_decidable_final(http, &truth).await;
     // The list and the event id it reflects, read together.
     let verdicts = aggregator::api::client::get_all_verdicts(http, "").await.expect("verdicts");
     let target: EventId = verdicts.as_of.event_id.parse().expect("id");

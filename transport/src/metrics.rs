@@ -67,7 +67,18 @@ impl Spec {
         labels: &'static [&'static str],
         help: &'static str,
     ) -> Self {
-        Spec { name, kind: Kind::Gauge, unit, labels, help }
+        Spec { kind: Kind::Gauge, ..Self::counter(name, unit, labels, help) }
+    }
+
+    /// A histogram.
+    #[must_use]
+    pub const fn histogram(
+        name: &'static str,
+        unit: &'static str,
+        labels: &'static [&'static str],
+        help: &'static str,
+    ) -> Self {
+        Spec { kind: Kind::Histogram, ..Self::counter(name, unit, labels, help) }
     }
 }
 
@@ -263,6 +274,34 @@ impl Families {
         }
     }
 
+    /// A histogram from [`Buckets`].
+    pub fn buckets(&mut self, name: &str, labels: &[&str], b: &Buckets) {
+        self.histogram(name, labels, &b.cumulative(), b.sum, b.count);
+    }
+
+    /// A histogram from an hdrhistogram of integers in `1 / per_unit` of the metric's
+    /// unit (microseconds of a `_seconds` metric: `per_unit` 1e6), at `bounds` (in the
+    /// metric's unit). Bucket edges are as exact as the hdrhistogram's precision.
+    #[allow(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "bounds and counts far inside f64's exact range"
+    )]
+    pub fn hdr(
+        &mut self,
+        name: &str,
+        labels: &[&str],
+        h: &hdrhistogram::Histogram<u64>,
+        per_unit: f64,
+        bounds: &[f64],
+    ) {
+        let buckets: Vec<(f64, u64)> =
+            bounds.iter().map(|&le| (le, h.count_between(0, (le * per_unit).max(0.0) as u64))).collect();
+        let sum = h.mean() * h.len() as f64 / per_unit;
+        self.histogram(name, labels, &buckets, sum, h.len());
+    }
+
     /// Families gathered by a `prometheus` collector (the process collector, a
     /// histogram the binary observes itself): each must be in the table, with its kind.
     pub fn extend(&mut self, gathered: Vec<MetricFamily>) {
@@ -319,6 +358,50 @@ impl Families {
             return format!("# encoding failed: {e}\n");
         }
         String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// A fixed-bound histogram a hot loop can observe into cheaply (a scan of a dozen
+/// bounds, no allocation) and a scrape can copy: what the shipper's ring reader keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Buckets {
+    /// Upper bounds, ascending (`+Inf` implied).
+    pub bounds: &'static [f64],
+    /// Observations per bound (not cumulative); one more for above the last bound.
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Buckets {
+    #[must_use]
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Buckets { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+    }
+
+    /// One observation.
+    #[inline]
+    pub fn observe(&mut self, v: f64) {
+        let i = self.bounds.iter().position(|&le| v <= le).unwrap_or(self.bounds.len());
+        if let Some(c) = self.counts.get_mut(i) {
+            *c += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// (upper bound, cumulative count), ascending, without `+Inf`.
+    #[must_use]
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut n = 0;
+        self.bounds
+            .iter()
+            .zip(&self.counts)
+            .map(|(&le, &c)| {
+                n += c;
+                (le, n)
+            })
+            .collect()
     }
 }
 
@@ -389,6 +472,32 @@ mod tests {
         assert!(text.contains("# TYPE t_frames_total counter\nt_frames_total{node=\"a\\\"b\"} 5\n"), "{text}");
         assert!(text.contains("t_lag_seconds_bucket{le=\"+Inf\"} 4\n"), "{text}");
         assert!(text.contains("t_lag_seconds_bucket{le=\"0.1\"} 1\n"), "{text}");
+    }
+
+    #[test]
+    fn buckets_and_hdr_histograms_render_cumulative_counts() {
+        let mut b = Buckets::new(&[0.1, 0.5, 1.0]);
+        for v in [0.05, 0.1, 0.3, 0.7, 2.0] {
+            b.observe(v);
+        }
+        assert_eq!(b.cumulative(), vec![(0.1, 2), (0.5, 3), (1.0, 4)]);
+        assert_eq!(b.count, 5);
+        assert!((b.sum - 3.15).abs() < 1e-9);
+        let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 2).unwrap();
+        for us in [50, 100, 300_000, 2_000_000] {
+            h.record(us).unwrap();
+        }
+        let mut f = Families::new(SPECS);
+        f.hdr("t_lag_seconds", &[], &h, 1e6, &[0.0001, 0.5, 1.0]);
+        assert_eq!(f.refused(), &[] as &[String]);
+        let mut g = Families::new(SPECS);
+        g.buckets("t_lag_seconds", &[], &b);
+        assert!(g.render().contains("t_lag_seconds_bucket{le=\"1\"} 4\nt_lag_seconds_bucket{le=\"+Inf\"} 5\n"));
+        let text = f.render();
+        assert!(text.contains("t_lag_seconds_bucket{le=\"0.0001\"} 2\n"), "{text}");
+        assert!(text.contains("t_lag_seconds_bucket{le=\"0.5\"} 3\n"), "{text}");
+        assert!(text.contains("t_lag_seconds_bucket{le=\"+Inf\"} 4\n"), "{text}");
+        assert!(text.contains("t_lag_seconds_count 4\n"), "{text}");
     }
 
     #[test]

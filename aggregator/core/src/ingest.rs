@@ -116,6 +116,64 @@ pub struct IngestStats {
     pub owners_turned_away: u64,
 }
 
+/// Upper bounds (ns) of the end-to-end latency histogram ([`EndToEnd`]).
+pub const E2E_BOUNDS_NS: [u64; 15] = [
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    500_000_000,
+    1_000_000_000,
+    2_500_000_000,
+    5_000_000_000,
+    10_000_000_000,
+    30_000_000_000,
+    60_000_000_000,
+];
+
+/// End-to-end latency: a frame's kernel timestamp (the node's clock, in cluster time)
+/// to its batch applied here, per class. One observation per (batch, stream): the
+/// stream's oldest frame in the batch, so the figures are each batch's worst. Not
+/// kept in snapshots (a restart starts it afresh, as Prometheus expects of a counter).
+#[derive(Debug, Clone, Default)]
+pub struct EndToEnd {
+    /// Per class (P0..P3): observations per bound (not cumulative), and one above the
+    /// last bound.
+    pub counts: [[u64; E2E_BOUNDS_NS.len() + 1]; 4],
+    pub sum_ns: [u64; 4],
+    /// Streams of batches from nodes whose clock was not estimated yet (no cluster
+    /// time to measure in): not observed.
+    pub unsynced: u64,
+}
+
+impl PartialEq for EndToEnd {
+    /// Figures of this process, not state (snapshots leave them out): any two are equal.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl EndToEnd {
+    fn observe(&mut self, class: usize, ns: u64) {
+        let i = E2E_BOUNDS_NS.iter().position(|&le| ns <= le).unwrap_or(E2E_BOUNDS_NS.len());
+        if let (Some(c), Some(s)) = (self.counts.get_mut(class).and_then(|c| c.get_mut(i)), self.sum_ns.get_mut(class))
+        {
+            c.inc();
+            *s = s.saturating_add(ns);
+        }
+    }
+
+    /// Observations of `class`.
+    #[must_use]
+    pub fn count(&self, class: usize) -> u64 {
+        self.counts.get(class).map_or(0, |c| c.iter().sum())
+    }
+}
+
 /// One node's ingest state.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct NodeState {
@@ -320,6 +378,8 @@ pub struct Ingest {
     /// Reused buffers of the bulk path (not state: never snapshotted).
     #[rkyv(with = rkyv::with::Skip)]
     bulk: BulkScratch,
+    #[rkyv(with = rkyv::with::Skip)]
+    e2e: EndToEnd,
 }
 
 /// The bulk path's per-batch buffers: a bulk batch's frames grouped by stream (streams
@@ -387,6 +447,7 @@ impl Ingest {
             out: crate::outbox::Outbox::default(),
             dedup: BatchDedup::new(config.dedup),
             bulk: BulkScratch::default(),
+            e2e: EndToEnd::default(),
         }
     }
 
@@ -429,6 +490,12 @@ impl Ingest {
     #[must_use]
     pub fn stats(&self) -> &IngestStats {
         &self.stats
+    }
+
+    /// End-to-end latency so far (since this process started).
+    #[must_use]
+    pub fn end_to_end(&self) -> &EndToEnd {
+        &self.e2e
     }
 
     /// Takes another configuration's timers and caps (a restored ingest, this run's
@@ -598,6 +665,7 @@ impl Ingest {
         }
         let epoch = batch.header.epoch.get();
         self.maybe_new_epoch(now, node, epoch, [0; 16]);
+        self.observe_end_to_end(now, node, batch);
         match batch.lane() {
             Class::P1 => self.ingest_p1(now, node, epoch, rtt_ns, batch, &mut scratch),
             Class::P0 => self.ingest_frames(now, node, epoch, batch, true, &mut scratch),
@@ -765,6 +833,21 @@ impl Ingest {
             }
             // Untracked (a cap refused the stream, or a closed epoch): still delivered.
             None => true,
+        }
+    }
+
+    /// One end-to-end observation per stream of the batch (its oldest frame).
+    fn observe_end_to_end(&mut self, now: u64, node: NodeId, batch: &BatchView<'_>) {
+        let Some(clock) = self.nodes.get(&node).map(|n| &n.clock) else { return };
+        let class = usize::from(batch.lane().code()).min(3);
+        for e in batch.summary.iter() {
+            if !clock.is_synced() {
+                self.e2e.unsynced.inc();
+                continue;
+            }
+            let at = clock.to_cluster(e.first_ts.get());
+            let ns = i64::try_from(now).unwrap_or(i64::MAX).saturating_sub(at);
+            self.e2e.observe(class, u64::try_from(ns).unwrap_or(0));
         }
     }
 

@@ -204,7 +204,7 @@ impl Event {
     }
 
     /// The event's JSON (serialized at the first call; `names` maps node ids to names).
-    fn json(&self, names: &dyn Fn(u64) -> Option<String>) -> Arc<str> {
+    pub(crate) fn json(&self, names: &dyn Fn(u64) -> Option<String>) -> Arc<str> {
         Arc::clone(self.json.get_or_init(|| {
             let text = match &self.body {
                 Body::Json(j) => return Arc::clone(j),

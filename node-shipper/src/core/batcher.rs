@@ -92,15 +92,32 @@ pub struct Batch {
     pub bytes: Vec<u8>,
     /// When its first frame arrived (caller's clock): latency is measured from here.
     pub opened_ns: u64,
+    /// The stages before and after `opened_ns` (for the stage latency metrics).
+    pub stages: StageTimes,
     /// Ever handed out to be sent (on any connection): the aggregator may have applied
     /// it, so a loss report for it names its `batch_seq`.
     pub ever_sent: bool,
+}
+
+/// When a batch passed each stage (the core's clock, ns; 0: not yet) and how long its
+/// first frame waited in the ring before the reader read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StageTimes {
+    /// Kernel timestamp of the batch's first frame → the reader read it (ns; 0 when the
+    /// source's clock is not the reader's, or unknown).
+    pub read_ns: u64,
+    /// Sealed into the spool's order by the core.
+    pub cut_ns: u64,
+    /// First handed to the network.
+    pub sent_ns: u64,
 }
 
 #[derive(Debug, Default)]
 struct Lane {
     writer: BatchWriter,
     opened_at: Option<u64>,
+    /// The first frame's wait in the ring (the stager's lanes only).
+    read_ns: u64,
 }
 
 /// The batcher. See the module docs.
@@ -301,14 +318,16 @@ impl Batcher {
     /// empty with a pooled buffer, to go back to the reader.
     pub fn seal(&mut self, staged: &mut Staged) -> Batch {
         let replacement = self.take_pooled();
-        Self::number_and_seal(
+        let mut b = Self::number_and_seal(
             &mut self.next_batch_seq,
             &mut self.totals,
             &mut staged.writer,
             replacement,
             staged.lane,
             staged.opened_ns,
-        )
+        );
+        b.stages.read_ns = staged.read_ns;
+        b
     }
 
     /// Numbers the writer's batch (`batch_seq` follows cut order across lanes), stamps
@@ -328,7 +347,7 @@ impl Batcher {
         totals.shipped += u64::from(frames);
         writer.set_batch_seq(batch_seq);
         let bytes = writer.finish_swap(totals, replacement);
-        Batch { lane, batch_seq, frames, bytes, opened_ns, ever_sent: false }
+        Batch { lane, batch_seq, frames, bytes, opened_ns, stages: StageTimes::default(), ever_sent: false }
     }
 
     /// Frames shed before they reached a batch (the reader's queue was full) are lost
@@ -364,6 +383,8 @@ pub struct Staged {
     pub writer: BatchWriter,
     /// When its first frame arrived (the reader's clock, the core's clock: one `now`).
     pub opened_ns: u64,
+    /// How long that frame had waited in the ring (see [`StageTimes::read_ns`]).
+    pub read_ns: u64,
 }
 
 impl Staged {
@@ -405,6 +426,9 @@ pub struct Stager {
     /// Frames taken, per lane, and frames refused as malformed.
     pub frames_by_lane: [u64; 4],
     pub frames_malformed: u64,
+    /// The source's clock (frame timestamps) minus `now`'s, when the source keeps the
+    /// node's monotonic clock: how long a frame waited in the ring is then known.
+    mono_offset_ns: Option<i128>,
 }
 
 impl Stager {
@@ -420,7 +444,14 @@ impl Stager {
             pooling: true,
             frames_by_lane: [0; 4],
             frames_malformed: 0,
+            mono_offset_ns: None,
         }
+    }
+
+    /// Sets the source's clock minus the reader's (`None`: frame timestamps are in no
+    /// clock the reader knows).
+    pub fn set_mono_offset(&mut self, offset_ns: Option<i128>) {
+        self.mono_offset_ns = offset_ns;
     }
 
     /// A new kernel-counter epoch: open batches (of the old one) are cut first.
@@ -464,7 +495,8 @@ impl Stager {
     /// `out`. A record whose header or length is wrong is counted and skipped.
     #[inline]
     pub fn push(&mut self, frame: &[u8], now: u64, out: &mut impl FnMut(Staged)) {
-        let Some(class) = proto_flat::FrameHeader::ref_from_prefix(frame).ok().map(|(h, _)| h.stream().class_code())
+        let Some((class, ts)) =
+            proto_flat::FrameHeader::ref_from_prefix(frame).ok().map(|(h, _)| (h.stream().class_code(), h.ts_ns.get()))
         else {
             self.frames_malformed += 1;
             return;
@@ -480,6 +512,7 @@ impl Stager {
             out(s);
         }
         let meta = self.meta.batch(class, 0, 0);
+        let offset = self.mono_offset_ns;
         let Some(lane) = self.lanes.get_mut(i) else { return };
         if lane.opened_at.is_none() {
             if let Some(w) = self.spare.pop() {
@@ -488,6 +521,9 @@ impl Stager {
             }
             lane.writer.begin(&meta);
             lane.opened_at = Some(now);
+            lane.read_ns = offset.map_or(0, |o| {
+                u64::try_from((i128::from(now) + o - i128::from(ts)).clamp(0, i128::from(u64::MAX))).unwrap_or(0)
+            });
         }
         if lane.writer.push_frame(frame).is_ok() {
             if let Some(n) = self.frames_by_lane.get_mut(i) {
@@ -534,7 +570,8 @@ impl Stager {
         let lane = self.lanes.get_mut(i)?;
         let opened_ns = lane.opened_at.take()?;
         let writer = std::mem::take(&mut lane.writer);
-        Some(Staged { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), writer, opened_ns })
+        let read_ns = std::mem::take(&mut lane.read_ns);
+        Some(Staged { lane: Class::from_code(u8::try_from(i).unwrap_or(0)), writer, opened_ns, read_ns })
     }
 }
 
@@ -633,5 +670,28 @@ mod tests {
         assert!(st.spare_bytes() < before);
         assert_eq!(st.set_pooling(false), 2);
         assert_eq!(st.spare_bytes(), 0);
+    }
+
+    #[test]
+    fn a_staged_batch_carries_how_long_its_first_frame_waited_in_the_ring() {
+        let cfg = BatcherConfig {
+            max_batch_bytes: 1 << 16,
+            bulk_batch_bytes: 1 << 16,
+            flush_interval_ns: 1_000,
+            pool_size: 0,
+            pool_bytes: 0,
+        };
+        let mut st = Stager::new(cfg, SessionMeta::default());
+        let mut out = Vec::new();
+        // No clock in common: nothing known.
+        st.push(&bulk(1), 500, &mut |s| out.push(s));
+        st.flush(&mut |s| out.push(s));
+        // The source's clock is 1,000 ns ahead of `now`: frame 7 (ts 70) read at now 100
+        // (source time 1,100) waited 1,030 ns; the later frames do not change it.
+        st.set_mono_offset(Some(1_000));
+        st.push(&bulk(7), 100, &mut |s| out.push(s));
+        st.push(&bulk(8), 200, &mut |s| out.push(s));
+        st.flush(&mut |s| out.push(s));
+        assert_eq!(out.iter().map(|s| s.read_ns).collect::<Vec<_>>(), vec![0, 1_030]);
     }
 }

@@ -13,6 +13,7 @@ pub mod batcher;
 pub mod budget;
 pub mod loss;
 pub mod owner;
+pub mod ringstats;
 pub mod sampling;
 pub mod shipper;
 pub mod spool;

@@ -35,7 +35,7 @@ use proto_flat::sections::{ProgressEntry, SessionStreamEntry, ShipperStateEntry,
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
-use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta, Staged};
+use super::batcher::{Batch, Batcher, BatcherConfig, SessionMeta, StageTimes, Staged};
 use super::loss::{LostRange, lost_ranges};
 use super::spool::{Spool, SpoolConfig};
 use ringwatch_transport::pressure::Level;
@@ -190,6 +190,10 @@ pub struct ShipperStats {
     pub frames_acked_by_lane: [u64; 4],
     /// Ring frames named in loss records, by cause slot.
     pub frames_lost: [u64; proto_flat::codes::DROP_SLOTS],
+    /// Of `frames_lost`, those in batches already sent when they were given up (shed or
+    /// evicted in flight): they may still arrive and be applied, and the aggregator then
+    /// counts them received (its loss record for them names the batch and is ignored).
+    pub frames_lost_after_send: [u64; proto_flat::codes::DROP_SLOTS],
     /// The shipper's own P1 frames in batches that were dropped (counted in the running
     /// totals every envelope carries; never loss records about themselves).
     pub own_frames_lost: u64,
@@ -233,13 +237,23 @@ pub struct LaneLatency {
     /// P0, P1, P2, P3.
     pub lanes: [hdrhistogram::Histogram<u64>; 4],
     pub durable: hdrhistogram::Histogram<u64>,
+    /// Per stage of delivered batches ([`STAGES`]), microseconds.
+    pub stages: [hdrhistogram::Histogram<u64>; 4],
 }
+
+/// The stages of a batch's way, as the stage latency histograms name them: `read`
+/// (its first frame's kernel timestamp → the reader read it; only sources that keep
+/// the node's monotonic clock), `batch` (→ sealed into the spool's order: the batch
+/// filled or its flush interval passed, and the reader's queue to the core), `send`
+/// (→ first handed to the network: the spool's order and window), `ack` (→ the
+/// aggregator's applied ack).
+pub const STAGES: [&str; 4] = ["read", "batch", "send", "ack"];
 
 impl Default for LaneLatency {
     fn default() -> Self {
         // 1 µs .. 1 h at 2 significant digits: a few KiB each.
         let h = || hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("constant bounds are valid");
-        Self { lanes: [h(), h(), h(), h()], durable: h() }
+        Self { lanes: [h(), h(), h(), h()], durable: h(), stages: [h(), h(), h(), h()] }
     }
 }
 
@@ -624,7 +638,7 @@ impl ShipperCore {
                 self.batcher.recycle(b.bytes);
             }
             for b in unacked {
-                self.delivered(b.lane, b.batch_seq, b.frames, b.opened_ns, now);
+                self.delivered(b.lane, b.batch_seq, b.frames, b.opened_ns, b.stages, now);
                 self.stats.batches_durable += 1;
                 self.log(BatchEvent::Durable { batch_seq: b.batch_seq, aggregator_instance: instance });
                 self.note_released(&b.bytes);
@@ -634,10 +648,10 @@ impl ShipperCore {
         }
         let (freed, kept) = self.spool.ack(ranges, self.keep_until_durable);
         for k in kept {
-            self.delivered(k.lane, k.batch_seq, k.frames, k.opened_ns, now);
+            self.delivered(k.lane, k.batch_seq, k.frames, k.opened_ns, k.stages, now);
         }
         for b in freed {
-            self.delivered(b.lane, b.batch_seq, b.frames, b.opened_ns, now);
+            self.delivered(b.lane, b.batch_seq, b.frames, b.opened_ns, b.stages, now);
             self.note_released(&b.bytes);
             self.batcher.recycle(b.bytes);
         }
@@ -645,8 +659,19 @@ impl ShipperCore {
 
     /// A batch acked (applied, duplicate, or durable without an applied ack first): its
     /// frames are delivered.
-    fn delivered(&mut self, lane: Class, batch_seq: u64, frames: u32, opened_ns: u64, now: u64) {
+    fn delivered(&mut self, lane: Class, batch_seq: u64, frames: u32, opened_ns: u64, stages: StageTimes, now: u64) {
         let l = usize::from(lane.code()).min(3);
+        let us = |ns: u64| (ns / 1_000).max(1);
+        if stages.read_ns > 0 {
+            self.latency.stages[0].saturating_record(us(stages.read_ns));
+        }
+        if stages.cut_ns > 0 {
+            self.latency.stages[1].saturating_record(us(stages.cut_ns.saturating_sub(opened_ns)));
+            if stages.sent_ns > 0 {
+                self.latency.stages[2].saturating_record(us(stages.sent_ns.saturating_sub(stages.cut_ns)));
+                self.latency.stages[3].saturating_record(us(now.saturating_sub(stages.sent_ns)));
+            }
+        }
         if let Some(p) = self.lane_progress_ns.get_mut(l) {
             *p = now;
         }
@@ -836,8 +861,8 @@ impl ShipperCore {
     // ---------------------------------------------------------------- outputs
 
     /// The next batch to send (P0, then P1, then bulk within its window).
-    pub fn poll_transmit(&mut self) -> Option<(Class, u64, &[u8])> {
-        let (lane, seq, bytes) = self.spool.next_to_send(self.config.bulk_window_bytes)?;
+    pub fn poll_transmit(&mut self, now: u64) -> Option<(Class, u64, &[u8])> {
+        let (lane, seq, bytes) = self.spool.next_to_send(self.config.bulk_window_bytes, now)?;
         // Disjoint fields: the spool stays borrowed for the bytes.
         push_log(
             &mut self.batch_log,
@@ -1052,7 +1077,8 @@ impl ShipperCore {
     fn offer_cut(&mut self, now: u64) {
         loop {
             // Cut order is batch_seq order; offer oldest first.
-            for b in std::mem::take(&mut self.cut) {
+            for mut b in std::mem::take(&mut self.cut) {
+                b.stages.cut_ns = now.max(1);
                 self.stats.batches_cut += 1;
                 self.log(BatchEvent::Created { batch_seq: b.batch_seq, lane: b.lane.code(), frames: b.frames });
                 let adm = self.spool.offer(b);
@@ -1101,6 +1127,9 @@ impl ShipperCore {
             self.stats.own_frames_lost += u64::from(b.frames);
         } else {
             self.stats.frames_lost[slot] += u64::from(b.frames);
+            if b.ever_sent {
+                self.stats.frames_lost_after_send[slot] += u64::from(b.frames);
+            }
             match lost_ranges(&b.bytes, cause, reason) {
                 Ok(ranges) => {
                     for r in &ranges {
@@ -1156,7 +1185,7 @@ mod tests {
 
     /// Sends everything and returns the sent batches' bytes.
     fn transmit(c: &mut ShipperCore) -> Vec<Vec<u8>> {
-        std::iter::from_fn(|| c.poll_transmit().map(|(_, _, b)| b.to_vec())).collect()
+        std::iter::from_fn(|| c.poll_transmit(0).map(|(_, _, b)| b.to_vec())).collect()
     }
 
     fn frames_of<'a>(batches: &'a [Vec<u8>]) -> impl Iterator<Item = Frame<'a>> {
@@ -1192,6 +1221,7 @@ mod tests {
         assert_eq!(delivered.len() as u64 + lost, 200, "delivered + named lost = handed in");
         let s = *c.stats();
         assert_eq!(s.frames_lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
+        assert_eq!(s.frames_lost_after_send, [0; proto_flat::codes::DROP_SLOTS], "none was sent");
         // The running totals in the last envelope carry the loss too.
         let last = sent.iter().map(|b| BatchView::parse(b).unwrap()).max_by_key(|v| v.header.batch_seq.get()).unwrap();
         assert_eq!(last.totals().lost[LossCause::ShipperSpoolFull.drop_slot().unwrap()], lost);
@@ -1296,6 +1326,7 @@ mod tests {
         assert!(shed >= 100 && (1..=20).contains(&delivered), "kept {delivered}, shed {shed}");
         assert_eq!(records, 1, "contiguous never-sent batches of one stream: one record");
         assert_eq!(c.stats().frames_lost[LossCause::PsiShed.drop_slot().unwrap()], shed);
+        assert_eq!(c.stats().frames_lost_after_send[LossCause::PsiShed.drop_slot().unwrap()], 0, "none was sent");
         let shed_batches = c.spool().counters().shed_pressure;
         assert!(shed_batches >= 10, "{shed_batches}");
         assert_eq!(c.spool().counters().evicted, 0, "not spool-full evictions");
@@ -1381,7 +1412,7 @@ mod tests {
             c.handle_frame(&bulk(3, seq), 0);
         }
         c.flush(MS);
-        let (_, poisoned, _) = c.poll_transmit().unwrap();
+        let (_, poisoned, _) = c.poll_transmit(0).unwrap();
         c.handle_nack(poisoned, NackReason::SummaryMismatch, 2 * MS);
         let sent = transmit(&mut c);
         let records: Vec<_> =
@@ -1581,7 +1612,50 @@ mod tests {
             assert_eq!(s.frames_in_by_lane[lane], s.frames_acked_by_lane[lane] + s.frames_lost_by_lane[lane], "{lane}");
         }
         assert_eq!(s.frames_lost[LossCause::ShipperShutdown.drop_slot().unwrap()], 15);
+        assert_eq!(s.frames_lost_after_send[LossCause::ShipperShutdown.drop_slot().unwrap()], 15, "all were sent");
         assert!(c.spool().is_empty());
+    }
+
+    #[test]
+    fn a_delivered_batch_records_each_stage_it_passed() {
+        let mut c = core(1 << 20);
+        for seq in 0..10 {
+            c.handle_frame(&bulk(0, seq), MS);
+        }
+        c.flush(6 * MS);
+        let sent: Vec<u64> = std::iter::from_fn(|| c.poll_transmit(8 * MS).map(|(_, s, _)| s)).collect();
+        assert_eq!(sent.len(), 1);
+        c.handle_ack(&[(sent[0], sent[0])], AckStatus::Applied, 11 * MS);
+        let l = c.latency();
+        let only = |h: &hdrhistogram::Histogram<u64>| (h.len(), h.max() / 100 * 100);
+        assert_eq!(only(&l.stages[0]), (0, 0), "no read stage: the frames came through the core, not the reader");
+        assert_eq!(only(&l.stages[1]), (1, 5_000), "batch: first frame 1 ms → sealed 6 ms");
+        assert_eq!(only(&l.stages[2]), (1, 2_000), "send: → 8 ms");
+        assert_eq!(only(&l.stages[3]), (1, 3_000), "ack: → 11 ms");
+        assert_eq!(only(&l.lanes[2]), (1, 10_000), "delivery: first frame → ack");
+    }
+
+    #[test]
+    fn bulk_shed_in_flight_is_counted_apart_and_its_records_name_the_batch() {
+        let mut c = core(1 << 20);
+        for seq in 0..30 {
+            c.handle_frame(&bulk(0, seq), 0);
+        }
+        c.flush(MS);
+        let sent = transmit(&mut c);
+        assert!(!sent.is_empty());
+        let full = Pressure { level: Level::Full, some_avg10_ppm: 500_000, full_avg10_ppm: 400_000 };
+        c.set_pressure(full, Some(0), 2 * MS);
+        let slot = LossCause::PsiShed.drop_slot().unwrap();
+        assert_eq!(c.stats().frames_lost[slot], 30, "every held bulk frame shed");
+        assert_eq!(c.stats().frames_lost_after_send[slot], 30, "all of them after their batch was sent");
+        let records = transmit(&mut c);
+        let lost: Vec<_> =
+            frames_of(&records).filter_map(|f| if let Frame::LossRecord(r) = f { Some(*r) } else { None }).collect();
+        assert_eq!(lost.iter().map(|r| r.count.get()).sum::<u64>(), 30);
+        // Sent batches may have been applied: each record names its batch, so the
+        // aggregator can ignore one for a batch it has.
+        assert!(lost.iter().all(|r| r.cause() == LossCause::PsiShed && r.batch_seq.get() != 0), "{lost:?}");
     }
 
     #[test]

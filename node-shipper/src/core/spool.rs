@@ -74,6 +74,7 @@ pub struct Kept {
     pub batch_seq: u64,
     pub frames: u32,
     pub opened_ns: u64,
+    pub stages: crate::core::batcher::StageTimes,
 }
 
 /// Counters (in the shipper's report).
@@ -311,7 +312,8 @@ impl Spool {
     /// The next batch to send: P0 first, then P1, then bulk; oldest unsent first. A bulk
     /// batch is sent only while bulk's unacked bytes stay within `bulk_window_bytes` (the
     /// send window minus the P0/P1 reserve), so bulk never fills the window P0 needs.
-    pub fn next_to_send(&mut self, bulk_window_bytes: usize) -> Option<(Class, u64, &[u8])> {
+    /// `now` stamps a batch's first send ([`crate::core::batcher::StageTimes::sent_ns`]).
+    pub fn next_to_send(&mut self, bulk_window_bytes: usize, now: u64) -> Option<(Class, u64, &[u8])> {
         let lane = (0..4).find(|&l| {
             let Some(next) = self.lanes[l].get(self.sent[l]) else { return false };
             // One bulk batch may always be in flight, or an oversized one would never go.
@@ -321,6 +323,9 @@ impl Spool {
         })?;
         let b = self.lanes[lane].get_mut(self.sent[lane])?;
         b.ever_sent = true;
+        if b.stages.sent_ns == 0 {
+            b.stages.sent_ns = now.max(1);
+        }
         self.sent[lane] += 1;
         self.sent_bytes[lane] += b.bytes.len();
         Some((b.lane, b.batch_seq, &b.bytes))
@@ -354,7 +359,13 @@ impl Spool {
                 let Some(b) = self.take(l, i) else { break };
                 self.counters.acked += 1;
                 if keep_p0_p1 && l < 2 {
-                    kept.push(Kept { lane: b.lane, batch_seq: b.batch_seq, frames: b.frames, opened_ns: b.opened_ns });
+                    kept.push(Kept {
+                        lane: b.lane,
+                        batch_seq: b.batch_seq,
+                        frames: b.frames,
+                        opened_ns: b.opened_ns,
+                        stages: b.stages,
+                    });
                     self.counters.kept_for_durable += 1;
                     self.awaiting[l].push_back(b);
                 } else {
@@ -533,7 +544,15 @@ mod tests {
     use super::*;
 
     fn batch(lane: Class, seq: u64, size: usize) -> Batch {
-        Batch { lane, batch_seq: seq, frames: 1, bytes: vec![0; size], opened_ns: 0, ever_sent: false }
+        Batch {
+            lane,
+            batch_seq: seq,
+            frames: 1,
+            bytes: vec![0; size],
+            opened_ns: 0,
+            stages: Default::default(),
+            ever_sent: false,
+        }
     }
 
     fn spool() -> Spool {
@@ -565,7 +584,7 @@ mod tests {
         }
         s.offer(batch(Class::P0, 7, 100));
         s.offer(batch(Class::P1, 8, 100));
-        let sent = s.next_to_send(1000).map(|x| x.1);
+        let sent = s.next_to_send(1000, 0).map(|x| x.1);
         assert_eq!(sent, Some(7), "P0 first");
         // Pressure: bulk may hold 250 bytes. Four of six bulk batches go at once, oldest
         // unsent first.
@@ -596,7 +615,7 @@ mod tests {
         for seq in 1..=4 {
             s.offer(batch(Class::P2, seq, 100));
         }
-        let order = |s: &mut Spool| std::iter::from_fn(|| s.next_to_send(250).map(|x| x.1)).collect::<Vec<_>>();
+        let order = |s: &mut Spool| std::iter::from_fn(|| s.next_to_send(250, 0).map(|x| x.1)).collect::<Vec<_>>();
         assert_eq!(order(&mut s), vec![1, 2], "a third 100-byte bulk batch would pass 250");
         assert_eq!(s.bulk_in_flight_bytes(), 200);
         s.offer(batch(Class::P0, 9, 100));
@@ -650,13 +669,13 @@ mod tests {
         s.offer(batch(Class::P2, 1, 10));
         s.offer(batch(Class::P1, 2, 10));
         s.offer(batch(Class::P0, 3, 10));
-        let order: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX).map(|x| x.1)).collect();
+        let order: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX, 0).map(|x| x.1)).collect();
         assert_eq!(order, [3, 2, 1], "P0, then P1, then bulk");
         let (freed, _) = s.ack(&[(1, 1), (3, 3)], false);
         assert_eq!(freed.len(), 2);
         assert_eq!(s.len(), 1);
         s.reconnected();
-        assert_eq!(s.next_to_send(usize::MAX).map(|x| x.1), Some(2), "unacked batches are sent again");
+        assert_eq!(s.next_to_send(usize::MAX, 0).map(|x| x.1), Some(2), "unacked batches are sent again");
         let poisoned = s.nack(2).unwrap();
         assert_eq!(poisoned.batch_seq, 2);
         assert!(s.is_empty());
@@ -672,16 +691,16 @@ mod tests {
         s.offer(batch(Class::P0, 1, 500));
         s.offer(batch(Class::P1, 2, 50));
         s.offer(batch(Class::P2, 3, 100));
-        while s.next_to_send(usize::MAX).is_some() {}
+        while s.next_to_send(usize::MAX, 0).is_some() {}
         let (freed, kept) = s.ack(&[(1, 3)], true);
         assert_eq!(freed.iter().map(|b| b.batch_seq).collect::<Vec<_>>(), [3], "bulk is freed when applied");
         assert_eq!(kept.iter().map(|k| k.batch_seq).collect::<Vec<_>>(), [1, 2]);
         assert_eq!((s.len(), s.awaiting_durable(), s.used_bytes()), (0, 2, 550));
         assert!(s.is_empty(), "nothing unacked");
         assert_eq!(s.iter_held().map(|b| b.batch_seq).collect::<Vec<_>>(), [1, 2], "a resume lists them");
-        assert_eq!(s.next_to_send(usize::MAX), None, "not sent again on this connection");
+        assert_eq!(s.next_to_send(usize::MAX, 0), None, "not sent again on this connection");
         s.reconnected();
-        let again: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX).map(|x| x.1)).collect();
+        let again: Vec<u64> = std::iter::from_fn(|| s.next_to_send(usize::MAX, 0).map(|x| x.1)).collect();
         assert_eq!(again, [1, 2], "sent again after a reconnect");
         let (_, kept) = s.ack(&[(1, 2)], true);
         assert_eq!(kept.len(), 2);
@@ -694,7 +713,7 @@ mod tests {
         assert_eq!(s.counters().released_undurable, 1);
         assert_eq!(s.used_bytes(), 700);
         // `none`: everything awaiting leaves as acked.
-        while s.next_to_send(usize::MAX).is_some() {}
+        while s.next_to_send(usize::MAX, 0).is_some() {}
         s.ack(&[(4, 4)], true);
         assert_eq!(s.release_awaiting().len(), 1);
         assert_eq!(s.used_bytes(), 0);
@@ -745,7 +764,7 @@ mod tests {
                         acked += a.released.len() as u64;
                         proptest::prop_assert_eq!(a.accepted, !a.dropped.iter().any(|b| b.batch_seq == seq));
                     }
-                    Op::Send => match s.next_to_send(usize::MAX).map(|x| x.1) {
+                    Op::Send => match s.next_to_send(usize::MAX, 0).map(|x| x.1) {
                         Some(q) => proptest::prop_assert!(sent.insert(q), "batch {} sent twice without a reconnect", q),
                         None => proptest::prop_assert!(
                             s.lanes.iter().flatten().all(|b| sent.contains(&b.batch_seq)),

@@ -292,6 +292,7 @@ impl Aggregator {
             ));
         }
         if let Some(o) = cfg.otlp.clone() {
+            shared.otlp.enabled.store(true, std::sync::atomic::Ordering::Relaxed);
             let sh = Arc::clone(&shared);
             tasks.push(supervise::spawn_io_task(
                 Arc::clone(&shared),

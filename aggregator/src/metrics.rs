@@ -280,7 +280,8 @@ pub fn scrape(s: &Shared) -> String {
 #[allow(clippy::cast_precision_loss, reason = "seconds for a dashboard")]
 fn end_to_end(f: &mut Families, e: &ringwatch_core::ingest::EndToEnd) {
     use ringwatch_core::ingest::E2E_BOUNDS_NS;
-    for (class, name) in ["p0", "p1", "p2", "p3"].iter().enumerate() {
+    // P1 is the shipper's own records: not observed.
+    for (class, name) in [(0, "p0"), (2, "p2"), (3, "p3")] {
         let mut n = 0;
         let buckets: Vec<(f64, u64)> = E2E_BOUNDS_NS
             .iter()
@@ -347,12 +348,12 @@ fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
     {
         f.count("ringwatch_otlp_records_total", &[result], n.load(std::sync::atomic::Ordering::Relaxed));
     }
-    let (requests, failed) = (
-        o.requests.load(std::sync::atomic::Ordering::Relaxed),
+    f.count("ringwatch_otlp_requests_total", &["ok"], o.requests_ok.load(std::sync::atomic::Ordering::Relaxed));
+    f.count(
+        "ringwatch_otlp_requests_total",
+        &["failed"],
         o.request_failures.load(std::sync::atomic::Ordering::Relaxed),
     );
-    f.count("ringwatch_otlp_requests_total", &["ok"], requests.saturating_sub(failed));
-    f.count("ringwatch_otlp_requests_total", &["failed"], failed);
     let e2e = s.core()?.ingest().end_to_end().clone();
     end_to_end(f, &e2e);
     #[allow(clippy::cast_precision_loss, reason = "seconds for a dashboard")]

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
+use opentelemetry_proto::tonic::collector::logs::v1::{ExportLogsServiceRequest, ExportLogsServiceResponse};
 use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
 use opentelemetry_proto::tonic::logs::v1::{LogRecord, ResourceLogs, ScopeLogs, SeverityNumber};
 use opentelemetry_proto::tonic::resource::v1::Resource;
@@ -34,6 +34,9 @@ use crate::state::Shared;
 
 /// Records per export request at most.
 pub const MAX_BATCH: usize = 512;
+
+/// Node names the exporter keeps (past it the cache starts afresh).
+const MAX_NAMES: usize = 65_536;
 
 /// Where and how to export (from the environment, [`OtlpConfig::from_env`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,12 +157,17 @@ impl OtlpConfig {
 /// What the exporter did (`/metrics`: `ringwatch_otlp_*`).
 #[derive(Debug, Default)]
 pub struct OtlpCounters {
+    /// `otlp_export` is on (the task is expected to run).
+    pub enabled: std::sync::atomic::AtomicBool,
     pub exported: AtomicU64,
     pub dropped_evicted: AtomicU64,
     pub dropped_rejected: AtomicU64,
-    /// Requests that failed (sent again unless rejected).
+    /// Requests that failed (sent again unless rejected), and those accepted.
     pub request_failures: AtomicU64,
-    pub requests: AtomicU64,
+    pub requests_ok: AtomicU64,
+    /// The next event's sequence number to export (kept here so a restarted task goes
+    /// on where the last one stopped).
+    pub next: AtomicU64,
 }
 
 fn kv(key: &str, value: any_value::Value) -> KeyValue {
@@ -231,7 +239,8 @@ fn request(cfg: &OtlpConfig, instance: u64, records: Vec<LogRecord>) -> ExportLo
 
 /// How a request ended.
 enum Sent {
-    Ok,
+    /// Accepted; the collector refused this many of its records (OTLP partial success).
+    Ok(u64),
     /// Worth sending again (connection refused, timeout, 408, 429, 5xx).
     Retry(String),
     /// Refused for good.
@@ -245,7 +254,14 @@ async fn post(cfg: &OtlpConfig, body: Vec<u8>) -> Sent {
         let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
             .await
             .map_err(|e| e.to_string())?;
-        let driver = tokio::spawn(conn);
+        // Ends the connection's task however this attempt ends (a timeout included).
+        struct AbortOnDrop(tokio::task::JoinHandle<Result<(), hyper::Error>>);
+        impl Drop for AbortOnDrop {
+            fn drop(&mut self) {
+                self.0.abort();
+            }
+        }
+        let _driver = AbortOnDrop(tokio::spawn(conn));
         let mut req = axum::http::Request::post(&cfg.path)
             .header("host", &cfg.authority)
             .header("content-type", "application/x-protobuf");
@@ -259,17 +275,24 @@ async fn post(cfg: &OtlpConfig, body: Vec<u8>) -> Sent {
         let answer = http_body_util::Limited::new(resp.into_body(), 64 << 10)
             .collect()
             .await
-            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .map(|b| b.to_bytes())
             .unwrap_or_default();
-        driver.abort();
         Ok::<_, String>((status, answer))
     };
+    let text = |a: &[u8]| String::from_utf8_lossy(a).into_owned();
     match tokio::time::timeout(cfg.timeout, attempt).await {
         Err(_) => Sent::Retry(format!("no answer within {:?}", cfg.timeout)),
         Ok(Err(e)) => Sent::Retry(e),
-        Ok(Ok((200..=299, _))) => Sent::Ok,
-        Ok(Ok((s @ (408 | 429 | 500..=599), a))) => Sent::Retry(format!("status {s}: {a}")),
-        Ok(Ok((s, a))) => Sent::Rejected(format!("status {s}: {a}")),
+        Ok(Ok((200..=299, a))) => {
+            // An empty body is a full success; a partial one names what was refused.
+            let refused = ExportLogsServiceResponse::decode(a)
+                .ok()
+                .and_then(|r| r.partial_success)
+                .map_or(0, |p| u64::try_from(p.rejected_log_records).unwrap_or(0));
+            Sent::Ok(refused)
+        }
+        Ok(Ok((s @ (408 | 429 | 500..=599), a))) => Sent::Retry(format!("status {s}: {}", text(&a))),
+        Ok(Ok((s, a))) => Sent::Rejected(format!("status {s}: {}", text(&a))),
     }
 }
 
@@ -283,7 +306,9 @@ fn unix_ns() -> u64 {
 /// with a reason, or pending. Returns only when the aggregator stops.
 pub async fn run(s: Arc<Shared>, cfg: OtlpConfig) {
     let mut wake = s.events.wake.subscribe();
-    let mut next = s.events_log().start(None).map_or(1, |st| st.next);
+    // From the log's first event (1) on, or where a previous run of this task (restarted
+    // after a panic) stopped: nothing logged is skipped uncounted.
+    let mut next = s.otlp.next.load(Relaxed).max(1);
     let mut names: std::collections::BTreeMap<u64, String> = std::collections::BTreeMap::new();
     let mut backoff = Duration::from_millis(250);
     loop {
@@ -295,6 +320,7 @@ pub async fn run(s: Arc<Shared>, cfg: OtlpConfig) {
         if let Err(gap) = read {
             s.otlp.dropped_evicted.fetch_add(gap.missed.unwrap_or(0), Relaxed);
             next = gap.to.seq.saturating_add(1);
+            s.otlp.next.store(next, Relaxed);
             continue;
         }
         if got.is_empty() {
@@ -304,6 +330,10 @@ pub async fn run(s: Arc<Shared>, cfg: OtlpConfig) {
         }
         let now = unix_ns();
         let this = s.events_log().last_id();
+        if names.len() > MAX_NAMES {
+            // Names of nodes long gone: looked up again when needed.
+            names.clear();
+        }
         let records: Vec<LogRecord> = got
             .iter()
             .map(|e| {
@@ -324,10 +354,15 @@ pub async fn run(s: Arc<Shared>, cfg: OtlpConfig) {
         let last = got.last().map_or(next, |e| e.seq);
         let body = request(&cfg, s.instance, records).encode_to_vec();
         loop {
-            s.otlp.requests.fetch_add(1, Relaxed);
             match post(&cfg, body.clone()).await {
-                Sent::Ok => {
-                    s.otlp.exported.fetch_add(n, Relaxed);
+                Sent::Ok(refused) => {
+                    let refused = refused.min(n);
+                    s.otlp.requests_ok.fetch_add(1, Relaxed);
+                    s.otlp.exported.fetch_add(n - refused, Relaxed);
+                    s.otlp.dropped_rejected.fetch_add(refused, Relaxed);
+                    if refused > 0 {
+                        tracing::warn!(records = n, refused, "the OTLP collector refused part of a batch: dropped");
+                    }
                     backoff = Duration::from_millis(250);
                     break;
                 }
@@ -350,6 +385,7 @@ pub async fn run(s: Arc<Shared>, cfg: OtlpConfig) {
             }
         }
         next = last.saturating_add(1);
+        s.otlp.next.store(next, Relaxed);
         s.progress(&s.tasks.otlp);
     }
 }

@@ -4,11 +4,10 @@
 //! nothing here is on the per-frame path.
 //!
 //! The ring's write-pointer advance (the lap detector) is
-//! `rate(ringwatch_ring_read_bytes_total[1m])` (what the reader consumed) plus the
-//! dropped events, `rate(ringwatch_kernel_events_attempted_total[1m])` in events: every
-//! event that took a seq was written to the ring or counted as a kernel drop. Against
-//! `ringwatch_ring_size_bytes` and the drain gap's p99, it says whether a ring is sized
-//! for its traffic (the alert rules use exactly that).
+//! `rate(ringwatch_ring_read_bytes_total[1m])`: a dropped reserve never moves it, and
+//! what was written was read (the reader drains everything). Against
+//! `ringwatch_ring_size_bytes` and the drain gap's p99 it says whether a ring is sized for
+//! its traffic (the alert rules use exactly that).
 
 use crate::core::ringstats::RingMetrics;
 use crate::core::shipper::{LaneLatency, STAGES};
@@ -154,7 +153,7 @@ pub const SPECS: &[Spec] = &[
         "ringwatch_shipper_stage_seconds",
         "seconds",
         &["stage"],
-        "Per delivered batch, the time in each stage: read (first frame's kernel timestamp to the reader), batch (to sealed), send (to first sent), ack (to applied ack).",
+        "Per delivered batch, the time in each stage: read (bulk: first frame's kernel timestamp to the drain pass that read it), batch (to sealed), send (to first sent), ack (to applied ack).",
     ),
     Spec::histogram(
         "ringwatch_shipper_delivery_seconds",

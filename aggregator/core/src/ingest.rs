@@ -136,7 +136,7 @@ pub const E2E_BOUNDS_NS: [u64; 15] = [
 ];
 
 /// End-to-end latency: a frame's kernel timestamp (the node's clock, in cluster time)
-/// to its batch applied here, per class. One observation per (batch, stream): the
+/// to its batch applied here, per class (P0, P2, P3; P1 is the shipper's own records). One observation per (batch, stream): the
 /// stream's oldest frame in the batch, so the figures are each batch's worst. Not
 /// kept in snapshots (a restart starts it afresh, as Prometheus expects of a counter).
 #[derive(Debug, Clone, Default)]
@@ -840,6 +840,11 @@ impl Ingest {
     fn observe_end_to_end(&mut self, now: u64, node: NodeId, batch: &BatchView<'_>) {
         let Some(clock) = self.nodes.get(&node).map(|n| &n.clock) else { return };
         let class = usize::from(batch.lane().code()).min(3);
+        // P1 carries the shipper's own records (loss records stamped with the lost
+        // frames' time, takeovers): no frame's way through the pipeline.
+        if class == 1 {
+            return;
+        }
         for e in batch.summary.iter() {
             if !clock.is_synced() {
                 self.e2e.unsynced.inc();

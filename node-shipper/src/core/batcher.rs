@@ -103,8 +103,9 @@ pub struct Batch {
 /// first frame waited in the ring before the reader read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StageTimes {
-    /// Kernel timestamp of the batch's first frame → the reader read it (ns; 0 when the
-    /// source's clock is not the reader's, or unknown).
+    /// Kernel timestamp of the batch's first frame → the start of the drain pass that
+    /// read it (ns, at least 1; 0 when unknown: a source whose clock is not the
+    /// reader's, or a P0 batch, whose frames carry the collective event's time).
     pub read_ns: u64,
     /// Sealed into the spool's order by the core.
     pub cut_ns: u64,
@@ -521,8 +522,12 @@ impl Stager {
             }
             lane.writer.begin(&meta);
             lane.opened_at = Some(now);
-            lane.read_ns = offset.map_or(0, |o| {
-                u64::try_from((i128::from(now) + o - i128::from(ts)).clamp(0, i128::from(u64::MAX))).unwrap_or(0)
+            // Bulk only: a P0 frame carries the collective event's own time (the NCCL
+            // profiler's), not when it was written to the ring. At least 1 (0: unknown):
+            // `now` is the drain pass's start, so a frame written during the pass reads
+            // as having waited nothing.
+            lane.read_ns = offset.filter(|_| class >= Class::P2.code()).map_or(0, |o| {
+                u64::try_from((i128::from(now) + o - i128::from(ts)).clamp(1, i128::from(u64::MAX))).unwrap_or(1)
             });
         }
         if lane.writer.push_frame(frame).is_ok() {
@@ -692,6 +697,9 @@ mod tests {
         st.push(&bulk(7), 100, &mut |s| out.push(s));
         st.push(&bulk(8), 200, &mut |s| out.push(s));
         st.flush(&mut |s| out.push(s));
-        assert_eq!(out.iter().map(|s| s.read_ns).collect::<Vec<_>>(), vec![0, 1_030]);
+        // A frame stamped after the pass began reads 1 (known, waited nothing).
+        st.push(&bulk(200), 100, &mut |s| out.push(s));
+        st.flush(&mut |s| out.push(s));
+        assert_eq!(out.iter().map(|s| s.read_ns).collect::<Vec<_>>(), vec![0, 1_030, 1]);
     }
 }

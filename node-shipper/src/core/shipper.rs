@@ -242,8 +242,8 @@ pub struct LaneLatency {
 }
 
 /// The stages of a batch's way, as the stage latency histograms name them: `read`
-/// (its first frame's kernel timestamp → the reader read it; only sources that keep
-/// the node's monotonic clock), `batch` (→ sealed into the spool's order: the batch
+/// (its first frame's kernel timestamp → the drain pass that read it; bulk batches of
+/// sources that keep the node's monotonic clock), `batch` (→ sealed into the spool's order: the batch
 /// filled or its flush interval passed, and the reader's queue to the core), `send`
 /// (→ first handed to the network: the spool's order and window), `ack` (→ the
 /// aggregator's applied ack).

@@ -600,7 +600,7 @@ async fn net_a_core_panic_exits_nonzero_and_a_restart_from_the_snapshot_continue
         health
             .tasks
             .iter()
-            .filter(|t| !matches!(t.name.as_str(), "snapshots" | "pressure"))
+            .filter(|t| !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp"))
             .all(|t| t.alive && t.panics == 0)
     );
     for r in &reports {

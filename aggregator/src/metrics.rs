@@ -125,6 +125,50 @@ pub const SPECS: &[Spec] = &[
         &["result"],
         "OTLP export requests, by result (ok, failed: sent again unless rejected).",
     ),
+    // Loss-aware figures of final collectives (ringwatch_core::matcher::derived).
+    Spec::counter(
+        "ringwatch_collectives_final_total",
+        "1",
+        &["op", "timing"],
+        "Collectives that became final, by op and timing: complete (every rank's kernel start and completion arrived: the only ones in the duration, skew and bandwidth histograms) or incomplete.",
+    ),
+    Spec::gauge(
+        "ringwatch_collective_timing_coverage_ratio",
+        "ratio",
+        &["op"],
+        "Final collectives with complete timing ÷ final collectives: how much of the work the timing histograms describe (they lean fast when slow ops' frames are lost).",
+    ),
+    Spec::counter("ringwatch_collective_ranks_final_total", "1", &["op"], "Rank verdicts of final collectives."),
+    Spec::counter(
+        "ringwatch_collective_ranks_inferred_total",
+        "1",
+        &["op"],
+        "Ranks of final collectives whose completion was inferred (their frames lost): never timed.",
+    ),
+    Spec::histogram(
+        "ringwatch_collective_duration_seconds",
+        "seconds",
+        &["op"],
+        "Per rank of a collective with complete timing: kernel start to completion on its node's own clock.",
+    ),
+    Spec::histogram(
+        "ringwatch_collective_skew_seconds",
+        "seconds",
+        &["op"],
+        "Per collective with complete timing: latest minus earliest rank kernel start, in cluster time.",
+    ),
+    Spec::histogram(
+        "ringwatch_collective_bus_bandwidth_bytes_per_second",
+        "bytes_per_second",
+        &["op"],
+        "Per rank of a collective with complete timing and a known size: bus bandwidth by the nccl-tests formulas (all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n of the total; broadcast, reduce 1).",
+    ),
+    Spec::histogram(
+        "ringwatch_verdict_time_to_final_seconds",
+        "seconds",
+        &["op"],
+        "Per collective that became final: its first frame's arrival to its final verdict (aggregator time).",
+    ),
     Spec::gauge("ringwatch_aggregator_snapshot_size_bytes", "bytes", &[], "Size of the last snapshot written."),
     Spec::gauge(
         "ringwatch_aggregator_snapshot_lock_hold_seconds",
@@ -187,6 +231,24 @@ pub const SPECS: &[Spec] = &[
         "frames",
         &["node", "class"],
         "Events the kernel sampled out before taking a seq.",
+    ),
+    Spec::gauge(
+        "ringwatch_node_bulk_events_per_second",
+        "events_per_second",
+        &["node"],
+        "Bulk (P2) events the node's kernel counted per second (attempted + sampled out, whether or not their frames arrived), over the last 10 s of heartbeats (/v1/nodes bulk).",
+    ),
+    Spec::gauge(
+        "ringwatch_node_bulk_coverage_ratio",
+        "ratio",
+        &["node"],
+        "Bulk frames received ÷ bulk events that took a seq (/v1/nodes bulk.coverage).",
+    ),
+    Spec::gauge(
+        "ringwatch_node_bulk_lost_ratio",
+        "ratio",
+        &["node"],
+        "Bulk frames lost (every cause) ÷ bulk events that took a seq (/v1/nodes bulk.lost_share).",
     ),
     Spec::gauge("ringwatch_node_frames_pending", "frames", &["node"], "Seqs neither received nor resolved yet."),
     Spec::gauge(
@@ -302,6 +364,29 @@ fn end_to_end(f: &mut Families, e: &ringwatch_core::ingest::EndToEnd) {
     f.count("ringwatch_end_to_end_unsynced_total", &[], e.unsynced);
 }
 
+/// The loss-aware figures of final collectives, per op kind with any.
+fn collectives(f: &mut Families, d: &ringwatch_core::matcher::Derived) {
+    use ringwatch_core::matcher::derived::{BUSBW_BOUNDS, Derived, SECONDS_BOUNDS, TO_FINAL_BOUNDS};
+    for (i, fig) in d.by_op.iter().enumerate().filter(|(_, g)| g.decided > 0) {
+        let op = Derived::name(i);
+        f.count("ringwatch_collectives_final_total", &[op, "complete"], fig.complete);
+        f.count("ringwatch_collectives_final_total", &[op, "incomplete"], fig.decided.saturating_sub(fig.complete));
+        if let Some(c) = fig.coverage() {
+            f.gauge("ringwatch_collective_timing_coverage_ratio", &[op], c);
+        }
+        f.count("ringwatch_collective_ranks_final_total", &[op], fig.ranks_decided);
+        f.count("ringwatch_collective_ranks_inferred_total", &[op], fig.ranks_inferred);
+        for (name, h, bounds) in [
+            ("ringwatch_collective_duration_seconds", &fig.duration, &SECONDS_BOUNDS[..]),
+            ("ringwatch_collective_skew_seconds", &fig.skew, &SECONDS_BOUNDS[..]),
+            ("ringwatch_collective_bus_bandwidth_bytes_per_second", &fig.busbw, &BUSBW_BOUNDS[..]),
+            ("ringwatch_verdict_time_to_final_seconds", &fig.time_to_final, &TO_FINAL_BOUNDS[..]),
+        ] {
+            f.histogram(name, &[op], &h.cumulative(bounds), h.sum, h.count);
+        }
+    }
+}
+
 fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
     let ingest = api::ingest_dto(s)?;
     let nodes = api::nodes_dto(s)?;
@@ -354,8 +439,12 @@ fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
         &["failed"],
         o.request_failures.load(std::sync::atomic::Ordering::Relaxed),
     );
-    let e2e = s.core()?.ingest().end_to_end().clone();
+    let (e2e, derived) = {
+        let core = s.core()?;
+        (core.ingest().end_to_end().clone(), core.matcher().derived().clone())
+    };
     end_to_end(f, &e2e);
+    collectives(f, &derived);
     #[allow(clippy::cast_precision_loss, reason = "seconds for a dashboard")]
     f.gauge("ringwatch_aggregator_snapshot_lock_hold_seconds", &[], ingest.last_snapshot_hold_us as f64 / 1e6);
 
@@ -425,6 +514,17 @@ fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
         }
         for ((class, cause), v) in lost {
             f.count("ringwatch_node_frames_lost_total", &[node, class, cause], v);
+        }
+        if let Some(b) = &n.bulk {
+            if let Some(r) = b.events_per_second {
+                f.gauge("ringwatch_node_bulk_events_per_second", &[node], r);
+            }
+            if let Some(c) = b.coverage {
+                f.gauge("ringwatch_node_bulk_coverage_ratio", &[node], c);
+            }
+            if let Some(l) = b.lost_share {
+                f.gauge("ringwatch_node_bulk_lost_ratio", &[node], l);
+            }
         }
         f.level("ringwatch_node_frames_pending", &[node], pending);
         f.level("ringwatch_node_frames_in_transit", &[node], in_transit);

@@ -441,6 +441,7 @@ mod tests {
             p0_frames_lost: 3,
             p0_frames_attempted: 100,
             shipper: None,
+            bulk: None,
             streams: vec![],
         }
     }

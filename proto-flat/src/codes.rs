@@ -184,6 +184,20 @@ wire_enum! {
     }
 }
 
+impl DType {
+    /// Element size in bytes (`None` for a code this version does not know).
+    #[must_use]
+    pub const fn bytes(self) -> Option<u64> {
+        match self {
+            DType::Int8 | DType::Uint8 | DType::Float8E4m3 | DType::Float8E5m2 => Some(1),
+            DType::Float16 | DType::Bfloat16 => Some(2),
+            DType::Int32 | DType::Uint32 | DType::Float32 => Some(4),
+            DType::Int64 | DType::Uint64 | DType::Float64 => Some(8),
+            DType::Unrecognized(_) => None,
+        }
+    }
+}
+
 wire_enum! {
     /// Lifecycle phase of a collective or P2P op.
     Phase: u8, "phase" {

@@ -256,6 +256,9 @@ pub struct Report {
     pub last_verdicts: BTreeMap<(OpRef, u32), Verdict>,
     /// `Core::node_health` [`HEALTH_AFTER_SIM_NS`] after the simulation's end.
     pub health_at_sim_end: BTreeMap<NodeId, Health>,
+    /// Each node's bulk event rate as the aggregator estimated it at the simulation's
+    /// end (the settle time after it has no events: the rate falls to 0 there).
+    pub bulk_rates_at_sim_end: BTreeMap<NodeId, Option<ringwatch_core::rates::Rate>>,
     /// The aggregator's core as the run left it.
     pub core: Core,
     /// The simulator's truth (its collectives only with [`PairConfig::keep_verdicts`]).
@@ -826,6 +829,7 @@ pub struct Pair {
     last_verdicts: BTreeMap<(OpRef, u32), Verdict>,
     health_at: u64,
     health_at_sim_end: Option<BTreeMap<NodeId, Health>>,
+    rates_at_sim_end: Option<BTreeMap<NodeId, Option<ringwatch_core::rates::Rate>>>,
 }
 
 /// splitmix64's finaliser: deterministic ids from the seed.
@@ -944,6 +948,7 @@ impl Pair {
             last_verdicts: BTreeMap::new(),
             health_at: sim.horizon_ns().saturating_add(HEALTH_AFTER_SIM_NS),
             health_at_sim_end: None,
+            rates_at_sim_end: None,
             sim,
             cfg,
         }
@@ -975,6 +980,9 @@ impl Pair {
         let mut t = self.next_poll.min(self.next_timer).min(self.next_map_check);
         if self.health_at_sim_end.is_none() {
             t = t.min(self.health_at);
+        }
+        if self.rates_at_sim_end.is_none() {
+            t = t.min(self.sim.horizon_ns());
         }
         if let Some(Reverse(f)) = self.queue.peek() {
             t = t.min(f.at);
@@ -1029,6 +1037,11 @@ impl Pair {
         if now >= self.next_map_check {
             self.check_maps();
             self.next_map_check = now + self.cfg.map_check_ns;
+        }
+        if self.rates_at_sim_end.is_none() && now >= self.sim.horizon_ns() {
+            let core = &self.core;
+            self.rates_at_sim_end =
+                Some(core.node_ids().map(|id| (id, core.node_state(id).and_then(|n| n.bulk_rate.rate()))).collect());
         }
         if self.health_at_sim_end.is_none() && now >= self.health_at {
             self.health_at_sim_end = Some(self.core.node_health(now));
@@ -1605,6 +1618,7 @@ impl Pair {
                         p0_frames_lost: 0,
                         p0_frames_attempted: 0,
                         shipper: None,
+                        bulk: None,
                         streams: self.core.trackers(sh.id).map(aggregator::api::dto::StreamDto::from_tracker).collect(),
                     }
                 })
@@ -1643,6 +1657,7 @@ impl Pair {
             timer_turns: self.timer_turns,
             last_verdicts: std::mem::take(&mut self.last_verdicts),
             health_at_sim_end: self.health_at_sim_end.take().unwrap_or_else(|| self.core.node_health(end)),
+            bulk_rates_at_sim_end: self.rates_at_sim_end.take().unwrap_or_default(),
             core: self.core,
             truth,
         }

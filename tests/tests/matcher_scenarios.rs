@@ -21,6 +21,8 @@ struct Judged {
     core: Core,
     /// Node health shortly after the simulation's end (the shippers still heartbeating).
     health_at_end: BTreeMap<NodeId, Health>,
+    /// Each node's bulk event rate as estimated at the simulation's end.
+    rates_at_end: BTreeMap<NodeId, Option<ringwatch_core::rates::Rate>>,
 }
 
 fn judge(s: &Scenario, scale: f64) -> Judged {
@@ -31,7 +33,13 @@ fn judge_with(cfg: PairConfig) -> Judged {
     let name = cfg.scenario.name.clone();
     let r = Pair::new(cfg).run();
     harness_checks(&name, &r, true);
-    Judged { truth: r.truth, verdicts: r.last_verdicts, core: r.core, health_at_end: r.health_at_sim_end }
+    Judged {
+        truth: r.truth,
+        verdicts: r.last_verdicts,
+        core: r.core,
+        health_at_end: r.health_at_sim_end,
+        rates_at_end: r.bulk_rates_at_sim_end,
+    }
 }
 
 /// What holds for every run whatever its scenario: every final verdict right by the
@@ -345,7 +353,13 @@ fn one_rank_not_joined_others_wait_on_it_suspect_not_degraded() {
     // of the verdict-truth suite's. What this test asserts is below.
     let r = Pair::new(PairConfig::verdicts_of(s.clone(), 1e-5)).run();
     harness_checks(&s.name, &r, false);
-    let j = Judged { truth: r.truth, verdicts: r.last_verdicts, core: r.core, health_at_end: r.health_at_sim_end };
+    let j = Judged {
+        truth: r.truth,
+        verdicts: r.last_verdicts,
+        core: r.core,
+        health_at_end: r.health_at_sim_end,
+        rates_at_end: r.bulk_rates_at_sim_end,
+    };
     print_confusion("not-joined", &confusion(&j));
     let nj: Vec<_> = outcomes(&j).filter(|v| v.outcome == Outcome::NotJoined && v.is_final).collect();
     assert!(!nj.is_empty());
@@ -672,4 +686,203 @@ fn a_gpu_pause_is_stuck_then_blocks_only_the_ops_entered_during_it_regression_is
     assert_eq!(stuck.len(), 1, "only the paused rank in the paused op: {stuck:?}");
     assert_eq!(j.core.matcher().stats().recovered, 1 + 16 * 4, "{:?}", j.core.matcher().stats());
     assert_eq!(j.core.matcher().stats().revisions_after_final, 0);
+}
+
+/// Heavy loss for the loss-aware figures (issue 25): P0 rings dropping 30 % and 60 % of
+/// two nodes' lifecycle frames for most of the run, bulk rings overflowing, the kernel
+/// sampling 1 in 4 bulk events.
+const HEAVY_LOSS: &str = r#"
+name = "derived-heavy-loss"
+description = "heavy P0 and bulk loss, no fault in the work"
+seed = 25
+duration_ms = 16000
+
+[cluster]
+nodes = 4
+gpus_per_node = 4
+cpus_per_node = 2
+
+[[comms]]
+name = "world"
+group = "world"
+[[comms.ops]]
+op = "all_reduce"
+bytes = 67108864
+period_ms = 100
+duration = { median_ms = 20, p99_ms = 60 }
+
+[[comms]]
+name = "tp"
+group = "tensor"
+[[comms.ops]]
+op = "all_gather"
+bytes = 8388608
+period_ms = 50
+duration = { median_ms = 4, p99_ms = 8 }
+
+[bulk]
+links = 8
+link_gbps = 100
+sample_every = 4
+
+[[faults]]
+kind = "ring_overflow"
+node = 1
+ring = "p0"
+from_ms = 1000
+until_ms = 14000
+fraction = 0.3
+
+[[faults]]
+kind = "ring_overflow"
+node = 2
+ring = "p0"
+from_ms = 3000
+until_ms = 9000
+fraction = 0.6
+
+[[faults]]
+kind = "ring_overflow"
+node = 0
+ring = "bulk"
+from_ms = 0
+until_ms = 16000
+fraction = 0.5
+
+[[faults]]
+kind = "ring_overflow"
+node = 3
+ring = "bulk"
+from_ms = 4000
+until_ms = 12000
+"#;
+
+fn mean(v: &[f64]) -> f64 {
+    #[allow(clippy::cast_precision_loss, reason = "a mean")]
+    let n = v.len() as f64;
+    v.iter().sum::<f64>() / n
+}
+
+#[test]
+fn loss_aware_figures_match_the_simulators_truth_under_heavy_loss_issue_25() {
+    use proto_flat::codes::{Op, WireEnum};
+    use ringwatch_core::matcher::derived::busbw_bytes;
+    let s = Scenario::parse(HEAVY_LOSS).unwrap();
+    let j = judge(&s, 1e-5);
+    print_confusion("derived-heavy-loss", &confusion(&j));
+    let d = j.core.matcher().derived();
+
+    // The collectives that became final, by the verdicts (every rank's last verdict final).
+    let mut ranks_of: BTreeMap<(u64, u64), Vec<&Verdict>> = BTreeMap::new();
+    for ((op, _), v) in &j.verdicts {
+        if let OpRef::Coll { comm, seq } = op {
+            ranks_of.entry((comm.hash, *seq)).or_default().push(v);
+        }
+    }
+    let truth: BTreeMap<(u64, u64), &loadgen_sim::truth::CollectiveTruth> =
+        j.truth.collectives.iter().filter(|c| c.comm_op_seq > 0).map(|c| ((c.comm_hash, c.comm_op_seq), c)).collect();
+    println!(
+        "op          decided  complete (truth bounds)  inferred  duration ms est/truth (err)  busbw GB/s est/truth (err)  skew ms est/truth"
+    );
+    for op in [Op::AllReduce, Op::AllGather] {
+        let name = op.name().unwrap();
+        let fig = d.of(op.code()).unwrap();
+        let finals: Vec<&loadgen_sim::truth::CollectiveTruth> = ranks_of
+            .iter()
+            .filter(|(_, vs)| vs.iter().all(|v| v.is_final))
+            .filter_map(|(k, _)| truth.get(k).copied())
+            .filter(|c| c.op == name)
+            .collect();
+        let inferred = ranks_of
+            .iter()
+            .filter(|(k, _)| truth.get(k).is_some_and(|c| c.op == name))
+            .flat_map(|(_, vs)| vs.iter())
+            .filter(|v| v.is_final && v.outcome == Outcome::CompletedInferred)
+            .count() as u64;
+        assert_eq!(fig.decided, finals.len() as u64, "{name}: one observation per final op");
+        assert_eq!(fig.ranks_inferred, inferred, "{name}: inferred ranks counted apart, as the verdicts say");
+        assert!(inferred > 0, "{name}: the P0 loss hid completions");
+        // Complete timing: at least the ops none of whose ranks lost a frame, at most those
+        // every rank of which started and ended.
+        let ended = |c: &loadgen_sim::truth::CollectiveTruth| {
+            c.ranks.iter().all(|r| r.started_ms.is_some() && r.ended_ms.is_some())
+        };
+        // The truth over every final op that ran to its end: what the histograms estimate.
+        let all: Vec<&loadgen_sim::truth::CollectiveTruth> = finals.iter().copied().filter(|c| ended(c)).collect();
+        let upper = all.len() as u64;
+        let lower = all.iter().filter(|c| c.ranks.iter().all(|r| r.lost_frames == 0)).count() as u64;
+        assert!((lower..=upper).contains(&fig.complete), "{name}: complete {} not in {lower}..={upper}", fig.complete);
+        assert!(fig.coverage().unwrap() < 0.95, "{name}: heavy loss shows in the coverage: {:?}", fig.coverage());
+        let durations: Vec<f64> = all
+            .iter()
+            .flat_map(|c| c.ranks.iter())
+            .map(|r| (r.ended_ms.unwrap() - r.started_ms.unwrap()) / 1e3)
+            .collect();
+        let n = u32::try_from(all.first().map_or(0, |c| c.ranks.len())).unwrap();
+        let bytes = s.comms.iter().flat_map(|c| c.ops.iter()).find(|o| o.op == name).unwrap().bytes;
+        #[allow(clippy::cast_precision_loss, reason = "bytes")]
+        let bus = busbw_bytes(op, bytes as f64, n).unwrap();
+        let busbw: Vec<f64> = durations.iter().map(|t| bus / t).collect();
+        let skews: Vec<f64> = all
+            .iter()
+            .map(|c| {
+                let starts = c.ranks.iter().map(|r| r.started_ms.unwrap());
+                (starts.clone().fold(f64::MIN, f64::max) - starts.fold(f64::MAX, f64::min)) / 1e3
+            })
+            .collect();
+        let (dur_est, dur_true) = (fig.duration.mean().unwrap(), mean(&durations));
+        let (bw_est, bw_true) = (fig.busbw.mean().unwrap(), mean(&busbw));
+        let (skew_est, skew_true) = (fig.skew.mean().unwrap(), mean(&skews));
+        let err = |e: f64, t: f64| (e - t) / t;
+        println!(
+            "{name:<12}{:>7}  {:>8} ({lower}..={upper})  {:>8}  {:.3}/{:.3} ({:+.1} %)  {:.1}/{:.1} ({:+.1} %)  {:.3}/{:.3}",
+            fig.decided,
+            fig.complete,
+            fig.ranks_inferred,
+            dur_est * 1e3,
+            dur_true * 1e3,
+            err(dur_est, dur_true) * 100.0,
+            bw_est / 1e9,
+            bw_true / 1e9,
+            err(bw_est, bw_true) * 100.0,
+            skew_est * 1e3,
+            skew_true * 1e3
+        );
+        assert!(err(dur_est, dur_true).abs() < 0.1, "{name}: mean duration within 10 %");
+        assert!(err(bw_est, bw_true).abs() < 0.1, "{name}: mean bus bandwidth within 10 %");
+        assert!((skew_est - skew_true).abs() < 0.002, "{name}: mean skew within 2 ms");
+        assert_eq!(fig.time_to_final.count, fig.decided);
+    }
+
+    // Bulk: the rate from the kernel's counters against the events the simulator made;
+    // coverage and lost share against what its rings delivered and dropped.
+    #[allow(clippy::cast_precision_loss, reason = "seconds")]
+    let secs = j.truth.duration_ms as f64 / 1e3;
+    println!("node  events/s est/truth (err)  coverage est/truth  lost share est/truth");
+    for node in 0..4u32 {
+        let id = node_id(node);
+        let p2 = || j.truth.streams.iter().filter(|t| t.node == node && t.class == "p2");
+        let generated: u64 = p2().map(|t| t.generated).sum();
+        let attempted: u64 = p2().map(|t| t.attempted).sum();
+        let delivered: u64 = p2().map(|t| t.delivered).sum();
+        let dropped: u64 = p2().map(|t| t.dropped.values().sum::<u64>()).sum();
+        #[allow(clippy::cast_precision_loss, reason = "a rate")]
+        let (rate_true, cov_true, lost_true) =
+            (generated as f64 / secs, delivered as f64 / attempted as f64, dropped as f64 / attempted as f64);
+        let rate = j.rates_at_end.get(&id).copied().flatten().expect("a rate at the simulation's end");
+        let b = aggregator::api::bulk_dto(&j.core, id, j.core.node_state(id).unwrap());
+        let (cov, lost) = (b.coverage.unwrap(), b.lost_share.unwrap());
+        let err = (rate.events_per_second - rate_true) / rate_true;
+        println!(
+            "{node:<6}{:.0}/{:.0} ({:+.1} %, {:.1} s)  {cov:.4}/{cov_true:.4}  {lost:.4}/{lost_true:.4}",
+            rate.events_per_second,
+            rate_true,
+            err * 100.0,
+            rate.window_ns as f64 / 1e9
+        );
+        assert!(err.abs() < 0.05, "node {node}: the bulk rate within 5 % though frames were lost");
+        assert!((cov - cov_true).abs() < 0.005 && (lost - lost_true).abs() < 0.005, "node {node}: coverage and loss");
+        assert_eq!(b.sampled_out + b.attempted, generated, "node {node}: every event counted");
+    }
+    assert!(degraded(&j).is_empty(), "telemetry loss never degrades");
 }

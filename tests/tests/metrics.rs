@@ -267,6 +267,33 @@ async fn ext_prometheus_scrapes_both_binaries_and_its_loss_by_cause_is_the_apis(
     .await;
     println!("end-to-end p99 of P0 (kernel timestamp → applied): {:.4} s", p99[0].1);
 
+    // Loss-aware figures: the timing coverage of final all-reduces (node 3's lost
+    // completions leave some without complete timing), their durations, time to final;
+    // each node's bulk coverage as /v1/nodes says it, and a bulk rate per node.
+    let coverage = wait_query(prom, "ringwatch_collective_timing_coverage_ratio", |r| {
+        r.iter().any(|(l, v)| l["op"] == "all_reduce" && *v > 0.0 && *v < 1.0)
+    })
+    .await;
+    println!("timing coverage by op: {coverage:?}");
+    wait_query(prom, "ringwatch_collective_duration_seconds_count{op=\"all_reduce\"} > 0", |r| r.len() == 1).await;
+    // (Also `op="unknown"`: a tp all-gather all of whose ranks live on node 3 lost every
+    // frame; decided from PROGRESS, its kind unknown.)
+    wait_query(prom, "ringwatch_verdict_time_to_final_seconds_count > 0", |r| {
+        let ops: BTreeSet<&str> = r.iter().filter_map(|(l, _)| l.get("op").map(String::as_str)).collect();
+        ops.contains("all_reduce") && ops.contains("all_gather")
+    })
+    .await;
+    let bulk: BTreeMap<String, f64> = nodes
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.bulk.as_ref().and_then(|b| b.coverage).unwrap_or(-1.0)))
+        .collect();
+    wait_query(prom, "ringwatch_node_bulk_coverage_ratio", |r| {
+        r.iter().map(|(l, v)| (l["node"].clone(), *v)).collect::<BTreeMap<_, _>>() == bulk
+    })
+    .await;
+    wait_query(prom, "ringwatch_node_bulk_events_per_second >= 0", |r| r.len() == nodes.nodes.len()).await;
+
     // The rules loaded and evaluate without errors against these series.
     let rules_text = std::fs::read_to_string(repo_root().join("deploy/prometheus/ringwatch.rules.yml")).expect("rules");
     let in_file = rules_text.lines().filter(|l| l.trim_start().starts_with("- alert:")).count();

@@ -206,6 +206,10 @@ pub struct NodeState {
     /// most [`MAX_OWNERS_PER_NODE`]). Not snapshotted, like `shipper`.
     #[rkyv(with = rkyv::with::Skip)]
     pub owners: Vec<GpuOwner>,
+    /// Its bulk (P2) event rate from the heartbeats' exact counters. Not snapshotted:
+    /// the next heartbeats rebuild it.
+    #[rkyv(with = rkyv::with::Skip)]
+    pub bulk_rate: crate::rates::BulkRate,
 }
 
 /// The most `owners` a node keeps.
@@ -742,6 +746,7 @@ impl Ingest {
                 retired: RetiredStreams::default(),
                 shipper: None,
                 owners: Vec::new(),
+                bulk_rate: crate::rates::BulkRate::default(),
             },
         );
         true
@@ -1095,6 +1100,19 @@ impl Ingest {
                                         );
                                         self.next_order.inc();
                                     }
+                                }
+                                if let Some(n) = self.nodes.get_mut(&node) {
+                                    // Every event the kernel counted on the bulk streams
+                                    // of this epoch (latest heartbeat numbers per stream).
+                                    let events = n
+                                        .trackers
+                                        .range((epoch, 0)..=(epoch, u32::MAX))
+                                        .filter(|((_, sid), _)| proto_flat::StreamId(*sid).class() == Class::P2)
+                                        .filter_map(|(_, t)| t.heartbeat())
+                                        .fold(0u64, |a, hb| {
+                                            a.saturating_add(hb.attempted).saturating_add(hb.sampled_out)
+                                        });
+                                    n.bulk_rate.on_heartbeat(epoch, snapshot, events);
                                 }
                             }
                             Section::Progress(entries) => {

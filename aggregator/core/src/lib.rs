@@ -28,6 +28,7 @@ pub mod matcher;
 pub mod outbox;
 pub mod pipeline;
 pub mod plausible;
+pub mod rates;
 pub mod records;
 pub mod snapshot;
 pub mod store;

@@ -298,7 +298,34 @@ pub struct NodeDto {
     /// `degraded`, but a node under `full` pressure is one a scheduler may act on.
     #[serde(default)]
     pub shipper: Option<ShipperStateDto>,
+    /// Its bulk (P2) traffic from the exact counters (absent before its first
+    /// heartbeat this instance received).
+    #[serde(default)]
+    pub bulk: Option<BulkDto>,
     pub streams: Vec<StreamDto>,
+}
+
+/// A node's bulk (P2) events: what the kernel counted — every event, whether or not its
+/// frame arrived — beside how much of it the aggregator saw, so a rate never silently
+/// drops with the telemetry. Over the streams of every epoch this instance knows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BulkDto {
+    /// Events per second (attempted + sampled out) over `window_s` of node time between
+    /// heartbeats of the current epoch; absent before two heartbeats of it.
+    pub events_per_second: Option<f64>,
+    pub window_s: f64,
+    /// From the last heartbeats: events that took a seq, and events sampled out.
+    pub attempted: u64,
+    pub sampled_out: u64,
+    /// Frames received, and lost (every cause).
+    pub received: u64,
+    pub lost: u64,
+    /// `received ÷ attempted` (the share of counted events whose frames arrived; the
+    /// rest is lost or not yet resolved), `lost ÷ attempted`, `sampled_out ÷ (attempted
+    /// + sampled_out)`; absent when their divisor is 0.
+    pub coverage: Option<f64>,
+    pub lost_share: Option<f64>,
+    pub sampled_share: Option<f64>,
 }
 
 /// A shipper's state, from its last heartbeat.

@@ -570,7 +570,37 @@ pub(crate) fn node_dto(
             spool_cap_bytes: st.spool_cap_bytes,
             age_ms: now.saturating_sub(st.at_ns) / 1_000_000,
         }),
+        bulk: state.map(|n| bulk_dto(core, id, n)),
         streams: core.trackers(id).map(StreamDto::from_tracker).collect(),
+    }
+}
+
+/// A node's bulk (P2) events: the rate from its heartbeats' counters, and the share of
+/// them received, lost and sampled out.
+pub fn bulk_dto(core: &ringwatch_core::Core, id: NodeId, n: &ringwatch_core::ingest::NodeState) -> dto::BulkDto {
+    let (mut attempted, mut sampled_out, mut received, mut lost) = (0u64, 0u64, 0u64, 0u64);
+    for t in core.trackers(id).filter(|t| proto_flat::StreamId(t.key.stream_id).class() == proto_flat::Class::P2) {
+        if let Some(hb) = t.heartbeat() {
+            attempted = attempted.saturating_add(hb.attempted);
+            sampled_out = sampled_out.saturating_add(hb.sampled_out);
+        }
+        received = received.saturating_add(t.counts().received);
+        lost = lost.saturating_add(t.counts().lost_total());
+    }
+    #[allow(clippy::cast_precision_loss, reason = "shares for a dashboard")]
+    let share = |a: u64, b: u64| (b > 0).then(|| (a as f64 / b as f64).min(1.0));
+    let rate = n.bulk_rate.rate();
+    #[allow(clippy::cast_precision_loss, reason = "seconds")]
+    dto::BulkDto {
+        events_per_second: rate.map(|r| r.events_per_second),
+        window_s: rate.map_or(0.0, |r| r.window_ns as f64 / 1e9),
+        attempted,
+        sampled_out,
+        received,
+        lost,
+        coverage: share(received, attempted),
+        lost_share: share(lost, attempted),
+        sampled_share: share(sampled_out, attempted.saturating_add(sampled_out)),
     }
 }
 

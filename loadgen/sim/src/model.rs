@@ -44,16 +44,6 @@ pub fn parse_dtype(name: &str) -> Option<DType> {
     DType::ALL.iter().copied().find(|d| d.name() == Some(name))
 }
 
-/// Element size of a dtype in bytes.
-fn dtype_bytes(d: DType) -> u64 {
-    match d {
-        DType::Int8 | DType::Uint8 | DType::Float8E4m3 | DType::Float8E5m2 => 1,
-        DType::Float16 | DType::Bfloat16 => 2,
-        DType::Int32 | DType::Uint32 | DType::Float32 => 4,
-        _ => 8,
-    }
-}
-
 /// Deterministic 64-bit mixing (splitmix64's finaliser) for ids derived from names.
 #[must_use]
 pub fn mix(mut x: u64) -> u64 {
@@ -363,7 +353,7 @@ impl Model {
                     } else {
                         u32::MAX
                     });
-                let count = op.bytes / dtype_bytes(dtype);
+                let count = op.bytes / dtype.bytes().unwrap_or(8);
                 let mut t = op.start_ms;
                 while ms_f(t) < horizon_ns {
                     let dur = ms_f(dist.sample(&mut rng)).max(1_000);

@@ -186,6 +186,9 @@ impl CollectiveMatcher {
         let key = op.key;
         self.deadlines.remove(&(op.due_ns, key));
         self.stats.ops_final.inc();
+        if matches!(key, OpRef::Coll { .. }) {
+            self.observe_derived(now, op, outcomes);
+        }
         self.remember_final(now, key);
         let stuck: BTreeMap<u32, u64> = rs
             .iter()
@@ -269,6 +272,39 @@ impl CollectiveMatcher {
             }
             mark(&mut self.ops, &mut self.dirty, OpRef::Coll { comm, seq: seq.saturating_add(1) });
         }
+    }
+
+    /// A collective that became final, into the loss-aware figures: each participant's
+    /// timing as its frames gave it (an inferred completion is no timing).
+    fn observe_derived(&mut self, now: u64, op: &OpState, outcomes: &[Outcome]) {
+        use super::derived::{FinalOp, RankTiming};
+        let ranks: Vec<RankTiming> = op
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let inferred = matches!(outcomes.get(i), Some(Outcome::CompletedInferred));
+                if !r.present {
+                    return RankTiming { inferred, ..RankTiming::default() };
+                }
+                RankTiming {
+                    started_node_ns: if r.started.is_some() { r.started_node_ns } else { 0 },
+                    completed_node_ns: if r.completed.is_some() { r.completed_node_ns } else { 0 },
+                    started_cluster_ns: r.started_cluster_ns,
+                    inferred,
+                }
+            })
+            .collect();
+        let dtype = op.observed().map(|r| r.dtype).next().unwrap_or(0);
+        self.derived.observe(&FinalOp {
+            op: op.op,
+            dtype,
+            count: op.count,
+            nranks: u32::try_from(op.participants.len()).unwrap_or(u32::MAX),
+            ranks: &ranks,
+            first_seen_ns: op.first_seen_ns,
+            final_ns: now,
+        });
     }
 
     /// An op not yet final goes back into the table with its verdicts, the nodes that

@@ -202,12 +202,14 @@ pub struct MatcherStats {
 mod bounds;
 mod classify;
 mod clock;
+pub mod derived;
 mod emit;
 mod evaluate;
 mod finality;
 mod health;
 mod state;
 
+pub use derived::Derived;
 use health::GpuEvidence;
 pub use health::Health;
 pub use state::Homes;
@@ -290,6 +292,10 @@ pub struct CollectiveMatcher {
     /// Latest verdict per (node, gpu) that drives health: (degraded evidence, suspect).
     gpu_flags: BTreeMap<(NodeId, [u8; 16]), GpuEvidence>,
     stats: MatcherStats,
+    /// Loss-aware figures of final collectives (not in snapshots: figures of this
+    /// process, like the ingest's end-to-end latency).
+    #[rkyv(with = rkyv::with::Skip)]
+    derived: Derived,
     out: crate::outbox::Outbox<MatcherEvent>,
 }
 
@@ -337,6 +343,7 @@ impl CollectiveMatcher {
             recoverable_ranks: 0,
             gpu_flags: BTreeMap::new(),
             stats: MatcherStats::default(),
+            derived: Derived::default(),
             out: crate::outbox::Outbox::default(),
         }
     }
@@ -354,6 +361,12 @@ impl CollectiveMatcher {
     #[must_use]
     pub fn stats(&self) -> &MatcherStats {
         &self.stats
+    }
+
+    /// Loss-aware figures of the collectives that became final (see [`derived`]).
+    #[must_use]
+    pub fn derived(&self) -> &Derived {
+        &self.derived
     }
 
     /// Its configuration.

@@ -250,6 +250,24 @@ pub const SPECS: &[Spec] = &[
         &["node"],
         "Bulk frames lost (every cause) ÷ bulk events that took a seq (/v1/nodes bulk.lost_share).",
     ),
+    Spec::gauge(
+        "ringwatch_interface_packets_per_second",
+        "packets_per_second",
+        &["node", "ifindex"],
+        "Packets per second on a node's network interface, from the kernel's per-interface counters (every packet, before sampling and the ring), over the last 10 s of heartbeats; ifindex 0: the interfaces beyond the kernel map's cap (/v1/nodes bulk.interfaces).",
+    ),
+    Spec::gauge(
+        "ringwatch_interface_bytes_per_second",
+        "bytes_per_second",
+        &["node", "ifindex"],
+        "Bytes per second on a node's network interface, counted like ringwatch_interface_packets_per_second.",
+    ),
+    Spec::counter(
+        "ringwatch_node_interfaces_turned_away_total",
+        "1",
+        &["node"],
+        "Interface entries of a node's heartbeats beyond the per-node cap (65), since this aggregator started.",
+    ),
     Spec::gauge("ringwatch_node_frames_pending", "frames", &["node"], "Seqs neither received nor resolved yet."),
     Spec::gauge(
         "ringwatch_node_frames_in_transit",
@@ -525,6 +543,16 @@ fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
             if let Some(l) = b.lost_share {
                 f.gauge("ringwatch_node_bulk_lost_ratio", &[node], l);
             }
+            for i in &b.interfaces {
+                let ifindex = i.ifindex.to_string();
+                if let Some(r) = i.packets_per_second {
+                    f.gauge("ringwatch_interface_packets_per_second", &[node, &ifindex], r);
+                }
+                if let Some(r) = i.bytes_per_second {
+                    f.gauge("ringwatch_interface_bytes_per_second", &[node, &ifindex], r);
+                }
+            }
+            f.count("ringwatch_node_interfaces_turned_away_total", &[node], b.interfaces_turned_away);
         }
         f.level("ringwatch_node_frames_pending", &[node], pending);
         f.level("ringwatch_node_frames_in_transit", &[node], in_transit);

@@ -31,13 +31,14 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
 use aya::programs::{TestRun, TestRunOptions, Xdp};
 use aya::{Ebpf, EbpfLoader};
 use proto_flat::kernel::{
-    EpochMeta, PIN_LAYOUT, ProgressKey, ProgressStats, RING_BULK, RING_COUNT, RING_P0, RingCounters, SamplingControl,
+    EpochMeta, IfCounters, PIN_LAYOUT, ProgressKey, ProgressStats, RING_BULK, RING_COUNT, RING_P0, RingCounters,
+    SamplingControl,
 };
-use proto_flat::sections::{ProgressEntry, SessionStreamEntry, StreamEntry};
+use proto_flat::sections::{IFINDEX_OVERFLOW, InterfaceEntry, ProgressEntry, SessionStreamEntry, StreamEntry};
 use proto_flat::{Class, StreamId};
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
@@ -65,7 +66,10 @@ const META: &str = "rw_meta";
 const LAYOUT: &str = "rw_layout";
 const PROGRESS: &str = "rw_progress";
 const PROGRESS_STATS: &str = "rw_progress_stats";
-const PINNED_MAPS: [&str; 8] = [P0_RING, BULK_RING, COUNTERS, CONTROL, META, LAYOUT, PROGRESS, PROGRESS_STATS];
+const IF_COUNTERS: &str = "rw_if_counters";
+const IF_OVERFLOW: &str = "rw_if_overflow";
+const PINNED_MAPS: [&str; 10] =
+    [P0_RING, BULK_RING, COUNTERS, CONTROL, META, LAYOUT, PROGRESS, PROGRESS_STATS, IF_COUNTERS, IF_OVERFLOW];
 const BULK_PROG: &str = "rw_bulk_xdp";
 const P0_TEST_PROG: &str = "rw_p0_test_xdp";
 /// uprobe program → the shim's probe function it attaches to.
@@ -514,6 +518,7 @@ fn take_array<V: aya::Pod>(ebpf: &mut Ebpf, name: &str) -> Result<Array<MapData,
 }
 
 type CounterBytes = [u8; size_of::<RingCounters>()];
+type IfBytes = [u8; size_of::<IfCounters>()];
 type ProgressKeyBytes = [u8; size_of::<ProgressKey>()];
 type ProgressBytes = [u8; size_of::<ProgressEntry>()];
 
@@ -521,6 +526,19 @@ fn take_counters(ebpf: &mut Ebpf) -> Result<PerCpuArray<MapData, CounterBytes>, 
     let map =
         ebpf.take_map(COUNTERS).ok_or_else(|| LoadError::Kernel { what: COUNTERS.into(), detail: "missing".into() })?;
     PerCpuArray::try_from(map).map_err(|e| LoadError::Kernel { what: COUNTERS.into(), detail: e.to_string() })
+}
+
+type InterfaceMaps = (PerCpuHashMap<MapData, u32, IfBytes>, PerCpuArray<MapData, IfBytes>);
+
+fn take_interface_maps(ebpf: &mut Ebpf) -> Result<InterfaceMaps, LoadError> {
+    let missing = |name: &str| LoadError::Kernel { what: name.into(), detail: "missing".into() };
+    let map = ebpf.take_map(IF_COUNTERS).ok_or_else(|| missing(IF_COUNTERS))?;
+    let counters = PerCpuHashMap::try_from(map)
+        .map_err(|e| LoadError::Kernel { what: IF_COUNTERS.into(), detail: e.to_string() })?;
+    let map = ebpf.take_map(IF_OVERFLOW).ok_or_else(|| missing(IF_OVERFLOW))?;
+    let overflow = PerCpuArray::try_from(map)
+        .map_err(|e| LoadError::Kernel { what: IF_OVERFLOW.into(), detail: e.to_string() })?;
+    Ok((counters, overflow))
 }
 
 fn take_ring(ebpf: &mut Ebpf, name: &str) -> Result<RingBuf<MapData>, LoadError> {
@@ -542,6 +560,41 @@ fn read_counters(map: &PerCpuArray<MapData, CounterBytes>) -> Result<Vec<(Stream
             let Ok(cpu) = u16::try_from(cpu) else { break };
             out.push((StreamId::new(class, ring, cpu), c));
         }
+    }
+    Ok(out)
+}
+
+/// The per-interface counters: (interface, CPU) values summed per interface, in ifindex
+/// order, and the overflow's as [`IFINDEX_OVERFLOW`] when it counted anything.
+fn read_interfaces(
+    map: &PerCpuHashMap<MapData, u32, IfBytes>,
+    overflow: &PerCpuArray<MapData, IfBytes>,
+) -> Result<Vec<InterfaceEntry>, LoadError> {
+    let sum = |values: &[IfBytes]| {
+        values
+            .iter()
+            .filter_map(|v| IfCounters::read_from_bytes(v).ok())
+            .fold((0u64, 0u64), |(p, b), c| (p.saturating_add(c.packets.get()), b.saturating_add(c.bytes.get())))
+    };
+    let entry = |ifindex: u32, (packets, bytes): (u64, u64)| InterfaceEntry {
+        ifindex: U32::new(ifindex),
+        _reserved0: U32::new(0),
+        packets: U64::new(packets),
+        bytes: U64::new(bytes),
+    };
+    let mut out = Vec::new();
+    for item in map.iter() {
+        let (ifindex, values) =
+            item.map_err(|e| LoadError::Kernel { what: "reading rw_if_counters".into(), detail: e.to_string() })?;
+        out.push(entry(ifindex, sum(&values)));
+    }
+    out.sort_by_key(|e| e.ifindex.get());
+    let values = overflow
+        .get(&0, 0)
+        .map_err(|e| LoadError::Kernel { what: "reading rw_if_overflow".into(), detail: e.to_string() })?;
+    let beyond = sum(&values);
+    if beyond.0 > 0 {
+        out.insert(0, entry(IFINDEX_OVERFLOW, beyond));
     }
     Ok(out)
 }
@@ -589,6 +642,8 @@ pub struct RingSource {
     _ebpf: Ebpf,
     rings: [RingBuf<MapData>; 2],
     counter_map: PerCpuArray<MapData, CounterBytes>,
+    if_counters: PerCpuHashMap<MapData, u32, IfBytes>,
+    if_overflow: PerCpuArray<MapData, IfBytes>,
     control: Array<MapData, [u8; size_of::<SamplingControl>()]>,
     progress: aya::maps::HashMap<MapData, ProgressKeyBytes, ProgressBytes>,
     progress_stats: Array<MapData, [u8; size_of::<ProgressStats>()]>,
@@ -669,6 +724,7 @@ impl RingSource {
         let progress: aya::maps::HashMap<MapData, ProgressKeyBytes, ProgressBytes> =
             aya::maps::HashMap::try_from(progress_map).map_err(|e| kernel(PROGRESS, &e))?;
         let progress_stats = take_array(&mut ebpf, PROGRESS_STATS)?;
+        let (if_counters, if_overflow) = take_interface_maps(&mut ebpf)?;
         // The takeover point: every stream's attempted_seq now. Seqs below it that this
         // session does not find in the ring were read by the last one and never shipped.
         let takeover = if fresh {
@@ -717,6 +773,8 @@ impl RingSource {
             _ebpf: ebpf,
             rings,
             counter_map,
+            if_counters,
+            if_overflow,
             control,
             progress,
             progress_stats,
@@ -975,6 +1033,11 @@ impl Source for RingSource {
         }
         if let Some((streams, mono)) = snapshot {
             let progress = self.read_progress(progress_stats);
+            let interfaces = read_interfaces(&self.if_counters, &self.if_overflow).unwrap_or_else(|e| {
+                self.errors += 1;
+                tracing::warn!(error = %e, "reading the per-interface counters failed");
+                Vec::new()
+            });
             let fill = self.stats.fill_max_ppm;
             self.counters = SourceCounters {
                 epoch: self.epoch.epoch,
@@ -986,6 +1049,7 @@ impl Source for RingSource {
                 progress,
                 // Filled by the reader (it looks the processes up).
                 owners: Vec::new(),
+                interfaces,
             };
             self.stats.fill_max_ppm = [0; 2];
             self.next_counters = now + Duration::from_millis(self.cfg.counters_interval_ms);
@@ -1038,6 +1102,8 @@ impl Source for RingSource {
 pub struct Producer {
     ebpf: Ebpf,
     counter_map: PerCpuArray<MapData, CounterBytes>,
+    if_counters: PerCpuHashMap<MapData, u32, IfBytes>,
+    if_overflow: PerCpuArray<MapData, IfBytes>,
     control: Array<MapData, [u8; size_of::<SamplingControl>()]>,
 }
 
@@ -1056,7 +1122,8 @@ impl Producer {
         let Loaded { mut ebpf, .. } = load(cfg)?;
         let counter_map = take_counters(&mut ebpf)?;
         let control = take_array(&mut ebpf, CONTROL)?;
-        Ok(Self { ebpf, counter_map, control })
+        let (if_counters, if_overflow) = take_interface_maps(&mut ebpf)?;
+        Ok(Self { ebpf, counter_map, if_counters, if_overflow, control })
     }
 
     fn run(&self, prog: &str, packet: &[u8], repeat: u32) -> Result<Duration, LoadError> {
@@ -1107,6 +1174,14 @@ impl Producer {
     /// The map could not be read.
     pub fn counters(&self) -> Result<Vec<(StreamId, RingCounters)>, LoadError> {
         read_counters(&self.counter_map)
+    }
+
+    /// Every interface's packets and bytes now (the overflow's as ifindex 0).
+    ///
+    /// # Errors
+    /// A map could not be read.
+    pub fn interfaces(&self) -> Result<Vec<InterfaceEntry>, LoadError> {
+        read_interfaces(&self.if_counters, &self.if_overflow)
     }
 }
 

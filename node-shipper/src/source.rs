@@ -233,13 +233,14 @@ impl Source for CaptureSource {
                     n += 1;
                 }
                 CaptureRecord::Snapshot { heartbeat, .. } => {
-                    let (streams, progress) = snapshot_counters(&heartbeat);
+                    let c = snapshot_counters(&heartbeat);
                     self.counters = SourceCounters {
                         epoch: self.counters.epoch,
                         mono_ns: heartbeat.head.snapshot_ns.get(),
-                        streams,
-                        progress,
+                        streams: c.streams,
+                        progress: c.progress,
                         owners: Vec::new(),
+                        interfaces: c.interfaces,
                     };
                     out(SourceEvent::Counters(&self.counters));
                 }
@@ -362,7 +363,7 @@ impl SyntheticSource {
             next: 0,
             cpus,
             frame: template.as_bytes().to_vec(),
-            counters: SourceCounters { epoch: 1, mono_ns: 0, streams, progress: Vec::new(), owners: Vec::new() },
+            counters: SourceCounters { epoch: 1, mono_ns: 0, streams, ..SourceCounters::default() },
             epoch_sent: false,
             counters_every_ns,
             next_counters_ns: counters_every_ns,
@@ -591,6 +592,7 @@ mod sim {
                     streams: s.streams.to_vec(),
                     progress: s.progress.to_vec(),
                     owners: Vec::new(),
+                    interfaces: s.interfaces.to_vec(),
                 });
                 self.events.push(Kind::Counters);
             }

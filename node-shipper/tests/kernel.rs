@@ -285,6 +285,29 @@ async fn kernel_sampling_accounts_every_event_and_never_touches_p0() {
         t.join().expect("producer thread");
     }
     let (kernel, got) = settle(&h.agg, &producer, h.epoch, STATE_LIMIT).await;
+    // Per interface: every packet counted before sampling, on the interface the test
+    // runs deliver on (loopback), 1,500 bytes each; the aggregator's rates come from the
+    // same counters through heartbeats.
+    let generated_all = u64::from(BULK) * ROUNDS * cpus().len() as u64;
+    let lo: u32 = std::fs::read_to_string("/sys/class/net/lo/ifindex").expect("lo").trim().parse().expect("ifindex");
+    let ifs: Vec<(u32, u64, u64)> = producer
+        .interfaces()
+        .expect("interface counters")
+        .iter()
+        .map(|e| (e.ifindex.get(), e.packets.get(), e.bytes.get()))
+        .collect();
+    assert_eq!(ifs, [(lo, generated_all, generated_all * 1_500)], "every packet on lo, sampled out or not");
+    let by = Instant::now() + STATE_LIMIT;
+    let reported = loop {
+        let nodes: NodesDto = aggregator::api::client::get_json(h.agg.http_addr, "/v1/nodes").await.expect("nodes");
+        let b = nodes.nodes.into_iter().find(|n| n.name == certs::node_name(0)).and_then(|n| n.bulk).expect("bulk");
+        let r: Vec<(u32, u64, u64)> = b.interfaces.iter().map(|i| (i.ifindex, i.packets, i.bytes)).collect();
+        if r == ifs || Instant::now() > by {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(reported, ifs, "/v1/nodes bulk.interfaces = the kernel's counters");
     let _ = h.finish().await;
 
     check_exact(&kernel, &got);
@@ -762,6 +785,22 @@ fn kernel_xdp_link_is_pinned_and_records_while_the_shipper_is_down() {
     assert!(second.try_wait().expect("status").is_none(), "the restarted shipper keeps running");
     ns.send(100);
     let after_restart = bulk_events(&producer) - before - running - while_down;
+    // Per interface: every packet the program saw, counted before sampling, on rwb's
+    // ifindex (in its namespace) — the same count as the sampler's ticks.
+    let out = Command::new("ip").args(["-n", &ns.b(), "-o", "link", "show", "rwb"]).output().expect("ip runs");
+    let rwb: u32 = String::from_utf8_lossy(&out.stdout)
+        .split(':')
+        .next()
+        .and_then(|i| i.trim().parse().ok())
+        .expect("rwb's ifindex");
+    // (Read between two equal tick counts: a stray neighbour-discovery packet may land.)
+    let (ifs, ticks) = loop {
+        let t = bulk_events(&producer);
+        let ifs = producer.interfaces().expect("interface counters");
+        if bulk_events(&producer) == t {
+            break (ifs, t);
+        }
+    };
     let _ = second.kill();
     let _ = second.wait();
     drop(pins); // unpinning the link detaches the program
@@ -773,6 +812,11 @@ fn kernel_xdp_link_is_pinned_and_records_while_the_shipper_is_down() {
     assert!(running >= 200, "{running}");
     assert!(while_down >= 200, "the pinned link kept the program attached: {while_down}");
     assert!((100..200).contains(&after_restart), "attached once, not twice: {after_restart}");
+    println!("interfaces: {ifs:?}");
+    assert_eq!(ifs.len(), 1, "one interface: {ifs:?}");
+    assert_eq!((ifs[0].ifindex.get(), ifs[0].packets.get()), (rwb, ticks), "rwb's packets = the sampler's ticks");
+    // 200-byte datagrams (242 bytes from the Ethernet header on) and a few ARP frames.
+    assert!(ifs[0].bytes.get() >= 500 * 242 && ifs[0].bytes.get() <= ticks * 242, "{ifs:?}");
 }
 
 fn set_mode(p: &Path, mode: u32) {

@@ -148,6 +148,7 @@ enum rw_section_tag {
 	RW_SECTION_TAG_SESSION_STREAMS = 6,
 	RW_SECTION_TAG_STREAM_SUMMARY = 7,
 	RW_SECTION_TAG_OWNER = 8,
+	RW_SECTION_TAG_INTERFACES = 9,
 };
 
 enum rw_shipper_gap_reason {
@@ -375,6 +376,15 @@ struct rw_owner_entry { /* 64 B */
 	__u8 container_id[32];
 };
 
+#define RW_IFINDEX_OVERFLOW 0 /* rw_interface_entry of the interfaces beyond RW_MAX_INTERFACES */
+
+struct rw_interface_entry { /* 24 B: one interface's packets and bytes this epoch (before sampling) */
+	__u32 ifindex;
+	__u32 _reserved0;
+	__u64 packets;
+	__u64 bytes;
+};
+
 struct rw_session_stream_entry { /* 16 B */
 	__u32 stream_id;
 	__u8 _reserved0[4];
@@ -473,7 +483,8 @@ struct rw_resume_stream { /* 16 B */
 #define RW_RING_BULK 1 /* ring index of the bulk ring */
 #define RW_RING_COUNT 2
 #define RW_MAX_SAMPLING_LEVEL 15 /* bulk keeps 1 in 2^level events; weight = 2^level */
-#define RW_PIN_LAYOUT 1          /* layout of the pinned maps (value of rw_layout, key 0) */
+#define RW_PIN_LAYOUT 2          /* layout of the pinned maps (value of rw_layout, key 0) */
+#define RW_MAX_INTERFACES 64     /* entries of rw_if_counters; further interfaces count in rw_if_overflow */
 
 struct rw_ring_counters { /* 96 B: PERCPU_ARRAY value, key = ring index */
 	__u64 seq;                  /* next seq = attempted_seq (exclusive) */
@@ -481,6 +492,11 @@ struct rw_ring_counters { /* 96 B: PERCPU_ARRAY value, key = ring index */
 	__u64 sampled_out;          /* events sampling decided against: no seq taken */
 	__u64 sample_tick;          /* events offered to the sampler */
 	__u64 shedding;             /* bulk: 1 after a failed reserve, until the ring is half empty */
+};
+
+struct rw_if_counters { /* 16 B: PERCPU_HASH value, key = ifindex; rw_if_overflow's value */
+	__u64 packets;
+	__u64 bytes;
 };
 
 struct rw_sampling_control { /* 8 B: ARRAY value, key 0; the shipper writes it */
@@ -529,6 +545,7 @@ RW_ASSERT_SIZE(rw_shipper_state_entry, 32);
 RW_ASSERT_SIZE(rw_session_stream_entry, 16);
 RW_ASSERT_SIZE(rw_stream_summary_entry, 40);
 RW_ASSERT_SIZE(rw_owner_entry, 64);
+RW_ASSERT_SIZE(rw_interface_entry, 24);
 RW_ASSERT_SIZE(rw_batch_header, 152);
 RW_ASSERT_SIZE(rw_control_header, 8);
 RW_ASSERT_SIZE(rw_hello_body, 16);
@@ -540,6 +557,7 @@ RW_ASSERT_SIZE(rw_resume_head, 40);
 RW_ASSERT_SIZE(rw_resume_stream, 16);
 RW_ASSERT_SIZE(rw_ring_counters, 96);
 RW_ASSERT_SIZE(rw_sampling_control, 8);
+RW_ASSERT_SIZE(rw_if_counters, 16);
 RW_ASSERT_SIZE(rw_epoch_meta, 48);
 RW_ASSERT_SIZE(rw_progress_key, 32);
 RW_ASSERT_SIZE(rw_progress_stats, 16);

@@ -389,6 +389,9 @@ wire_enum! {
         /// Heartbeat: who owns each rank process (Kubernetes pod and container, Slurm
         /// job), resolved by the shipper from the process's cgroup.
         Owner = 8 => "owner",
+        /// Heartbeat: per network interface, the packets and bytes the bulk XDP program
+        /// saw (every packet, before sampling and the ring), from the kernel's counters.
+        Interfaces = 9 => "interfaces",
     }
 }
 

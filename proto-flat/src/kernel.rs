@@ -5,6 +5,9 @@
 //! - `rw_counters`: PERCPU_ARRAY keyed by ring index ([`RING_P0`], [`RING_BULK`]), one
 //!   [`RingCounters`] per (ring, CPU) — exactly one stream's kernel counters.
 //! - `rw_control`: ARRAY of one [`SamplingControl`], written by the shipper.
+//! - `rw_if_counters`: PERCPU_HASH keyed by ifindex (`u32`), one [`IfCounters`] per
+//!   (interface, CPU), at most [`MAX_INTERFACES`] interfaces; `rw_if_overflow`: a
+//!   PERCPU_ARRAY of one [`IfCounters`] for the packets of interfaces beyond the cap.
 //! - `rw_meta`: ARRAY of one [`EpochMeta`], written by the shipper that created the maps;
 //!   pinned with them, so a restarted shipper keeps the epoch.
 
@@ -26,7 +29,11 @@ pub const MAX_SAMPLING_LEVEL: u8 = 15;
 /// finds pins of another layout removes them and starts a new epoch instead of reading
 /// them. Raise it whenever a pinned map's layout changes. (Pins from before `rw_layout`
 /// existed have layout 1.)
-pub const PIN_LAYOUT: u32 = 1;
+/// (2: the per-interface counter maps.)
+pub const PIN_LAYOUT: u32 = 2;
+/// Interfaces the kernel's per-interface counter map holds; the packets of any further
+/// one count in `rw_if_overflow`.
+pub const MAX_INTERFACES: u32 = 64;
 
 /// One (ring, CPU)'s counters (96 B). The program decides sampling first (a sampled-out
 /// event bumps `sampled_out` and takes no seq), then takes `seq`, then reserves ring
@@ -48,6 +55,16 @@ pub struct RingCounters {
     pub shedding: U64,
 }
 const _: () = assert!(size_of::<RingCounters>() == 96);
+
+/// One (interface, CPU)'s packets and bytes as the bulk XDP program saw them: every
+/// packet, counted before sampling and before the ring (16 B).
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IfCounters {
+    pub packets: U64,
+    pub bytes: U64,
+}
+const _: () = assert!(size_of::<IfCounters>() == 16);
 
 /// The shipper's sampling decision (8 B).
 #[repr(C)]

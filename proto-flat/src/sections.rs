@@ -204,6 +204,27 @@ pub struct OwnerEntry {
 }
 const _: () = assert!(size_of::<OwnerEntry>() == 64);
 
+/// [`InterfaceEntry::ifindex`] of the entry that counts the packets of interfaces the
+/// kernel's per-interface map had no room for (it holds
+/// [`crate::kernel::MAX_INTERFACES`]); never a real interface's index.
+pub const IFINDEX_OVERFLOW: u32 = 0;
+
+/// Heartbeat `interfaces` entry: one network interface's packets and bytes as the bulk
+/// XDP program counted them this epoch — every packet, before sampling and before the
+/// ring, so they hold whatever the telemetry lost (24 B).
+#[repr(C)]
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InterfaceEntry {
+    /// The interface's index on the node, or [`IFINDEX_OVERFLOW`].
+    pub ifindex: U32,
+    pub _reserved0: U32,
+    /// Packets seen this epoch (running total).
+    pub packets: U64,
+    /// Their bytes (the XDP frame's length: from the L2 header on).
+    pub bytes: U64,
+}
+const _: () = assert!(size_of::<InterfaceEntry>() == 24);
+
 /// session_start `session_streams` entry: a stream's `attempted_seq` at takeover (16 B).
 #[repr(C)]
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
@@ -246,6 +267,9 @@ pub trait Entry: Sized + FromBytes + IntoBytes + KnownLayout + Immutable + Unali
     /// Its tag.
     const TAG: SectionTag;
 }
+impl Entry for InterfaceEntry {
+    const TAG: SectionTag = SectionTag::Interfaces;
+}
 impl Entry for StreamEntry {
     const TAG: SectionTag = SectionTag::Streams;
 }
@@ -283,6 +307,7 @@ pub fn v1_entry_len(tag: SectionTag) -> Option<usize> {
         SectionTag::SessionStreams => size_of::<SessionStreamEntry>(),
         SectionTag::StreamSummary => size_of::<StreamSummaryEntry>(),
         SectionTag::Owner => size_of::<OwnerEntry>(),
+        SectionTag::Interfaces => size_of::<InterfaceEntry>(),
         SectionTag::Unrecognized(_) => return None,
     })
 }
@@ -325,6 +350,7 @@ pub enum Section<'a> {
     SessionStreams(Entries<'a, SessionStreamEntry>),
     StreamSummary(Entries<'a, StreamSummaryEntry>),
     Owner(Entries<'a, OwnerEntry>),
+    Interfaces(Entries<'a, InterfaceEntry>),
     /// A tag this version does not know: skipped, reported so it can be counted.
     Unknown {
         tag: u16,
@@ -376,6 +402,7 @@ pub fn typed_section<'a>(sh: &SectionHeader, body: &'a [u8]) -> Section<'a> {
         SectionTag::SessionStreams => Section::SessionStreams(entries(body, sh)),
         SectionTag::StreamSummary => Section::StreamSummary(entries(body, sh)),
         SectionTag::Owner => Section::Owner(entries(body, sh)),
+        SectionTag::Interfaces => Section::Interfaces(entries(body, sh)),
         SectionTag::Unrecognized(tag) => Section::Unknown { tag, entry_len: sh.entry_len.get(), count: sh.count.get() },
     }
 }

@@ -22,10 +22,10 @@ use proto_flat::frames::{
     BulkPacketFrame, BulkProxyFrame, CollectiveFrame, EpochStartFrame, LossRecordFrame, P2pFrame, ShipperGapFrame,
 };
 use proto_flat::header::FrameHeader;
-use proto_flat::kernel::{EpochMeta, ProgressKey, ProgressStats, RingCounters, SamplingControl};
+use proto_flat::kernel::{EpochMeta, IfCounters, ProgressKey, ProgressStats, RingCounters, SamplingControl};
 use proto_flat::sections::{
-    ClockGpuEntry, ClockRealtimeEntry, HeartbeatHead, OwnerEntry, ProgressEntry, SectionHeader, SessionStartHead,
-    SessionStreamEntry, ShipperStateEntry, StreamEntry, StreamSummaryEntry,
+    ClockGpuEntry, ClockRealtimeEntry, HeartbeatHead, InterfaceEntry, OwnerEntry, ProgressEntry, SectionHeader,
+    SessionStartHead, SessionStreamEntry, ShipperStateEntry, StreamEntry, StreamSummaryEntry,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +68,7 @@ fn rust_layouts() -> Vec<Layout> {
         layout!(EpochMeta, "rw_epoch_meta", [epoch, start_realtime_ns, start_mono_ns, sessions, boot_id]),
         layout!(ProgressKey, "rw_progress_key", [comm_hash, comm_disambiguator, comm_instance, rank, _reserved0]),
         layout!(ProgressStats, "rw_progress_stats", [inserted, exits]),
+        layout!(IfCounters, "rw_if_counters", [packets, bytes]),
         layout!(
             CollectiveFrame,
             "rw_collective_frame",
@@ -183,6 +184,7 @@ fn rust_layouts() -> Vec<Layout> {
         ),
         layout!(SessionStreamEntry, "rw_session_stream_entry", [stream_id, _reserved0, attempted_seq]),
         layout!(OwnerEntry, "rw_owner_entry", [pid, flags, slurm_job_id, pod_uid, container_id]),
+        layout!(InterfaceEntry, "rw_interface_entry", [ifindex, _reserved0, packets, bytes]),
         layout!(
             StreamSummaryEntry,
             "rw_stream_summary_entry",
@@ -252,6 +254,8 @@ fn rust_consts() -> BTreeMap<String, u64> {
     out.insert("RW_RING_COUNT".into(), u64::from(proto_flat::kernel::RING_COUNT));
     out.insert("RW_MAX_SAMPLING_LEVEL".into(), u64::from(proto_flat::kernel::MAX_SAMPLING_LEVEL));
     out.insert("RW_PIN_LAYOUT".into(), u64::from(proto_flat::kernel::PIN_LAYOUT));
+    out.insert("RW_MAX_INTERFACES".into(), u64::from(proto_flat::kernel::MAX_INTERFACES));
+    out.insert("RW_IFINDEX_OVERFLOW".into(), u64::from(proto_flat::sections::IFINDEX_OVERFLOW));
     out
 }
 
@@ -481,6 +485,8 @@ fn c_header_btf_matches_rust_layout() {
             "RW_RING_COUNT",
             "RW_MAX_SAMPLING_LEVEL",
             "RW_PIN_LAYOUT",
+            "RW_MAX_INTERFACES",
+            "RW_IFINDEX_OVERFLOW",
         ]
         .contains(&name.as_str())
         {

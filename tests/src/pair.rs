@@ -259,6 +259,8 @@ pub struct Report {
     /// Each node's bulk event rate as the aggregator estimated it at the simulation's
     /// end (the settle time after it has no events: the rate falls to 0 there).
     pub bulk_rates_at_sim_end: BTreeMap<NodeId, Option<ringwatch_core::rates::Rate>>,
+    /// Each node's per-interface rates at the same moment.
+    pub interface_rates_at_sim_end: BTreeMap<NodeId, Vec<ringwatch_core::rates::InterfaceRate>>,
     /// The aggregator's core as the run left it.
     pub core: Core,
     /// The simulator's truth (its collectives only with [`PairConfig::keep_verdicts`]).
@@ -302,6 +304,7 @@ impl Sink for Collect {
             streams: s.streams.to_vec(),
             progress: s.progress.to_vec(),
             owners: Vec::new(),
+            interfaces: s.interfaces.to_vec(),
         });
         let i = self.counters.len() - 1;
         if let Some(e) = self.events.get_mut(node as usize) {
@@ -830,6 +833,7 @@ pub struct Pair {
     health_at: u64,
     health_at_sim_end: Option<BTreeMap<NodeId, Health>>,
     rates_at_sim_end: Option<BTreeMap<NodeId, Option<ringwatch_core::rates::Rate>>>,
+    interface_rates_at_sim_end: BTreeMap<NodeId, Vec<ringwatch_core::rates::InterfaceRate>>,
 }
 
 /// splitmix64's finaliser: deterministic ids from the seed.
@@ -949,6 +953,7 @@ impl Pair {
             health_at: sim.horizon_ns().saturating_add(HEALTH_AFTER_SIM_NS),
             health_at_sim_end: None,
             rates_at_sim_end: None,
+            interface_rates_at_sim_end: BTreeMap::new(),
             sim,
             cfg,
         }
@@ -1042,6 +1047,10 @@ impl Pair {
             let core = &self.core;
             self.rates_at_sim_end =
                 Some(core.node_ids().map(|id| (id, core.node_state(id).and_then(|n| n.bulk_rate.rate()))).collect());
+            self.interface_rates_at_sim_end = core
+                .node_ids()
+                .map(|id| (id, core.node_state(id).map(|n| n.interfaces.iter().collect()).unwrap_or_default()))
+                .collect();
         }
         if self.health_at_sim_end.is_none() && now >= self.health_at {
             self.health_at_sim_end = Some(self.core.node_health(now));
@@ -1658,6 +1667,7 @@ impl Pair {
             last_verdicts: std::mem::take(&mut self.last_verdicts),
             health_at_sim_end: self.health_at_sim_end.take().unwrap_or_else(|| self.core.node_health(end)),
             bulk_rates_at_sim_end: self.rates_at_sim_end.take().unwrap_or_default(),
+            interface_rates_at_sim_end: std::mem::take(&mut self.interface_rates_at_sim_end),
             core: self.core,
             truth,
         }

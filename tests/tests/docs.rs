@@ -56,6 +56,7 @@ fn wire_readme_struct_sizes_match_the_code() {
         ("rw_stream_entry", size_of::<sections::StreamEntry>()),
         ("rw_progress_entry", size_of::<sections::ProgressEntry>()),
         ("rw_owner_entry", size_of::<sections::OwnerEntry>()),
+        ("rw_interface_entry", size_of::<sections::InterfaceEntry>()),
         ("rw_batch_header", size_of::<batch::BatchHeader>()),
         ("rw_ack_head", size_of::<control::AckHead>()),
         ("rw_resume_head", size_of::<control::ResumeHead>()),

@@ -23,6 +23,8 @@ struct Judged {
     health_at_end: BTreeMap<NodeId, Health>,
     /// Each node's bulk event rate as estimated at the simulation's end.
     rates_at_end: BTreeMap<NodeId, Option<ringwatch_core::rates::Rate>>,
+    /// Each node's per-interface rates at the same moment.
+    interfaces_at_end: BTreeMap<NodeId, Vec<ringwatch_core::rates::InterfaceRate>>,
 }
 
 fn judge(s: &Scenario, scale: f64) -> Judged {
@@ -39,6 +41,7 @@ fn judge_with(cfg: PairConfig) -> Judged {
         core: r.core,
         health_at_end: r.health_at_sim_end,
         rates_at_end: r.bulk_rates_at_sim_end,
+        interfaces_at_end: r.interface_rates_at_sim_end,
     }
 }
 
@@ -359,6 +362,7 @@ fn one_rank_not_joined_others_wait_on_it_suspect_not_degraded() {
         core: r.core,
         health_at_end: r.health_at_sim_end,
         rates_at_end: r.bulk_rates_at_sim_end,
+        interfaces_at_end: r.interface_rates_at_sim_end,
     };
     print_confusion("not-joined", &confusion(&j));
     let nj: Vec<_> = outcomes(&j).filter(|v| v.outcome == Outcome::NotJoined && v.is_final).collect();
@@ -883,6 +887,27 @@ fn loss_aware_figures_match_the_simulators_truth_under_heavy_loss_issue_25() {
         assert!(err.abs() < 0.05, "node {node}: the bulk rate within 5 % though frames were lost");
         assert!((cov - cov_true).abs() < 0.005 && (lost - lost_true).abs() < 0.005, "node {node}: coverage and loss");
         assert_eq!(b.sampled_out + b.attempted, generated, "node {node}: every event counted");
+        // Per interface: the kernel's counters, every packet before sampling and the
+        // ring, against the packets and bytes the simulator made on each.
+        let ifs = &j.interfaces_at_end[&id];
+        let truth_ifs: Vec<_> = j.truth.interfaces.iter().filter(|t| t.node == node).collect();
+        assert_eq!(ifs.len(), truth_ifs.len(), "node {node}: every interface");
+        assert!(!ifs.is_empty());
+        for (i, t) in ifs.iter().zip(&truth_ifs) {
+            #[allow(clippy::cast_precision_loss, reason = "rates")]
+            let (pps_true, bps_true) = (t.packets as f64 / secs, t.bytes as f64 / secs);
+            let (pps, bps) = (i.packets_per_second.unwrap(), i.bytes_per_second.unwrap());
+            let (pe, be) = ((pps - pps_true) / pps_true, (bps - bps_true) / bps_true);
+            println!(
+                "      if {}: packets/s {pps:.0}/{pps_true:.0} ({:+.1} %), bytes/s {bps:.0}/{bps_true:.0} ({:+.1} %)",
+                i.ifindex,
+                pe * 100.0,
+                be * 100.0
+            );
+            assert_eq!(i.ifindex, t.ifindex);
+            assert!(pe.abs() < 0.05 && be.abs() < 0.05, "node {node} if {}: rates within 5 %", i.ifindex);
+            assert!(i.packets <= t.packets && i.bytes <= t.bytes, "running totals never past the truth");
+        }
     }
     assert!(degraded(&j).is_empty(), "telemetry loss never degrades");
 }

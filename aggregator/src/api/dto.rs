@@ -326,6 +326,30 @@ pub struct BulkDto {
     pub coverage: Option<f64>,
     pub lost_share: Option<f64>,
     pub sampled_share: Option<f64>,
+    /// Per network interface, from the kernel's per-interface counters: every packet the
+    /// bulk XDP program saw, counted before sampling and before the ring, so these rates
+    /// hold whatever the telemetry lost (`coverage` and `lost_share` above say how much
+    /// of the node's bulk frames arrived). Empty where the node counts no interfaces.
+    pub interfaces: Vec<InterfaceRateDto>,
+    /// Interface entries refused for the per-node cap, since this aggregator started.
+    pub interfaces_turned_away: u64,
+}
+
+/// One network interface of a node: its packet and byte counters this epoch and their
+/// rates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct InterfaceRateDto {
+    /// The interface's index on the node; 0 stands for every interface beyond the
+    /// kernel map's cap (64).
+    pub ifindex: u32,
+    /// Running totals of the node's current epoch, from its last heartbeat.
+    pub packets: u64,
+    pub bytes: u64,
+    /// Per second over `window_s` of node time (up to 10 s of heartbeats); absent before
+    /// two heartbeats of the epoch named the interface.
+    pub packets_per_second: Option<f64>,
+    pub bytes_per_second: Option<f64>,
+    pub window_s: f64,
 }
 
 /// A shipper's state, from its last heartbeat.

@@ -601,6 +601,19 @@ pub fn bulk_dto(core: &ringwatch_core::Core, id: NodeId, n: &ringwatch_core::ing
         coverage: share(received, attempted),
         lost_share: share(lost, attempted),
         sampled_share: share(sampled_out, attempted.saturating_add(sampled_out)),
+        interfaces: n
+            .interfaces
+            .iter()
+            .map(|i| dto::InterfaceRateDto {
+                ifindex: i.ifindex,
+                packets: i.packets,
+                bytes: i.bytes,
+                packets_per_second: i.packets_per_second,
+                bytes_per_second: i.bytes_per_second,
+                window_s: i.window_ns as f64 / 1e9,
+            })
+            .collect(),
+        interfaces_turned_away: n.interfaces.turned_away,
     }
 }
 

@@ -26,7 +26,7 @@ use proto_flat::decode::{Frame, FrameIter};
 use proto_flat::encode::SectionedFrameWriter;
 use proto_flat::frames::{EpochStartFrame, FixedFrame};
 use proto_flat::header::StreamId;
-use proto_flat::sections::{ClockRealtimeEntry, Heartbeat, ProgressEntry, Section, StreamEntry};
+use proto_flat::sections::{ClockRealtimeEntry, Heartbeat, InterfaceEntry, ProgressEntry, Section, StreamEntry};
 use proto_flat::{Class, DecodeError};
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -161,27 +161,40 @@ impl<W: Write> CaptureWriter<W> {
     }
 }
 
-/// Encodes a snapshot as a heartbeat frame (streams, progress, clock_realtime).
+/// Encodes a snapshot as a heartbeat frame (streams, progress, clock_realtime, and
+/// interfaces when it has any).
 #[must_use]
 pub fn snapshot_frame(seq: u64, snapshot: &Snapshot<'_>) -> Vec<u8> {
     let clock = ClockRealtimeEntry { mono_ns: U64::new(snapshot.mono_ns), realtime_ns: U64::new(snapshot.realtime_ns) };
     let mut w = SectionedFrameWriter::heartbeat(CAPTURE_STREAM, seq, snapshot.mono_ns, snapshot.mono_ns);
     w.section(snapshot.streams).section(snapshot.progress).section(&[clock]);
+    if !snapshot.interfaces.is_empty() {
+        w.section(snapshot.interfaces);
+    }
     w.finish()
 }
 
-/// The counters of a snapshot record: its streams and PROGRESS entries (v1 prefixes).
+/// The counters of a snapshot record (v1 prefixes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SnapshotCounters {
+    pub streams: Vec<StreamEntry>,
+    pub progress: Vec<ProgressEntry>,
+    pub interfaces: Vec<InterfaceEntry>,
+}
+
+/// The counters of a snapshot record: its streams, PROGRESS entries and interfaces.
 #[must_use]
-pub fn snapshot_counters(heartbeat: &Heartbeat<'_>) -> (Vec<StreamEntry>, Vec<ProgressEntry>) {
-    let (mut streams, mut progress) = (Vec::new(), Vec::new());
+pub fn snapshot_counters(heartbeat: &Heartbeat<'_>) -> SnapshotCounters {
+    let mut out = SnapshotCounters::default();
     for section in heartbeat.sections() {
         match section {
-            Section::Streams(e) => streams.extend(e.iter().copied()),
-            Section::Progress(e) => progress.extend(e.iter().copied()),
+            Section::Streams(e) => out.streams.extend(e.iter().copied()),
+            Section::Progress(e) => out.progress.extend(e.iter().copied()),
+            Section::Interfaces(e) => out.interfaces.extend(e.iter().copied()),
             _ => {}
         }
     }
-    (streams, progress)
+    out
 }
 
 /// Encodes an epoch start.

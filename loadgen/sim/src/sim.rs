@@ -16,12 +16,12 @@
 //! - a counter reset starts a new epoch with seqs from 0, announced through
 //!   [`Sink::epoch`] before the first frame of the epoch.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use proto_flat::codes::{Class, DROP_SLOTS, LossCause, Phase, ProcState, WireEnum, flags};
 use proto_flat::frames::{BulkPacketFrame, BulkProxyFrame, CollectiveFrame, FixedFrame, P2pFrame};
 use proto_flat::header::StreamId;
-use proto_flat::sections::{ProgressEntry, StreamEntry};
+use proto_flat::sections::{InterfaceEntry, ProgressEntry, StreamEntry};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zerocopy::little_endian::{I32, U16, U32, U64};
@@ -29,7 +29,7 @@ use zerocopy::{FromZeros, IntoBytes};
 
 use crate::model::{Model, OpKind};
 use crate::scenario::{BulkKind, Fault, JoinReason, MismatchField, RingKind, Scenario, ScenarioError, mask};
-use crate::truth::{GroundTruth, StreamTruth};
+use crate::truth::{GroundTruth, InterfaceTruth, StreamTruth};
 
 /// Ring numbers of the simulated node.
 pub const P0_RING: u8 = 0;
@@ -69,6 +69,9 @@ pub struct Snapshot<'a> {
     pub streams: &'a [StreamEntry],
     /// PROGRESS entries of the node's instrumented ranks, one per (rank, communicator).
     pub progress: &'a [ProgressEntry],
+    /// The per-interface counters of the bulk packet producer this epoch (empty for
+    /// proxy bulk), in ifindex order.
+    pub interfaces: &'a [InterfaceEntry],
 }
 
 /// A new epoch on a node (counters created).
@@ -151,6 +154,8 @@ struct NodeState {
     exits: Vec<(u32, u64, i32)>,
     rng: ChaCha8Rng,
     alternate: u64,
+    /// Bulk packets and bytes per ifindex this epoch, counted before sampling.
+    ifaces: BTreeMap<u32, (u64, u64)>,
 }
 
 /// A running simulation.
@@ -162,12 +167,14 @@ pub struct Simulation {
     nodes: Vec<NodeState>,
     now: u64,
     finished_streams: Vec<StreamTruth>,
+    finished_interfaces: Vec<InterfaceTruth>,
     /// (op id, participant index) → frames of it the kernel dropped.
     lost_p0: HashMap<(u32, u16), u32>,
     frame_buf: Vec<u8>,
     pending: Vec<(u32, Vec<u8>)>,
     stream_scratch: Vec<StreamEntry>,
     progress_scratch: Vec<ProgressEntry>,
+    interface_scratch: Vec<InterfaceEntry>,
     /// The first epochs were announced (by the first `step`, whatever its horizon).
     started: bool,
     done: bool,
@@ -214,6 +221,7 @@ impl Simulation {
                     exits: Vec::new(),
                     rng: ChaCha8Rng::seed_from_u64(crate::model::mix(scenario.seed ^ (u64::from(n) << 32))),
                     alternate: 0,
+                    ifaces: BTreeMap::new(),
                 }
             })
             .collect();
@@ -319,10 +327,12 @@ impl Simulation {
             nodes,
             now: 0,
             finished_streams: Vec::new(),
+            finished_interfaces: Vec::new(),
             lost_p0: HashMap::new(),
             frame_buf: Vec::with_capacity(256),
             pending: Vec::new(),
             stream_scratch: Vec::new(),
+            interface_scratch: Vec::new(),
             progress_scratch: Vec::new(),
             started: false,
             done: false,
@@ -450,6 +460,8 @@ impl Simulation {
     fn finish_streams(&mut self, node: usize) {
         let truths: Vec<StreamTruth> = stream_truths(node, &self.nodes[node]).collect();
         self.finished_streams.extend(truths);
+        self.finished_interfaces.extend(interface_truths(node, &self.nodes[node]));
+        self.nodes[node].ifaces.clear();
     }
 
     /// Emits node `node`'s events before `until`, P0 and bulk merged in time order, so
@@ -485,6 +497,12 @@ impl Simulation {
 
     fn emit_bulk(&mut self, node: usize, i: u64, t: u64, every: u64, cpus: u64, sink: &mut impl Sink) {
         let n = &mut self.nodes[node];
+        let ifindex = 2 + u32::try_from(i % 8).unwrap_or(0);
+        if self.scenario.bulk.kind == BulkKind::Packet {
+            // The kernel counts every packet on its interface before sampling.
+            let e = n.ifaces.entry(ifindex).or_default();
+            *e = (e.0 + 1, e.1 + u64::from(self.scenario.bulk.packet_bytes));
+        }
         let cpu = (i % cpus) as usize;
         let Some(c) = n.bulk.get_mut(cpu) else { return };
         if !i.is_multiple_of(every) {
@@ -500,7 +518,7 @@ impl Simulation {
             BulkKind::Packet => {
                 let mut f = BulkPacketFrame::new_zeroed();
                 f.hdr = BulkPacketFrame::make_header(flags, stream, seq, ts);
-                f.ifindex = U32::new(2 + u32::try_from(i % 8).unwrap_or(0));
+                f.ifindex = U32::new(ifindex);
                 f.pkt_len = U32::new(self.scenario.bulk.packet_bytes);
                 f.flow_hash = U32::new(u32::try_from(crate::model::mix(i) >> 32).unwrap_or(0));
                 f.weight = U16::new(weight);
@@ -700,12 +718,20 @@ impl Simulation {
             p.proc_state = if exit.is_some() { ProcState::Exited.code() } else { ProcState::Running.code() };
             self.progress_scratch.push(p);
         }
+        self.interface_scratch.clear();
+        self.interface_scratch.extend(n.ifaces.iter().map(|(&ifindex, &(packets, bytes))| InterfaceEntry {
+            ifindex: U32::new(ifindex),
+            _reserved0: U32::new(0),
+            packets: U64::new(packets),
+            bytes: U64::new(bytes),
+        }));
         let snap = Snapshot {
             epoch: n.epoch,
             mono_ns: mono,
             realtime_ns: node_clock(n, t, REALTIME_BASE_NS),
             streams: &self.stream_scratch,
             progress: &self.progress_scratch,
+            interfaces: &self.interface_scratch,
         };
         sink.snapshot(node as u32, &snap);
     }
@@ -715,11 +741,24 @@ impl Simulation {
     #[must_use]
     pub fn ground_truth(&self) -> GroundTruth {
         let mut streams = self.finished_streams.clone();
+        let mut interfaces = self.finished_interfaces.clone();
         for (node, n) in self.nodes.iter().enumerate() {
             streams.extend(stream_truths(node, n));
+            interfaces.extend(interface_truths(node, n));
         }
-        crate::truth::build(&self.scenario, &self.options, &self.model, &self.lost_p0, streams)
+        crate::truth::build(&self.scenario, &self.options, &self.model, &self.lost_p0, streams, interfaces)
     }
+}
+
+/// Interface truth of a node's current epoch.
+fn interface_truths(node: usize, n: &NodeState) -> impl Iterator<Item = InterfaceTruth> + '_ {
+    n.ifaces.iter().map(move |(&ifindex, &(packets, bytes))| InterfaceTruth {
+        node: node as u32,
+        epoch: n.epoch,
+        ifindex,
+        packets,
+        bytes,
+    })
 }
 
 /// Conservation truth of a node's streams in its current epoch.

@@ -36,7 +36,21 @@ pub struct GroundTruth {
     pub gpus: Vec<GpuTruth>,
     pub collectives: Vec<CollectiveTruth>,
     pub streams: Vec<StreamTruth>,
+    /// Per (node, epoch, interface): the packets and bytes of bulk packet events
+    /// (sampled out or not), as the kernel's per-interface counters count them.
+    #[serde(default)]
+    pub interfaces: Vec<InterfaceTruth>,
     pub faults: Vec<FaultTruth>,
+}
+
+/// One network interface's packets and bytes in one epoch of a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InterfaceTruth {
+    pub node: u32,
+    pub epoch: u64,
+    pub ifindex: u32,
+    pub packets: u64,
+    pub bytes: u64,
 }
 
 /// Conservation of one stream in one epoch.
@@ -231,6 +245,7 @@ pub(crate) fn build(
     m: &Model,
     lost_p0: &HashMap<(u32, u16), u32>,
     streams: Vec<StreamTruth>,
+    interfaces: Vec<InterfaceTruth>,
 ) -> GroundTruth {
     let horizon = m.horizon_ns;
     let ms = 1_000_000u64;
@@ -505,6 +520,7 @@ pub(crate) fn build(
         gpus,
         collectives,
         streams,
+        interfaces,
         faults,
     }
 }

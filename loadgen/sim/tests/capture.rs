@@ -58,10 +58,15 @@ fn capture_round_trips_bit_exact() {
                             Section::Streams(_) => "streams",
                             Section::Progress(_) => "progress",
                             Section::ClockRealtime(_) => "clock_realtime",
+                            Section::Interfaces(_) => "interfaces",
                             _ => "other",
                         })
                         .collect();
-                    assert_eq!(kinds, ["streams", "progress", "clock_realtime"]);
+                    let base = ["streams", "progress", "clock_realtime"];
+                    assert!(
+                        kinds == base || kinds == [&base[..], &["interfaces"]].concat(),
+                        "{name}: snapshot sections {kinds:?}"
+                    );
                 }
                 CaptureRecord::Epoch { node, frame, .. } => epochs.push((node, frame.epoch.get())),
             }
@@ -78,12 +83,15 @@ fn snapshot_counters_read_back_equal() {
     let mut last = std::collections::HashMap::new();
     for rec in CaptureReader::new(&bytes).unwrap() {
         if let CaptureRecord::Snapshot { node, heartbeat, .. } = rec.unwrap() {
-            let (streams, _) = loadgen_sim::capture::snapshot_counters(&heartbeat);
-            last.insert(node, streams);
+            last.insert(node, loadgen_sim::capture::snapshot_counters(&heartbeat));
         }
     }
     for (&(node, _), entries) in &check.last_streams {
-        assert_eq!(&last[&node], entries);
+        assert_eq!(&last[&node].streams, entries);
+    }
+    for (&(node, _), entries) in &check.last_interfaces {
+        assert!(!entries.is_empty(), "bulk packets count per interface");
+        assert_eq!(&last[&node].interfaces, entries);
     }
 }
 

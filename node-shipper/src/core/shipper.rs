@@ -159,6 +159,10 @@ pub struct SourceCounters {
     /// Who owns the processes PROGRESS names (pod, container, Slurm job), where known:
     /// filled by the reader ([`super::owner::OwnerCache`]), not by sources.
     pub owners: Vec<proto_flat::sections::OwnerEntry>,
+    /// Per network interface, the packets and bytes the bulk producer saw this epoch
+    /// (every packet, before sampling), in ifindex order; empty where the source has no
+    /// interfaces.
+    pub interfaces: Vec<proto_flat::sections::InterfaceEntry>,
 }
 
 /// What the core counted (served by the shipper's `/metrics`; printed at shutdown).
@@ -1055,6 +1059,9 @@ impl ShipperCore {
         w.section(&streams).section(&self.counters.progress).section(&[state]);
         if !self.counters.owners.is_empty() {
             w.section(&self.counters.owners);
+        }
+        if !self.counters.interfaces.is_empty() {
+            w.section(&self.counters.interfaces);
         }
         let frame = w.finish();
         self.push_into_lane(&frame, now);

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use loadgen_sim::sim::{EpochInfo, Sink, Snapshot};
 use loadgen_sim::{GroundTruth, Scenario, SimOptions, Simulation};
 use proto_flat::decode::{Frame, FrameIter};
-use proto_flat::sections::{ProgressEntry, StreamEntry};
+use proto_flat::sections::{InterfaceEntry, ProgressEntry, StreamEntry};
 
 #[derive(Debug, Default, Clone)]
 pub struct StreamSeen {
@@ -26,6 +26,8 @@ pub struct Checker {
     pub seen: BTreeMap<(u32, u64, u32), StreamSeen>,
     /// (node, epoch) → the last snapshot's stream entries.
     pub last_streams: HashMap<(u32, u64), Vec<StreamEntry>>,
+    /// (node, epoch) → the last snapshot's interface entries.
+    pub last_interfaces: HashMap<(u32, u64), Vec<InterfaceEntry>>,
     pub progress: Vec<(u32, ProgressEntry)>,
     pub frames: Vec<(u32, Vec<u8>)>,
     pub keep_frames: bool,
@@ -73,6 +75,7 @@ impl Sink for Checker {
         self.snapshots += 1;
         assert_eq!(Some(&snapshot.epoch), self.epoch.get(&node), "snapshot of the current epoch");
         self.last_streams.insert((node, snapshot.epoch), snapshot.streams.to_vec());
+        self.last_interfaces.insert((node, snapshot.epoch), snapshot.interfaces.to_vec());
         for p in snapshot.progress {
             self.progress.push((node, *p));
         }
@@ -115,6 +118,28 @@ pub fn assert_conservation(check: &Checker, truth: &GroundTruth) {
             assert_eq!(e.attempted_seq.get(), st.attempted, "{st:?}");
             assert_eq!(e.sampled_out.get(), st.sampled_out, "{st:?}");
             assert_eq!(e.drops.iter().map(|d| d.get()).sum::<u64>(), dropped, "{st:?}");
+        }
+    }
+    // Per interface: every bulk packet event counted once, sampled out or not, and the
+    // last snapshot of an epoch that ran to the end says the same.
+    for ifs in truth.interfaces.chunk_by(|a, b| (a.node, a.epoch) == (b.node, b.epoch)) {
+        let (node, epoch) = (ifs[0].node, ifs[0].epoch);
+        let packets: u64 = ifs.iter().map(|i| i.packets).sum();
+        let generated: u64 = truth
+            .streams
+            .iter()
+            .filter(|st| (st.node, st.epoch, st.class.as_str()) == (node, epoch, "p2"))
+            .map(|st| st.generated)
+            .sum();
+        assert_eq!(packets, generated, "node {node} epoch {epoch}: interface packets = bulk events");
+        if let Some(entries) = check.last_interfaces.get(&(node, epoch))
+            && check.epoch.get(&node) == Some(&epoch)
+            && truth.nodes[node as usize].dead_at_ms.is_none()
+        {
+            let got: Vec<(u32, u64, u64)> =
+                entries.iter().map(|e| (e.ifindex.get(), e.packets.get(), e.bytes.get())).collect();
+            let want: Vec<(u32, u64, u64)> = ifs.iter().map(|i| (i.ifindex, i.packets, i.bytes)).collect();
+            assert_eq!(got, want, "node {node} epoch {epoch}: the last snapshot's interfaces");
         }
     }
     // Nothing arrived on a stream the truth does not know.

@@ -814,6 +814,16 @@ impl RingSource {
 
     /// The PROGRESS entries, most recently updated first, at most
     /// [`MAX_PROGRESS_PER_HEARTBEAT`]; updates the PROGRESS figures in [`RingStats`].
+    /// The per-interface counters (none, counted as an error, when the maps cannot be
+    /// read: the aggregator then forgets the node's interfaces until they can).
+    fn read_interfaces_now(&mut self) -> Vec<InterfaceEntry> {
+        read_interfaces(&self.if_counters, &self.if_overflow).unwrap_or_else(|e| {
+            self.errors += 1;
+            tracing::warn!(error = %e, "reading the per-interface counters failed");
+            Vec::new()
+        })
+    }
+
     fn read_progress(&mut self, stats: Option<ProgressStats>) -> Vec<ProgressEntry> {
         let mut entries: Vec<ProgressEntry> = self
             .progress
@@ -1010,7 +1020,8 @@ impl Source for RingSource {
         // the kernel) before they are.
         let snapshot = if counters_due {
             match read_counters(&self.counter_map) {
-                Ok(c) => Some((c, mono_ns())),
+                // The interfaces right after the streams, so both stand for one moment.
+                Ok(c) => Some((c, mono_ns(), self.read_interfaces_now())),
                 Err(e) => {
                     self.errors += 1;
                     tracing::warn!(error = %e, "reading the kernel counters failed");
@@ -1031,13 +1042,8 @@ impl Source for RingSource {
         if empty {
             self.next_drain = now + Duration::from_micros(self.cfg.drain_interval_us);
         }
-        if let Some((streams, mono)) = snapshot {
+        if let Some((streams, mono, interfaces)) = snapshot {
             let progress = self.read_progress(progress_stats);
-            let interfaces = read_interfaces(&self.if_counters, &self.if_overflow).unwrap_or_else(|e| {
-                self.errors += 1;
-                tracing::warn!(error = %e, "reading the per-interface counters failed");
-                Vec::new()
-            });
             let fill = self.stats.fill_max_ppm;
             self.counters = SourceCounters {
                 epoch: self.epoch.epoch,

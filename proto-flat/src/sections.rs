@@ -204,9 +204,10 @@ pub struct OwnerEntry {
 }
 const _: () = assert!(size_of::<OwnerEntry>() == 64);
 
-/// [`InterfaceEntry::ifindex`] of the entry that counts the packets of interfaces the
-/// kernel's per-interface map had no room for (it holds
-/// [`crate::kernel::MAX_INTERFACES`]); never a real interface's index.
+/// [`InterfaceEntry::ifindex`] of the entry that counts the packets the kernel's
+/// per-interface map could not take (it holds [`crate::kernel::MAX_INTERFACES`]; an
+/// entry that could not be created, full map or not, counts here); never a real
+/// interface's index.
 pub const IFINDEX_OVERFLOW: u32 = 0;
 
 /// Heartbeat `interfaces` entry: one network interface's packets and bytes as the bulk

@@ -1068,6 +1068,7 @@ impl Ingest {
                     // The heartbeat's (pid, GPU, rank)s, for its `owner` section.
                     let mut ranks: Vec<&ProgressEntry> = Vec::new();
                     let mut owners: Option<Vec<OwnerEntry>> = None;
+                    let mut saw_interfaces = false;
                     for section in hb.sections() {
                         match section {
                             Section::Streams(entries) => {
@@ -1124,6 +1125,7 @@ impl Ingest {
                                 }
                             }
                             Section::Interfaces(entries) => {
+                                saw_interfaces = true;
                                 if let Some(n) = self.nodes.get_mut(&node) {
                                     n.interfaces.on_heartbeat(
                                         epoch,
@@ -1191,6 +1193,10 @@ impl Ingest {
                     let joined = owners.map(|o| self.join_owners(&ranks, &o)).unwrap_or_default();
                     if let Some(n) = self.nodes.get_mut(&node) {
                         n.owners = joined;
+                        if !saw_interfaces {
+                            // No section: the node counts no interfaces (now).
+                            n.interfaces.on_heartbeat(epoch, snapshot, []);
+                        }
                     }
                 }
                 Frame::LossRecord(r) => {

@@ -23,7 +23,8 @@
 //!   drop counter and `sampled_out` at most [`MAX_SEQ`], and `held_from_seq` at most
 //!   `attempted_seq` (the shipper cannot hold a seq the kernel never attempted); per
 //!   progress entry the three op seqs below [`MAX_SEQ`], `last_update_ns` below
-//!   [`MAX_NODE_NS`];
+//!   [`MAX_NODE_NS`]; per interface `packets` at most [`MAX_SEQ`] and `bytes` at most
+//!   `packets` × [`MAX_PACKET_BYTES`];
 //! - loss records: `first_seq ≤ last_seq < MAX_SEQ`, `1 ≤ count ≤ last_seq − first_seq + 1`
 //!   (a record cannot lose more seqs than its range holds), `batch_seq` below
 //!   [`MAX_SEQ`];
@@ -45,6 +46,10 @@ pub const MAX_SEQ: u64 = 1 << 62;
 
 /// The largest node time (ns) a node clock can read: 2⁶².
 pub const MAX_NODE_NS: u64 = 1 << 62;
+
+/// The largest packet an XDP program sees (256 KiB: multi-buffer frames included), for
+/// the heartbeat's per-interface byte counters.
+pub const MAX_PACKET_BYTES: u64 = 1 << 18;
 
 /// A field whose value no real stream or clock produces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,6 +166,14 @@ fn check_p1(view: &BatchView<'_>) -> Result<(), Implausible> {
                                 seq("progress.last_kernel_started_op", p.last_kernel_started_op.get())?;
                                 seq("progress.last_completed_op", p.last_completed_op.get())?;
                                 node_ns("progress.last_update_ns", p.last_update_ns.get())?;
+                            }
+                        }
+                        Section::Interfaces(entries) => {
+                            for e in entries.iter() {
+                                let packets = e.packets.get();
+                                seq_count("interfaces.packets", packets)?;
+                                let bytes = e.bytes.get();
+                                need(bytes <= packets.saturating_mul(MAX_PACKET_BYTES), "interfaces.bytes", bytes)?;
                             }
                         }
                         _ => {}

@@ -18,6 +18,8 @@ use std::collections::{BTreeMap, VecDeque};
 pub const RATE_WINDOW_NS: u64 = 10_000_000_000;
 /// Samples kept (a heartbeat each).
 pub const MAX_SAMPLES: usize = 64;
+/// A sample this close to the last one is skipped (so a window holds about 16).
+pub const MIN_SPACING_NS: u64 = RATE_WINDOW_NS / 16;
 
 /// Samples of `N` running counters of one epoch: `(node ns, values)`.
 #[derive(Debug, Clone)]
@@ -64,13 +66,17 @@ impl BulkRate {
 }
 
 impl<const N: usize> WindowRate<N> {
-    /// A heartbeat of `epoch` taken at `node_ns` read the counters `values`. A new epoch
-    /// or a counter that went back (the kernel's counters restarted) starts a fresh
-    /// window; a heartbeat no newer than the last sample (out of order) is ignored.
+    /// A heartbeat of `epoch` taken at `node_ns` read the counters `values`. A newer
+    /// epoch or a counter that went back (the kernel's counters restarted) starts a
+    /// fresh window; a heartbeat of an older epoch (a straggler: a node's epochs only
+    /// grow) or no newer than the last sample (out of order) is ignored, and so is one
+    /// within [`MIN_SPACING_NS`] of the last (heartbeats sent early, or a peer sending
+    /// many, cannot fill the window with samples).
     pub fn on_sample(&mut self, epoch: u64, node_ns: u64, values: [u64; N]) {
         match self.samples.back() {
-            Some(_) if epoch != self.epoch => self.samples.clear(),
-            Some(&(t, _)) if node_ns <= t => return,
+            Some(_) if epoch < self.epoch => return,
+            Some(_) if epoch > self.epoch => self.samples.clear(),
+            Some(&(t, _)) if node_ns <= t.saturating_add(MIN_SPACING_NS) => return,
             Some((_, e)) if values.iter().zip(e).any(|(v, e)| v < e) => self.samples.clear(),
             _ => {}
         }
@@ -140,13 +146,20 @@ pub struct InterfaceRate {
 
 impl InterfaceRates {
     /// A heartbeat of `epoch` at `node_ns` said `(ifindex, packets, bytes)` for each
-    /// interface. A new epoch forgets the old one's interfaces (the kernel's map was
-    /// created afresh).
+    /// interface (none: a heartbeat without the section). An interface it does not name
+    /// is forgotten (the kernel's map never drops one within an epoch: the shipper could
+    /// not read it, or the counters were created afresh); a newer epoch forgets the old
+    /// one's; a heartbeat of an older epoch (a straggler) is ignored.
     pub fn on_heartbeat(&mut self, epoch: u64, node_ns: u64, entries: impl IntoIterator<Item = (u32, u64, u64)>) {
-        if epoch != self.epoch {
+        if epoch < self.epoch {
+            return;
+        }
+        if epoch > self.epoch {
             self.by_ifindex.clear();
             self.epoch = epoch;
         }
+        // What this heartbeat named and is kept (at most the cap).
+        let mut named = std::collections::BTreeSet::new();
         for (ifindex, packets, bytes) in entries {
             let full = self.by_ifindex.len() >= MAX_INTERFACES_PER_NODE;
             match self.by_ifindex.get_mut(&ifindex) {
@@ -154,7 +167,11 @@ impl InterfaceRates {
                 None if full => self.turned_away = self.turned_away.saturating_add(1),
                 None => self.by_ifindex.entry(ifindex).or_default().on_sample(epoch, node_ns, [packets, bytes]),
             }
+            if self.by_ifindex.contains_key(&ifindex) {
+                named.insert(ifindex);
+            }
         }
+        self.by_ifindex.retain(|i, _| named.contains(i));
     }
 
     /// Every interface's rates, in ifindex order.
@@ -199,6 +216,9 @@ mod tests {
         // Counters went back (a restarted kernel side): a fresh window.
         r.on_heartbeat(1, 32 * S, 5);
         assert_eq!(r.rate(), None);
+        // An older epoch's straggler: ignored.
+        r.on_heartbeat(0, 33 * S, 1);
+        assert_eq!(r.latest(), Some([5]));
         // A new epoch: fresh too.
         r.on_heartbeat(2, 40 * S, 100);
         r.on_heartbeat(2, 41 * S, 600);
@@ -229,13 +249,24 @@ mod tests {
         let got: Vec<InterfaceRate> = r.iter().collect();
         assert_eq!(got[0].packets_per_second, None);
         assert_eq!(got[1].packets_per_second, Some(10.0));
-        // A new epoch: only what it names.
+        // A heartbeat that names fewer: the others are forgotten.
+        r.on_heartbeat(1, 5 * S, [(3, 50, 5_000)]);
+        assert_eq!(r.iter().map(|i| i.ifindex).collect::<Vec<_>>(), [3]);
+        // A new epoch: only what it names; a straggler of the old one changes nothing.
         r.on_heartbeat(2, 5 * S, [(7, 1, 64)]);
         assert_eq!(r.iter().map(|i| i.ifindex).collect::<Vec<_>>(), [7]);
+        r.on_heartbeat(1, 9 * S, [(3, 90, 9_000)]);
+        assert_eq!(r.iter().map(|i| (i.ifindex, i.packets)).collect::<Vec<_>>(), [(7, 1)]);
+        // Samples closer than MIN_SPACING_NS to the last one are skipped.
+        r.on_heartbeat(2, 5 * S + MIN_SPACING_NS, [(7, 2, 128)]);
+        assert_eq!(r.iter().next().map(|i| i.packets), Some(1));
+        // None named (a heartbeat without the section): nothing known.
+        r.on_heartbeat(2, 6 * S, []);
+        assert_eq!(r.iter().count(), 0);
         // The cap: further interfaces are counted, not kept.
         let many = (0..proto_flat::kernel::MAX_INTERFACES + 6).map(|i| (100 + i, 1, 1));
-        r.on_heartbeat(2, 6 * S, many);
+        r.on_heartbeat(2, 7 * S, many);
         assert_eq!(r.iter().count(), MAX_INTERFACES_PER_NODE);
-        assert_eq!(r.turned_away, 6);
+        assert_eq!(r.turned_away, 5);
     }
 }

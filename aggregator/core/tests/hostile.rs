@@ -138,6 +138,40 @@ fn a_heartbeat_with_every_counter_at_u64_max_is_refused_regression_issue_18() {
     assert_eq!(receive(&mut core, 2_000_000_000, &batch(10, Class::P0, &[more])), Receipt::Applied);
 }
 
+/// Per-interface counters (issue 25): packets past MAX_SEQ, or more bytes than that
+/// many of the largest packets carry, are refused whole like any other counter.
+#[test]
+fn interface_counters_past_the_limits_are_refused() {
+    use proto_flat::sections::InterfaceEntry;
+    let mut core = honest_core();
+    let iface = |packets: u64, bytes: u64| InterfaceEntry {
+        ifindex: U32::new(2),
+        _reserved0: U32::new(0),
+        packets: U64::new(packets),
+        bytes: U64::new(bytes),
+    };
+    let hb_with = |seq: u64, e: InterfaceEntry| {
+        let mut w = SectionedFrameWriter::heartbeat(sample::SHIPPER_STREAM, seq, 3_000, 3_000);
+        w.section(&[entry(P0, 10, 10, 0, 0)]).section(&[e]);
+        w.finish()
+    };
+    let max_bytes = ringwatch_core::plausible::MAX_PACKET_BYTES;
+    for (i, (e, field)) in [
+        (iface(u64::MAX, u64::MAX), "interfaces.packets"),
+        (iface(MAX_SEQ + 1, 0), "interfaces.packets"),
+        (iface(10, 10 * max_bytes + 1), "interfaces.bytes"),
+        (iface(0, 1), "interfaces.bytes"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        refused(&mut core, &batch(3 + i as u64, Class::P1, &[hb_with(1 + i as u64, e)]), field);
+    }
+    // At the limits: applied.
+    let ok = hb_with(9, iface(MAX_SEQ, MAX_SEQ));
+    assert_eq!(receive(&mut core, 2_000_000_000, &batch(9, Class::P1, &[ok])), Receipt::Applied);
+}
+
 /// A frame with seq u64::MAX panicked at `high = seq + 1` on the batch path (no ack, no
 /// nack, and the stream showed `pending: 18446744073709551614`): on every lane, refused.
 #[test]

@@ -20,7 +20,7 @@ use proto_flat::encode::SectionedFrameWriter;
 use proto_flat::frames::{CollectiveFrame, EpochStartFrame, FixedFrame, LossRecordFrame, P2pFrame, ShipperGapFrame};
 use proto_flat::header::StreamId;
 use proto_flat::sample;
-use proto_flat::sections::{ProgressEntry, SessionStreamEntry, StreamEntry};
+use proto_flat::sections::{InterfaceEntry, ProgressEntry, SessionStreamEntry, StreamEntry};
 use ringwatch_core::plausible::MAX_SEQ;
 use ringwatch_core::{Core, NodeId, Receipt};
 use zerocopy::little_endian::{I32, U16, U32, U64};
@@ -161,6 +161,8 @@ pub enum FrameSpec {
         snapshot_ns: Edgy,
         streams: Vec<StreamCounters>,
         progress: Vec<Progress>,
+        /// `interfaces` entries: (ifindex, packets, bytes); more than a node keeps.
+        interfaces: Vec<(u8, Edgy, Edgy)>,
     },
     LossRecord {
         head: Head,
@@ -301,7 +303,7 @@ pub fn frame(spec: &FrameSpec, lane: Class) -> Vec<u8> {
         FrameSpec::Bulk { head } => {
             sample::bulk_packet(head.stream.id(lane), head.seq.0, head.ts.0).as_bytes().to_vec()
         }
-        FrameSpec::Heartbeat { head, snapshot_ns, streams, progress } => {
+        FrameSpec::Heartbeat { head, snapshot_ns, streams, progress, interfaces } => {
             let entries: Vec<StreamEntry> = streams
                 .iter()
                 .take(16)
@@ -338,6 +340,19 @@ pub fn frame(spec: &FrameSpec, lane: Class) -> Vec<u8> {
                 .collect();
             let mut w = SectionedFrameWriter::heartbeat(head.stream.id(lane), head.seq.0, head.ts.0, snapshot_ns.0);
             w.section(&entries).section(&progress);
+            if !interfaces.is_empty() {
+                let ifs: Vec<InterfaceEntry> = interfaces
+                    .iter()
+                    .take(80)
+                    .map(|(ifindex, packets, bytes)| InterfaceEntry {
+                        ifindex: U32::new(u32::from(*ifindex)),
+                        _reserved0: U32::new(0),
+                        packets: U64::new(packets.0),
+                        bytes: U64::new(bytes.0),
+                    })
+                    .collect();
+                w.section(&ifs);
+            }
             w.finish()
         }
         FrameSpec::LossRecord { head, lost, class, first, last, count, cause, session, batch_seq } => {

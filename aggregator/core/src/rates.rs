@@ -135,7 +135,7 @@ impl PartialEq for InterfaceRates {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct InterfaceRate {
     pub ifindex: u32,
-    /// Running totals of the epoch, from the last heartbeat.
+    /// Running totals of the epoch, from the latest sample kept (see [`MIN_SPACING_NS`]).
     pub packets: u64,
     pub bytes: u64,
     /// Per second over `window_ns` (`None` before two heartbeats).

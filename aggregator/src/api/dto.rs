@@ -342,7 +342,8 @@ pub struct InterfaceRateDto {
     /// The interface's index on the node; 0 stands for every interface beyond the
     /// kernel map's cap (64).
     pub ifindex: u32,
-    /// Running totals of the node's current epoch, from its last heartbeat.
+    /// Running totals of the node's current epoch, from its latest heartbeat kept for the
+    /// rate (one under 625 ms after the previous kept one is skipped).
     pub packets: u64,
     pub bytes: u64,
     /// Per second over `window_s` of node time (up to 10 s of heartbeats); absent before

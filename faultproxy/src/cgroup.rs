@@ -148,7 +148,10 @@ impl PressureCgroup {
 
     /// Starts `loops` page-cache thrashers reading a `bytes` file on the root disk (not
     /// tmpfs: its pages would be shared memory, not reclaimable cache) in `dir`, written
-    /// and dropped from the cache first so its pages are charged to the readers.
+    /// and dropped from the cache first so its pages are charged to the readers. They run
+    /// with `oom_score_adj` 1000: when the kernel's reclaim gives up under the thrash (on
+    /// the v1 memcg here it sometimes does with tens of MiB of clean cache left), the OOM
+    /// killer takes a thrasher before anything else in the cgroup.
     ///
     /// # Panics
     /// The file cannot be written.
@@ -174,8 +177,16 @@ impl PressureCgroup {
             .expect("dd");
         assert!(st.success(), "writing {}", file.display());
         self.file = Some(file.clone());
+        // The thrashers stand for the workload beside the shipper: the OOM killer's first
+        // choice (`oom_score_adj` 1000, what the kubelet gives BestEffort pods).
         for _ in 0..loops {
-            self.spawn_in(v2, &format!("while :; do cat {} > /dev/null; done", file.display()));
+            self.spawn_in(
+                v2,
+                &format!(
+                    "echo 1000 > /proc/self/oom_score_adj && while :; do cat {} > /dev/null; done",
+                    file.display()
+                ),
+            );
         }
     }
 

@@ -1346,14 +1346,38 @@ const RING_METRICS_EVERY_NS: u64 = 250_000_000;
 
 async fn spool_empties_by(shared: &Shared, deadline: Instant) -> bool {
     loop {
-        if shared.core().spool().is_empty() {
-            return true;
+        {
+            let now = shared.now();
+            let mut core = shared.core();
+            if core.spool().is_empty() {
+                return true;
+            }
+            // The pump has stopped, and with it the timeouts that resend a lane whose
+            // batch's stream stalled: without this a P0 batch on a stream the aggregator
+            // stopped reading waited unacked until the deadline gave it up (36 P0 frames
+            // lost at a 45 s deadline, the 64 MiB memcg test).
+            if core.resend_stalled(now) {
+                publish_resends(shared, &core);
+                drop(core);
+                shared.ready.notify_one();
+            }
         }
         if Instant::now() >= deadline {
             return false;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Tells the senders which lanes were sent again (a sender resets its stream when its
+/// lane's count moves).
+fn publish_resends(shared: &Shared, core: &ShipperCore) {
+    let by_lane = core.stats().lane_resends_by_lane;
+    shared.resends.send_if_modified(|g| {
+        let changed = *g != by_lane;
+        *g = by_lane;
+        changed
+    });
 }
 
 /// Reads until told to stop or the node dies; returns the source (for the final
@@ -1539,12 +1563,7 @@ async fn pump(
             shared.spool_used.store(core.spool().used_bytes(), Ordering::Release);
             total = total.saturating_add(u64::try_from(applied).unwrap_or(u64::MAX));
             assert!(panic_after.is_none_or(|n| total < n), "test hook: the pump panics after {total} messages");
-            let by_lane = core.stats().lane_resends_by_lane;
-            shared.resends.send_if_modified(|g| {
-                let changed = *g != by_lane;
-                *g = by_lane;
-                changed
-            });
+            publish_resends(&shared, &core);
             core.poll_timeout()
         };
         shared.ready.notify_one();

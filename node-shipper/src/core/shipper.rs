@@ -1002,6 +1002,14 @@ impl ShipperCore {
         }
     }
 
+    /// [`Self::check_stalls`] alone, for the SIGTERM flush (no cuts, no heartbeats: the
+    /// reader has stopped and the last heartbeat is spooled). Whether a lane was resent.
+    pub fn resend_stalled(&mut self, now: u64) -> bool {
+        let before = self.stats.lane_resends;
+        self.check_stalls(now);
+        self.stats.lane_resends != before
+    }
+
     fn resend_lane(&mut self, lane: usize, now: u64) {
         self.spool.resend_lane(lane);
         self.stats.lane_resends += 1;
@@ -1470,6 +1478,27 @@ mod tests {
         c.handle_counters(&counters, 20 * MS, 20_000 * MS);
         assert!(transmit(&mut c).iter().all(|b| BatchView::parse(b).unwrap().header.lane != Class::P2.code()));
         assert_eq!(c.stats().lane_resends, 1, "acked: nothing more");
+    }
+
+    #[test]
+    fn the_sigterm_flush_resends_a_stalled_lane_without_heartbeats_or_cuts() {
+        // Regression (the 64 MiB memcg test): the pump had stopped for the flush, nothing
+        // ran the stall check, and a P0 batch waited unacked until the deadline gave it up.
+        let mut c = core(1 << 20);
+        for seq in 0..10 {
+            c.handle_frame(&bulk(2, seq), 0);
+        }
+        c.flush(MS);
+        let first = transmit(&mut c);
+        assert_eq!(first.len(), 1);
+        assert!(!c.resend_stalled(2_000 * MS), "not stalled yet");
+        assert!(transmit(&mut c).is_empty());
+        assert!(c.resend_stalled(MS + 5_000 * MS), "no ack for the stall time");
+        assert_eq!(transmit(&mut c), first, "the same batch again, and nothing else (no heartbeat)");
+        assert_eq!(c.stats().lane_resends_by_lane[Class::P2.code() as usize], 1);
+        c.handle_ack(&[(1, u64::MAX)], AckStatus::Applied, 5_010 * MS);
+        assert!(!c.resend_stalled(60_000 * MS), "acked: nothing in flight");
+        assert!(c.spool().is_empty());
     }
 
     #[test]

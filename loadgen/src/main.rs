@@ -287,6 +287,7 @@ async fn demo_cmd(m: &ArgMatches) -> Result<bool, String> {
     if m.get_flag("hold") {
         r.certs.keep = true;
         println!("aggregator serving at http://{}; certificates in {}", r.http_addr, r.certs.path.display());
+        println!("the live page: open http://{}/ in a browser", r.http_addr);
         println!(
             "try: curl -s http://{}/v1/nodes ; curl -s 'http://{}/v1/verdicts?outcome=stuck'",
             r.http_addr, r.http_addr

@@ -65,7 +65,9 @@ pub struct HttpCounters {
 }
 
 /// Serves `router` on `listener` until the listener fails for good (never, in practice:
-/// accept errors pause and retry).
+/// accept errors pause and retry) or the future is dropped (its task aborted): every
+/// connection it accepted ends with it, keep-alive ones too (a browser must not go on
+/// talking to a stopped server's router over a connection it kept open).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: axum::Router,
@@ -76,8 +78,14 @@ pub async fn serve(
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let mut last_error_log = None::<std::time::Instant>;
+    // At most `max_connections` (the permits); finished ones are reaped as they end.
+    let mut conns = tokio::task::JoinSet::new();
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+        };
+        let (stream, peer) = match accepted {
             Ok(s) => s,
             Err(e) => {
                 counters.accept_errors.fetch_add(1, Relaxed);
@@ -106,7 +114,7 @@ pub async fn serve(
         counters.open.fetch_add(1, Relaxed);
         let (counters, router) = (Arc::clone(&counters), router.clone());
         let tls = tls.clone();
-        tokio::spawn(async move {
+        conns.spawn(async move {
             let builder = {
                 let mut b = hyper::server::conn::http1::Builder::new();
                 b.timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);

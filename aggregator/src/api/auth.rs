@@ -1,7 +1,8 @@
 //! The API's optional bearer token (`api_token_file`): a request without
 //! `Authorization: Bearer <token>` is answered `401` (JSON error body,
 //! `WWW-Authenticate: Bearer`); `/healthz` and `/readyz` are exempt (probes carry no
-//! token).
+//! token), and so are the live page's files (`/` and `/ui/…`: no data;
+//! the page sends the token with its API requests).
 //!
 //! The file is re-read when it changes (its inode, size or modification time; and at
 //! least once a second, for a rewrite the file system's timestamps cannot tell apart), so
@@ -148,7 +149,7 @@ fn carries(value: Option<&HeaderValue>, token: &str) -> bool {
 /// The middleware: a request to a non-exempt path needs the token.
 pub async fn require(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     let Some(file) = &s.api_token else { return next.run(req).await };
-    if EXEMPT.contains(&req.uri().path()) {
+    if EXEMPT.contains(&req.uri().path()) || super::ui::PUBLIC.contains(&req.uri().path()) {
         return next.run(req).await;
     }
     let ok = file.current().is_some_and(|t| carries(req.headers().get(header::AUTHORIZATION), &t));

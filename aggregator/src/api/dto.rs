@@ -60,6 +60,10 @@ pub struct HealthzDto {
     pub pressure: Option<AggregatorPressureDto>,
     #[serde(default)]
     pub pressure_unavailable: Option<String>,
+    /// Whether the API asks for a bearer token (`api_token_file`): a client learns it
+    /// here, without a request answered 401 (the live page asks for the token then).
+    #[serde(default)]
+    pub api_token_required: bool,
 }
 
 /// The aggregator's own memory pressure ([`HealthzDto::pressure`]).

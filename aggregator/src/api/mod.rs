@@ -1,5 +1,6 @@
 //! The HTTP surface (axum): `GET /healthz`, `GET /readyz`, `GET /v1/nodes`,
-//! `GET /v1/verdicts`, `GET /v1/ingest`.
+//! `GET /v1/verdicts`, `GET /v1/ingest`, the resources, events and metrics, and the live
+//! page (`GET /`, [`ui`]).
 //!
 //! Handlers read shared state and answer with the DTOs of [`dto`]; they never hold the
 //! core's lock across an `.await`. Bad queries get `400` with an [`dto::ErrorDto`] that
@@ -7,7 +8,7 @@
 //! handler that panics is answered `500`, counted (`/healthz` `handler_panics`) and
 //! logged; the server goes on.
 //!
-//! Every route refuses unknown query parameters and a parameter given twice (`400`
+//! Every API route refuses unknown query parameters and a parameter given twice (`400`
 //! naming it); unknown paths get `404` and other methods than GET `405`, each with a JSON
 //! error body. The listener's limits (header-read timeout, connection cap) are
 //! `ringwatch_transport::http`'s.
@@ -24,6 +25,7 @@ pub mod client;
 pub mod dto;
 pub mod events;
 pub mod resources;
+pub mod ui;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -56,7 +58,7 @@ use ringwatch_transport::http;
     info(
         title = "ringwatch aggregator API",
         version = "v1",
-        description = "Verdicts on collectives and GPU health for a cluster scheduler: telemetry loss or real degradation. Act on final verdicts only; every answer says how fresh it is (as_of). With an api_token_file every route but /healthz and /readyz needs Authorization: Bearer <token>."
+        description = "Verdicts on collectives and GPU health for a cluster scheduler: telemetry loss or real degradation. Act on final verdicts only; every answer says how fresh it is (as_of). With an api_token_file every route but /healthz, /readyz and the page (/, /ui/{asset}) needs Authorization: Bearer <token>."
     ),
     modifiers(&BearerScheme)
 )]
@@ -96,6 +98,8 @@ pub fn routes() -> (Router<Arc<Shared>>, utoipa::openapi::OpenApi) {
         .routes(routes!(resources::summary))
         .routes(routes!(openapi_json))
         .routes(routes!(metrics))
+        .routes(routes!(ui::index))
+        .routes(routes!(ui::asset))
         .split_for_parts()
 }
 
@@ -273,6 +277,7 @@ async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         handler_panics: s.tasks.handler_panics.load(Relaxed),
         pressure: pressure_dto(&s),
         pressure_unavailable: s.pressure.unavailable.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+        api_token_required: s.api_token.is_some(),
     };
     (code, Json(body)).into_response()
 }
@@ -774,6 +779,8 @@ mod tests {
             "/v1/events",
             "/v1/ingest",
             "/metrics",
+            "/",
+            "/ui/{asset}",
         ]
         .into_iter()
         .collect();
@@ -782,7 +789,7 @@ mod tests {
             let get = &item["get"];
             assert!(get.is_object(), "{path}: GET");
             assert!(get["responses"]["200"].is_object(), "{path}: a 200 answer");
-            if path != "/healthz" && path != "/readyz" {
+            if !["/healthz", "/readyz", "/", "/ui/{asset}"].contains(&path.as_str()) {
                 assert!(get["responses"]["401"].is_object(), "{path}: the token's 401");
             }
         }

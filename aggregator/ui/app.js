@@ -6,6 +6,14 @@
 'use strict';
 (() => {
   const WINDOW_MS = 60000;
+  // Every API request gives up after this; the event stream after this long without a
+  // byte (the aggregator sends a heartbeat comment every events_heartbeat_ms, 15 s).
+  const REQUEST_TIMEOUT_MS = 10000;
+  const STREAM_SILENCE_MS = 45000;
+  const MAX_BUFFER = 1 << 20;
+  const RECENT_OPS = 8;
+  // Ranks no frame tied to a GPU are kept under the all-zero uuid.
+  const NO_UUID = '0'.repeat(32);
   const HEALTH_TEXT = {
     healthy: 'healthy',
     healthy_lossy: 'telemetry loss — healthy',
@@ -17,15 +25,18 @@
   const S = {
     token: null,
     nodes: [],
-    summary: null,
     asOf: null,
     fetchedAt: 0,
     lastId: null,
     lastEventAt: 0,
-    bands: new Map(), // node -> [{from, to, band}] (aggregator ms)
-    marks: new Map(), // node -> [{at, health, gpu}] (aggregator ms)
-    p0: new Map(), // node -> [{at, frames}]: P0 loss events as they arrived (aggregator ms)
-    evidence: new Map(), // gpu uuid -> the latest final verdict that is not `completed`
+    apiError: null,
+    bands: new Map(), // node -> [{from, to, band}]: bulk loss bands (aggregator ms)
+    marks: new Map(), // node -> [{at, health, gpu}]: health changes (aggregator ms)
+    p0: new Map(), // node -> [{at, frames}]: P0 loss events (aggregator ms)
+    p0Events: new Map(), // node -> P0 loss events seen (a count)
+    gapsAt: [], // aggregator ms of the gaps this page's stream had
+    evidence: new Map(), // `${node}/${uuid}` -> the latest final verdict that is not `completed`
+    recentOps: [], // collective ids of the latest verdicts, newest first
     colls: [],
     collsAt: 0,
     frozen: false,
@@ -33,6 +44,8 @@
     gaps: 0,
     reconnects: 0,
     selected: null,
+    watching: false,
+    inflight: null,
   };
   const $ = (id) => document.getElementById(id);
   const esc = (v) => String(v ?? '').replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
@@ -40,9 +53,14 @@
   const pct = (x) => (x == null ? '—' : `${(x * 100).toFixed(x >= 0.999 || x === 0 ? 1 : 2)} %`);
   const healthText = (h) => HEALTH_TEXT[h] ?? h ?? 'unknown';
   const healthClass = (h) => (HEALTH_TEXT[h] ? `h-${h}` : 'h-unknown');
+  const pushCapped = (list, item, cap) => {
+    list.push(item);
+    while (list.length > cap) list.shift();
+  };
+  const noteError = (e) => pushCapped(S.errors, String(e), 50);
 
-  window.addEventListener('error', (e) => S.errors.push(String(e.message)));
-  window.addEventListener('unhandledrejection', (e) => S.errors.push(String(e.reason)));
+  window.addEventListener('error', (e) => noteError(e.message));
+  window.addEventListener('unhandledrejection', (e) => noteError(e.reason));
 
   // The aggregator's clock now, estimated from the last list answer.
   function aggNow() {
@@ -58,9 +76,12 @@
   }
 
   async function api(path) {
-    const r = await fetch(path, { headers: headers(), cache: 'no-store' });
+    const r = await fetch(path, { headers: headers(), cache: 'no-store', signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS) });
     if (r.status === 401) throw new Unauthorized(path);
-    if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
+    if (!r.ok) {
+      const body = await r.json().catch(() => ({}));
+      throw new Error(`${path}: HTTP ${r.status}${body.error ? ` (${body.error})` : ''}`);
+    }
     return r.json();
   }
 
@@ -88,14 +109,32 @@
 
   // ---- list state -------------------------------------------------------------------
 
-  async function refresh() {
-    const [nodes, summary] = await Promise.all([api('/v1/nodes'), api('/v1/summary')]);
+  // One list request at a time: callers share the one in flight.
+  function refresh() {
+    if (!S.inflight) {
+      S.inflight = doRefresh().finally(() => {
+        S.inflight = null;
+      });
+    }
+    return S.inflight;
+  }
+
+  async function doRefresh() {
+    let nodes;
+    try {
+      nodes = await api('/v1/nodes');
+      S.apiError = null;
+    } catch (e) {
+      if (!(e instanceof Unauthorized)) S.apiError = e.message;
+      renderAsOf();
+      throw e;
+    }
     if (S.frozen) return;
     S.nodes = nodes.nodes;
-    S.summary = summary;
     S.asOf = nodes.as_of;
     S.fetchedAt = performance.now();
     if (!S.lastId && nodes.as_of.event_id) S.lastId = nodes.as_of.event_id;
+    prune();
     renderGrid();
     renderAsOf();
     if (performance.now() - S.collsAt > 5000) {
@@ -104,21 +143,30 @@
     }
   }
 
+  // What the page keeps per node is for the nodes the aggregator lists.
+  function prune() {
+    const names = new Set(S.nodes.map((n) => n.name));
+    for (const m of [S.bands, S.marks, S.p0, S.p0Events]) {
+      for (const k of m.keys()) if (!names.has(k)) m.delete(k);
+    }
+    for (const k of S.evidence.keys()) if (!names.has(k.split('/')[0])) S.evidence.delete(k);
+    const old = aggNow() - WINDOW_MS;
+    while (S.gapsAt.length && S.gapsAt[0] < old) S.gapsAt.shift();
+  }
+
   let pending = null;
   function refreshSoon() {
     if (pending) return;
     pending = setTimeout(() => {
       pending = null;
       refresh().catch(report);
-    }, 1000);
+    }, 2000);
   }
 
   async function refreshCollectives() {
-    const from = Math.max(0, Math.floor(aggNow() - 30000));
-    const list = await api(`/v1/collectives?from_ms=${from}&limit=1000`);
-    const latest = list.collectives.sort((a, b) => b.decided_at_ms - a.decided_at_ms).slice(0, 8);
-    const details = await Promise.all(latest.map((c) => api(`/v1/collectives/${encodeURIComponent(c.id)}`).catch(() => null)));
-    S.colls = latest.map((c, i) => ({ c, d: details[i] }));
+    const ids = S.recentOps.slice();
+    const details = await Promise.all(ids.map((id) => api(`/v1/collectives/${encodeURIComponent(id)}`).catch(() => null)));
+    S.colls = details.filter((d) => d);
     renderCollectives();
   }
 
@@ -159,7 +207,10 @@
       h += bar('k-bulk', b.from, b.to ?? now, `bulk loss ${b.band}`);
     }
     for (const g of n.knowledge_gaps || []) {
-      h += bar('k-p0', g.from_ms, g.to_ms, `P0 loss interval ${g.from_ms}–${g.to_ms} ms (aggregator time)`);
+      h += bar('k-gap', g.from_ms, g.to_ms, `the aggregator's own knowledge gap (a restart) ${g.from_ms}–${g.to_ms} ms: not frame loss`);
+    }
+    for (const at of S.gapsAt) {
+      h += bar('k-gap', at - 500, at, 'this page missed events here (a gap in its stream)');
     }
     for (const p of S.p0.get(n.name) || []) {
       h += bar('k-p0', p.at - 500, p.at, `${p.frames} P0 frames lost (reported then)`);
@@ -171,16 +222,13 @@
     return h;
   }
 
-  // Ranks no frame tied to a GPU are kept under the all-zero uuid.
-  const NO_UUID = '0'.repeat(32);
-
-  function gpuTitle(n, g, i) {
+  function gpuTitle(n, g) {
     const h = gpuHealth(n, g);
-    const v = S.evidence.get(g.gpu_uuid);
+    const v = S.evidence.get(`${n.name}/${g.gpu_uuid}`);
     let t = g.gpu_uuid === NO_UUID
       ? `${n.name}, ranks without a GPU uuid (no frame named their GPU): ${healthText(h)}`
-      : `${n.name} GPU ${i} (${g.gpu_uuid}): ${healthText(h)}`;
-    if (v && (h === 'degraded' || h === 'suspect')) t += ` — ${v.outcome}: ${v.evidence}`;
+      : `${n.name} GPU ${g.gpu_uuid}: ${healthText(h)}`;
+    if (h === 'degraded' || h === 'suspect') t += v ? ` — ${v.outcome}: ${v.evidence}` : ' — click for the evidence';
     if (h === 'healthy_lossy') t += ' — frames were lost; the GPU completed its work';
     if (h === 'silent' || h === 'unreachable') t += ' — no frames or heartbeats from the node; nobody is blamed';
     return t;
@@ -190,12 +238,12 @@
     const named = (n.gpus || []).filter((g) => g.gpu_uuid !== NO_UUID);
     const unnamed = (n.gpus || []).filter((g) => g.gpu_uuid === NO_UUID);
     const cells = named.concat(unnamed)
-      .map((g, i) => {
+      .map((g) => {
         const h = gpuHealth(n, g);
-        const label = g.gpu_uuid === NO_UUID ? '?' : String(i);
-        return `<span class="cell ${healthClass(h)}" data-uuid="${esc(g.gpu_uuid)}" data-health="${esc(h)}" title="${esc(gpuTitle(n, g, i))}" aria-label="${esc(healthText(h))}">${label}</span>`;
+        const label = g.gpu_uuid === NO_UUID ? '?' : g.gpu_uuid.slice(0, 4);
+        return `<span class="cell ${healthClass(h)}" data-uuid="${esc(g.gpu_uuid)}" data-health="${esc(h)}" title="${esc(gpuTitle(n, g))}" aria-label="${esc(healthText(h))}">${esc(label)}</span>`;
       })
-      .join('');
+      .join('') || '<small>no GPU verdicts yet</small>';
     const [lost, received] = p0Counts(n);
     const cov = n.bulk ? pct(n.bulk.coverage) : '—';
     const sh = n.shipper;
@@ -208,10 +256,9 @@
   function renderGrid() {
     const now = aggNow();
     $('grid').tBodies[0].innerHTML = S.nodes.map((n) => row(n, now)).join('');
-    const by = S.summary ? S.summary.nodes_by_health : null;
-    $('counts').textContent = by
-      ? Object.entries(by).map(([k, v]) => `${healthText(k)}: ${v}`).join(' · ')
-      : `${S.nodes.length} nodes`;
+    const by = {};
+    for (const n of S.nodes) by[n.health] = (by[n.health] || 0) + 1;
+    $('counts').textContent = `${S.nodes.length} nodes: ${Object.entries(by).map(([k, v]) => `${healthText(k)} ${v}`).join(' · ')}`;
   }
 
   function renderAsOf() {
@@ -219,8 +266,9 @@
     const age = Math.round((performance.now() - S.fetchedAt) / 1000);
     const w = S.asOf.p0_watermark_min_node ? ` · P0 watermark held by ${S.asOf.p0_watermark_min_node}` : '';
     const last = S.lastEventAt ? ` · last event ${Math.round((performance.now() - S.lastEventAt) / 1000)} s ago` : '';
-    $('asof').textContent = `as of ${new Date(Date.now() - age * 1000).toLocaleTimeString()} (local, ${age} s ago; epoch ${S.asOf.aggregator_epoch})${w}${last}`;
-    $('asof').classList.toggle('stale', age > 10);
+    const err = S.apiError ? ` · API error: ${S.apiError}` : '';
+    $('asof').textContent = `as of ${new Date(Date.now() - age * 1000).toLocaleTimeString()} (local, ${age} s ago; epoch ${S.asOf.aggregator_epoch})${w}${last}${err}`;
+    $('asof').classList.toggle('stale', age > 10 || S.apiError != null);
   }
 
   function opName(op) {
@@ -229,21 +277,18 @@
 
   function renderCollectives() {
     $('colls').tBodies[0].innerHTML = S.colls
-      .map(({ c, d }) => {
-        let ranks;
-        if (d) {
-          const done = d.verdicts.filter((v) => v.outcome === 'completed').length;
-          ranks = (done ? `<span class="o o-completed">completed ×${done}</span>` : '')
-            + d.verdicts
-              .filter((v) => v.outcome !== 'completed')
-              .map((v) => `<span class="o o-${esc(v.outcome.split('(')[0])}" title="${esc(`${v.node ?? '?'} ${v.gpu_uuid}: ${v.evidence}`)}">r${v.rank} ${esc(v.outcome)}${v.final ? '' : '?'}</span>`)
-              .join('');
-        } else {
-          ranks = Object.entries(c.outcomes).map(([k, v]) => `<span class="o o-${esc(k)}">${esc(k)} ×${v}</span>`).join('');
-        }
-        return `<tr><td>${esc(opName(c.op))}</td><td>${esc(c.state)} (${c.finals}/${c.ranks} final)</td><td>${c.decided_at_ms} ms</td><td>${ranks}</td></tr>`;
+      .map((d) => {
+        const done = d.verdicts.filter((v) => v.outcome === 'completed').length;
+        const finals = d.verdicts.filter((v) => v.final).length;
+        const ranks = (done ? `<span class="o o-completed">completed ×${done}</span>` : '')
+          + d.verdicts
+            .filter((v) => v.outcome !== 'completed')
+            .map((v) => `<span class="o o-${esc(v.outcome.split('(')[0])}" title="${esc(`${v.node ?? '?'} ${v.gpu_uuid}: ${v.evidence}`)}">r${v.rank} ${esc(v.outcome)}${v.final ? '' : '?'}</span>`)
+            .join('');
+        const decided = Math.max(0, ...d.verdicts.map((v) => v.decided_at_ms));
+        return `<tr><td>${esc(opName(d.op))}</td><td>${esc(d.state)} (${finals}/${d.verdicts.length} final)</td><td>${decided} ms</td><td>${ranks}</td></tr>`;
       })
-      .join('');
+      .join('') || '<tr><td colspan="4">no verdict since this page opened</td></tr>';
   }
 
   async function showGpu(uuid) {
@@ -263,6 +308,7 @@
 
   // ---- events -----------------------------------------------------------------------
 
+  // Node events carry no time: the page places them when it received them.
   function onEvent(kind, id, data) {
     if (id) S.lastId = id;
     S.lastEventAt = performance.now();
@@ -272,13 +318,19 @@
     switch (kind) {
       case 'verdict':
       case 'revision':
-        if (d.final && d.outcome !== 'completed' && d.gpu_uuid) S.evidence.set(d.gpu_uuid, d);
+        if (d.node && d.gpu_uuid) {
+          const key = `${d.node}/${d.gpu_uuid}`;
+          if (d.final && d.outcome !== 'completed') S.evidence.set(key, d);
+        }
+        if (d.collective_id) {
+          S.recentOps = [d.collective_id].concat(S.recentOps.filter((x) => x !== d.collective_id)).slice(0, RECENT_OPS);
+        }
         break;
       case 'health': {
         const marks = S.marks.get(d.node) || [];
-        marks.push({ at: now, health: d.health, gpu: d.gpu_uuid });
-        while (marks.length > 64) marks.shift();
+        pushCapped(marks, { at: now, health: d.health, gpu: d.gpu_uuid }, 64);
         S.marks.set(d.node, marks);
+        if (d.gpu_uuid && (d.health === 'healthy' || d.health === 'healthy_lossy')) S.evidence.delete(`${d.node}/${d.gpu_uuid}`);
         refreshSoon();
         break;
       }
@@ -286,22 +338,23 @@
         const bands = S.bands.get(d.node) || [];
         const open = bands.find((b) => b.to == null);
         if (open) open.to = now;
-        if (d.band !== 'none' && d.band !== 'below_0.1%') bands.push({ from: now, to: null, band: d.band });
-        while (bands.length > 32) bands.shift();
+        if (d.band !== 'none' && d.band !== 'below_0.1%') pushCapped(bands, { from: now, to: null, band: d.band }, 32);
         S.bands.set(d.node, bands);
         break;
       }
       case 'p0_loss': {
-        // The event has no time range: the page marks when it learned of the loss.
         const lost = S.p0.get(d.node) || [];
-        lost.push({ at: now, frames: d.frames_lost });
-        while (lost.length > 64) lost.shift();
+        pushCapped(lost, { at: now, frames: d.frames_lost }, 64);
         S.p0.set(d.node, lost);
+        S.p0Events.set(d.node, (S.p0Events.get(d.node) || 0) + 1);
         refreshSoon();
         break;
       }
       case 'gap':
         S.gaps += 1;
+        // What the missed events would have closed is unknown: open bands end here.
+        for (const bands of S.bands.values()) for (const b of bands) if (b.to == null) b.to = now;
+        pushCapped(S.gapsAt, now, 16);
         notice(d.reason === 'other_instance'
           ? `the aggregator restarted (or another instance answered): events after ${d.from_id} are not available; the page re-listed its state`
           : `${d.missed ?? 'some'} events were evicted before this page read them (${d.from_id} … ${d.to_id}); the page re-listed its state`);
@@ -329,50 +382,81 @@
     else S.lastEventAt = performance.now();
   }
 
-  async function watch() {
-    let backoff = 500;
-    if (!S.token) {
-      // /healthz needs no token and says whether the API does: ask before a 401.
-      const h = await fetch('/healthz', { cache: 'no-store' }).then((r) => r.json()).catch(() => null);
-      if (h && h.api_token_required) {
-        report(new Unauthorized('/healthz'));
-        return;
-      }
-    }
-    for (;;) {
+  async function readStream() {
+    const ctl = new AbortController();
+    let watchdog = setTimeout(() => ctl.abort(new Error('no byte for 45 s')), STREAM_SILENCE_MS);
+    const extra = S.lastId ? { 'Last-Event-ID': S.lastId } : {};
+    try {
+      const r = await fetch('/v1/events', { headers: headers(extra), cache: 'no-store', signal: ctl.signal });
+      if (r.status === 401) throw new Unauthorized('/v1/events');
+      if (!r.ok) throw new Error(`/v1/events: HTTP ${r.status}`);
+      setConn('live');
+      const reader = r.body.getReader();
       try {
-        if (!S.asOf) await refresh();
-        const extra = S.lastId ? { 'Last-Event-ID': S.lastId } : {};
-        const r = await fetch('/v1/events', { headers: headers(extra), cache: 'no-store' });
-        if (r.status === 401) throw new Unauthorized('/v1/events');
-        if (!r.ok) throw new Error(`/v1/events: HTTP ${r.status}`);
-        setConn('live');
-        backoff = 500;
-        const reader = r.body.getReader();
         const dec = new TextDecoder();
         let buf = '';
         for (;;) {
           const { value, done } = await reader.read();
           if (done) break;
-          buf += dec.decode(value, { stream: true }).replace(/\r\n?/g, '\n');
+          clearTimeout(watchdog);
+          watchdog = setTimeout(() => ctl.abort(new Error('no byte for 45 s')), STREAM_SILENCE_MS);
+          buf = (buf + dec.decode(value, { stream: true })).replace(/\r\n?/g, '\n');
+          if (buf.length > MAX_BUFFER) throw new Error('an event larger than 1 MiB');
           let i;
           while ((i = buf.indexOf('\n\n')) >= 0) {
-            onBlock(buf.slice(0, i));
+            const block = buf.slice(0, i);
             buf = buf.slice(i + 2);
+            onBlock(block);
           }
         }
-        throw new Error('the stream ended');
-      } catch (e) {
-        if (e instanceof Unauthorized) {
-          report(e);
+      } finally {
+        reader.cancel().catch(() => {});
+      }
+      throw new Error('the stream ended');
+    } finally {
+      clearTimeout(watchdog);
+    }
+  }
+
+  async function watch() {
+    if (S.watching) return;
+    S.watching = true;
+    try {
+      if (!S.token) {
+        // /healthz needs no token and says whether the API does: ask before a 401.
+        const h = await fetch('/healthz', { cache: 'no-store', signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS) })
+          .then((r) => r.json())
+          .catch(() => null);
+        if (h && h.api_token_required) {
+          report(new Unauthorized('/healthz'));
           return;
         }
-        S.reconnects += 1;
-        S.lastError = e.message;
-        setConn('reconnecting', e.message);
-        await sleep(backoff);
-        backoff = Math.min(backoff * 2, 5000);
       }
+      let backoff = 500;
+      for (;;) {
+        try {
+          if (!S.asOf) await refresh();
+          const opened = performance.now();
+          try {
+            await readStream();
+          } finally {
+            // A stream that stayed up a while resets the backoff.
+            if (performance.now() - opened > 5000) backoff = 500;
+          }
+        } catch (e) {
+          if (e instanceof Unauthorized) {
+            report(e);
+            return;
+          }
+          S.reconnects += 1;
+          S.lastError = e.message;
+          setConn('reconnecting', e.message);
+          await sleep(backoff * (0.75 + Math.random() / 2));
+          backoff = Math.min(backoff * 2, 5000);
+        }
+      }
+    } finally {
+      S.watching = false;
     }
   }
 
@@ -381,7 +465,11 @@
   function start() {
     const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
     if (m) {
-      sessionStorage.setItem('ringwatch-token', decodeURIComponent(m[1]));
+      try {
+        sessionStorage.setItem('ringwatch-token', decodeURIComponent(m[1]));
+      } catch (e) {
+        notice(`the #token in the address could not be read: ${e.message}`);
+      }
       history.replaceState(null, '', location.pathname + location.search);
     }
     S.token = sessionStorage.getItem('ringwatch-token');
@@ -390,8 +478,10 @@
       S.token = $('token').value.trim();
       sessionStorage.setItem('ringwatch-token', S.token);
       $('auth').hidden = true;
-      setConn('connecting');
-      watch();
+      if (!S.watching) {
+        setConn('connecting');
+        watch();
+      }
     });
     $('grid').addEventListener('click', (e) => {
       const cell = e.target.closest('.cell[data-uuid]');
@@ -401,6 +491,7 @@
       renderAsOf();
       if (!S.frozen && S.asOf && performance.now() - S.fetchedAt > 5000) refresh().catch(report);
     }, 1000);
+    renderCollectives();
     watch();
   }
 
@@ -414,9 +505,22 @@
       S.asOf = nodes.as_of;
       S.fetchedAt = performance.now();
       renderGrid();
-      return { ms: performance.now() - t0, dom_nodes: document.getElementsByTagName('*').length, cells: document.querySelectorAll('#grid .cell').length };
+      // Layout included: reading a size forces it.
+      const height = document.body.offsetHeight;
+      return { ms: performance.now() - t0, dom_nodes: document.getElementsByTagName('*').length, cells: document.querySelectorAll('#grid .cell').length, height };
     },
-    state: () => ({ last_error: S.lastError ?? null, errors: S.errors.slice(), gaps: S.gaps, reconnects: S.reconnects, last_id: S.lastId, conn: $('conn').dataset.state, nodes: S.nodes.length }),
+    state: () => ({
+      conn: $('conn').dataset.state,
+      last_error: S.lastError ?? null,
+      api_error: S.apiError,
+      errors: S.errors.slice(),
+      gaps: S.gaps,
+      reconnects: S.reconnects,
+      last_id: S.lastId,
+      nodes: S.nodes.length,
+      p0_events: Object.fromEntries(S.p0Events),
+      collectives: S.colls.length,
+    }),
   };
 
   start();

@@ -1340,10 +1340,10 @@ pub async fn run_and_return_source(
 /// goes before bulk).
 pub const FINAL_LOSS_RECORDS_WAIT: Duration = Duration::from_secs(2);
 
-/// Waits until the spool is empty (true) or `deadline` passes (false).
 /// How often the reader copies its ring histograms for `/metrics`.
 const RING_METRICS_EVERY_NS: u64 = 250_000_000;
 
+/// Waits until the spool is empty (true) or `deadline` passes (false).
 async fn spool_empties_by(shared: &Shared, deadline: Instant) -> bool {
     loop {
         {

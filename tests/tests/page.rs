@@ -3,7 +3,8 @@
 //! scenario, the page read as an operator would — node 3's GPUs "telemetry loss —
 //! healthy" and its P0 loss on its timeline, node 5 GPU 2 degraded with its `stuck` evidence, node 7 silent — then the
 //! aggregator restarted on the same address and the page reconnecting, with a `gap`
-//! notice; the same with the bearer token on (entered in the page's form after a 401).
+//! notice; the same with the bearer token on (`/healthz` says the API wants one: the
+//! page asks for it in its form, without a request answered 401).
 //! No console errors. And a 64 × 8 fixture rendered (render time and DOM size printed).
 //! Screenshots go to `<target>/tmp/page/`.
 //!
@@ -11,6 +12,7 @@
 //! packages `chromium`, `chromium-driver`, installed by `.ci/run`) they skip with the
 //! reason; `CI=true` makes them mandatory.
 
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,7 +38,9 @@ fn tools() -> bool {
     true
 }
 
-/// chromedriver on a free loopback port, killed (by pid) on drop.
+/// chromedriver on a free loopback port (one a bind just found free: if another process
+/// took it meanwhile, the session's connect fails with the reason), its process group
+/// killed on drop.
 struct Driver {
     child: Child,
     port: u16,
@@ -47,6 +51,8 @@ impl Driver {
         let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
         let child = Command::new("chromedriver")
             .args([format!("--port={port}"), "--allowed-ips=127.0.0.1".into()])
+            // Its own process group: the browsers it starts end with it (drop).
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -57,7 +63,14 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // The group: chromedriver and the Chromium processes it started (a test that
+        // panicked did not close its session). Its pgid is its pid (process_group(0)).
+        // `--`: without it procps' kill reads the negative pid as an option and signals
+        // every process (kill(-1)).
+        let pgid = self.child.id();
+        if pgid > 1 {
+            let _ = Command::new("kill").args(["-s", "KILL", "--", &format!("-{pgid}")]).status();
+        }
         let _ = self.child.wait();
     }
 }
@@ -145,7 +158,6 @@ async fn wait_page(c: &Client, what: &str, script: &str, ok: impl Fn(&Value) -> 
 /// The grid as the page shows it: per node, its cells' `data-health`, labels and titles.
 const GRID: &str = "return [...document.querySelectorAll('#grid tr[data-node]')].map(r => ({
     node: r.dataset.node,
-    p0_marks: r.querySelectorAll('.tl .k-p0').length,
     cells: [...r.querySelectorAll('.cell')].map(c => ({ uuid: c.dataset.uuid, health: c.dataset.health, label: c.getAttribute('aria-label'), title: c.title })),
 }))";
 
@@ -216,7 +228,7 @@ async fn demo(token: Option<&str>) {
     let url = format!("http://{http}/");
     c.goto(&url).await.expect("the page loads");
     if let Some(t) = token {
-        // Without the token the API answers 401: the page says so and asks for it.
+        // /healthz says the API wants a token: the page asks for it.
         wait_page(&c, "asking for the token", "return window.ringwatch.state()", |v| v["conn"] == "unauthorized").await;
         let input = c.find(Locator::Css("#token")).await.expect("the token field");
         input.send_keys(t).await.expect("type the token");
@@ -264,7 +276,12 @@ async fn demo(token: Option<&str>) {
             && cells(g, &n5).iter().any(|x| x["uuid"] == n5g2.as_str() && x["health"] == "degraded")
             && c7.len() == 4
             && c7.iter().all(|x| x["health"] == "silent" || x["health"] == "unreachable")
-            && g.as_array().into_iter().flatten().any(|r| r["node"] == n3.as_str() && r["p0_marks"].as_u64() > Some(0))
+    })
+    .await;
+    // Node 3's P0 loss reached the page as an event (on its timeline while it is in the
+    // 60 s window).
+    wait_page(&c, "node 3's P0 loss event", "return window.ringwatch.state().p0_events", |v| {
+        v[n3.as_str()].as_u64() > Some(0)
     })
     .await;
     for x in cells(&grid, &n3) {
@@ -295,11 +312,16 @@ async fn demo(token: Option<&str>) {
     .await;
     let text = detail.as_str().unwrap_or_default();
     println!("detail: {}", text.lines().find(|l| l.contains("stuck")).unwrap_or_default());
-    // The latest collectives, with per-rank outcomes.
-    wait_page(&c, "the latest collectives", "return document.querySelectorAll('#colls tbody tr').length", |v| {
+    // The latest collectives (those of the latest verdict events), with per-rank outcomes.
+    wait_page(&c, "the latest collectives", "return window.ringwatch.state().collectives", |v| {
         v.as_u64().is_some_and(|n| n > 0)
     })
     .await;
+    let ranks = c
+        .execute("return document.querySelectorAll('#colls tbody tr .o').length", vec![])
+        .await
+        .expect("outcome chips");
+    assert!(ranks.as_u64() > Some(0), "per-rank outcomes shown");
     screenshot(&c, if token.is_some() { "demo-token.png" } else { "demo.png" }).await;
     let errors = console_errors(&c, false).await;
     assert!(errors.is_empty(), "console errors: {errors:?}");

@@ -83,7 +83,14 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+            Some(done) = conns.join_next(), if !conns.is_empty() => {
+                if let Err(e) = done
+                    && e.is_panic()
+                {
+                    tracing::error!(error = %e, "an HTTP connection's task panicked; its connection is closed");
+                }
+                continue;
+            }
         };
         let (stream, peer) = match accepted {
             Ok(s) => s,
@@ -112,6 +119,9 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         counters.connections.fetch_add(1, Relaxed);
         counters.open.fetch_add(1, Relaxed);
+        // Gives the slot back and counts the connection closed however its task ends:
+        // done, panicked, or aborted with the listener.
+        let open = OpenConnection { counters: Arc::clone(&counters), _permit: permit };
         let (counters, router) = (Arc::clone(&counters), router.clone());
         let tls = tls.clone();
         conns.spawn(async move {
@@ -142,9 +152,20 @@ pub async fn serve(
             {
                 counters.header_timeouts.fetch_add(1, Relaxed);
             }
-            counters.open.fetch_sub(1, Relaxed);
-            drop(permit);
+            drop(open);
         });
+    }
+}
+
+/// A served connection's slot: dropping it counts the connection closed.
+struct OpenConnection {
+    counters: Arc<HttpCounters>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.counters.open.fetch_sub(1, Relaxed);
     }
 }
 
@@ -219,5 +240,34 @@ mod tests {
         }
         assert_eq!(status(params(&"/healthz?x".parse().unwrap(), &[])), Err(400));
         assert!(status(params(&"/healthz".parse().unwrap(), &[])).unwrap().is_empty());
+    }
+
+    /// A keep-alive connection ends with the listener (an in-process restart must not
+    /// leave a browser talking to the stopped router), and is counted closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stopping_the_listener_closes_its_keep_alive_connections() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counters = Arc::new(HttpCounters::default());
+        let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let server = tokio::spawn(serve(listener, router, HttpLimits::default(), Arc::clone(&counters), None));
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = c.read(&mut buf).await.unwrap();
+        let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(head.starts_with("HTTP/1.1 200") && head.ends_with("ok"), "{head}");
+        assert_eq!(counters.open.load(Relaxed), 1, "kept alive");
+        server.abort();
+        let _ = server.await;
+        let n = tokio::time::timeout(Duration::from_secs(60), c.read(&mut buf)).await.expect("closed").unwrap_or(0);
+        assert_eq!(n, 0, "the connection ended with the listener");
+        // Counted as its task's state is dropped, beside the socket.
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while counters.open.load(Relaxed) != 0 && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(counters.open.load(Relaxed), 0, "and was counted closed");
     }
 }

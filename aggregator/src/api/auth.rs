@@ -149,7 +149,7 @@ fn carries(value: Option<&HeaderValue>, token: &str) -> bool {
 /// The middleware: a request to a non-exempt path needs the token.
 pub async fn require(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     let Some(file) = &s.api_token else { return next.run(req).await };
-    if EXEMPT.contains(&req.uri().path()) || super::ui::PUBLIC.contains(&req.uri().path()) {
+    if EXEMPT.contains(&req.uri().path()) || super::ui::is_public(req.uri().path()) {
         return next.run(req).await;
     }
     let ok = file.current().is_some_and(|t| carries(req.headers().get(header::AUTHORIZATION), &t));

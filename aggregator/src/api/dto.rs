@@ -526,6 +526,9 @@ pub struct VerdictDto {
     /// in it — an earlier job's verdict). On list and resource responses; not on events.
     #[serde(default)]
     pub owner: Option<OwnerDto>,
+    /// The op's id in `/v1/collectives/{id}`.
+    #[serde(default)]
+    pub collective_id: String,
 }
 
 /// Which op.
@@ -654,6 +657,7 @@ impl VerdictDto {
             recovered_at_ms: None,
             compacted: false,
             owner: None,
+            collective_id: super::resources::op_id(&v.op),
         }
     }
 }

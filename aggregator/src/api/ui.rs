@@ -5,7 +5,9 @@
 //! routes need no token.
 //!
 //! Answers carry a content security policy that allows only this origin (scripts,
-//! styles, `fetch`), and `no-cache`: a new aggregator's page replaces an old one.
+//! style sheets, `fetch`; inline `style` attributes, which the page sets for its
+//! timeline bars, are allowed too), and `no-cache`: a new aggregator's page replaces an
+//! old one.
 
 use axum::extract::Path;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -26,8 +28,12 @@ pub const ASSETS: &[(&str, &str, &str)] = &[
     ("favicon.svg", "image/svg+xml", ICON),
 ];
 
-/// Paths served without a token.
-pub const PUBLIC: &[&str] = &["/", "/ui/app.js", "/ui/app.css", "/ui/favicon.svg"];
+/// Whether `path` is the page's (served without a token: no data under it; an unknown
+/// `/ui/` file is a 404 either way).
+#[must_use]
+pub fn is_public(path: &str) -> bool {
+    path == "/" || path.starts_with("/ui/")
+}
 
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; style-src-attr 'unsafe-inline'; \
                    connect-src 'self'; img-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'";
@@ -49,7 +55,7 @@ pub async fn index() -> Response {
 }
 
 /// `GET /ui/{asset}`.
-#[utoipa::path(get, path = "/ui/{asset}", tag = "page", params(("asset" = String, Path, description = "app.js, app.css or favicon.svg")), responses((status = 200, description = "one of the page's files", content_type = "text/plain", body = String), (status = 404, description = "no such file", body = ErrorDto)))]
+#[utoipa::path(get, path = "/ui/{asset}", tag = "page", params(("asset" = String, Path, description = "app.js, app.css or favicon.svg")), responses((status = 200, description = "one of the page's files", content((String = "text/javascript"), (String = "text/css"), (String = "image/svg+xml"))), (status = 404, description = "no such file", body = ErrorDto)))]
 pub async fn asset(Path(name): Path<String>) -> Response {
     match ASSETS.iter().find(|(n, _, _)| *n == name) {
         Some((_, ct, body)) => page(ct, body),

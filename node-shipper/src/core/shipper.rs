@@ -1445,11 +1445,8 @@ mod tests {
         assert_eq!(c.stats().batches_nacked, 1);
     }
 
-    #[test]
-    fn a_stopped_stream_or_a_stalled_lane_sends_its_batches_again_also_when_only_heartbeating() {
-        // Regression (CI under a CPU hog): the aggregator stopped a bulk stream it could
-        // not read in time; the source had finished, so the shipper only heartbeated and
-        // never ran its stall check: the batch waited unacked through the settle phase.
+    /// A core that sent one bulk batch (ten frames, flushed at 1 ms), and that batch.
+    fn one_bulk_batch_sent() -> (ShipperCore, Vec<Vec<u8>>) {
         let mut c = core(1 << 20);
         for seq in 0..10 {
             c.handle_frame(&bulk(2, seq), 0);
@@ -1457,6 +1454,15 @@ mod tests {
         c.flush(MS);
         let first = transmit(&mut c);
         assert_eq!(first.len(), 1);
+        (c, first)
+    }
+
+    #[test]
+    fn a_stopped_stream_or_a_stalled_lane_sends_its_batches_again_also_when_only_heartbeating() {
+        // Regression (CI under a CPU hog): the aggregator stopped a bulk stream it could
+        // not read in time; the source had finished, so the shipper only heartbeated and
+        // never ran its stall check: the batch waited unacked through the settle phase.
+        let (mut c, first) = one_bulk_batch_sent();
         let seq = BatchView::parse(&first[0]).unwrap().header.batch_seq.get();
         // A failed stream: that batch is sent again at once.
         c.handle_send_failed(seq);
@@ -1484,13 +1490,7 @@ mod tests {
     fn the_sigterm_flush_resends_a_stalled_lane_without_heartbeats_or_cuts() {
         // Regression (the 64 MiB memcg test): the pump had stopped for the flush, nothing
         // ran the stall check, and a P0 batch waited unacked until the deadline gave it up.
-        let mut c = core(1 << 20);
-        for seq in 0..10 {
-            c.handle_frame(&bulk(2, seq), 0);
-        }
-        c.flush(MS);
-        let first = transmit(&mut c);
-        assert_eq!(first.len(), 1);
+        let (mut c, first) = one_bulk_batch_sent();
         assert!(!c.resend_stalled(2_000 * MS), "not stalled yet");
         assert!(transmit(&mut c).is_empty());
         assert!(c.resend_stalled(MS + 5_000 * MS), "no ack for the stall time");

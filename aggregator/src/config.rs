@@ -29,6 +29,12 @@ const FIELDS: &[Field] = &[
     ("cert", Kind::OptText, Some(""), "the server certificate (PEM)"),
     ("key", Kind::OptText, Some(""), "the server's private key (PEM)"),
     (
+        "tls_reload_interval_ms",
+        Kind::Int { min: 0, max: 3_600_000 },
+        Some("10000"),
+        "how often the TLS files (QUIC and HTTP) are looked at; a rotated certificate is used for new connections without a restart (0: never)",
+    ),
+    (
         "snapshot",
         Kind::OptText,
         Some(""),
@@ -220,6 +226,7 @@ impl Schema for Aggregator {
         c.http = v.addr("http")?;
         c.snapshot_path = v.opt_text("snapshot").map(PathBuf::from);
         c.snapshot_interval_ms = int("snapshot_interval_ms");
+        c.tls_reload_interval_ms = int("tls_reload_interval_ms");
         c.psi = psi;
         c.otlp = otlp;
         c.ingest.dedup.window = u32::try_from(int("dedup_window")).unwrap_or(u32::MAX);

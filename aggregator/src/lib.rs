@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ringwatch_core::{Core, IngestConfig, MatcherConfig, StoreConfig, VerdictStore};
+use ringwatch_transport::reload::TlsWatch;
 use ringwatch_transport::{TlsFiles, Tuning};
 use tokio::task::JoinHandle;
 
@@ -85,6 +86,9 @@ pub struct AggregatorConfig {
     pub summary: state::SummaryConfig,
     /// TLS on the HTTP listener (none: plain HTTP).
     pub http_tls: Option<HttpTls>,
+    /// How often the TLS files are looked at for a rotation (0: never; a rotated
+    /// certificate is used for new connections, see `ringwatch_transport::reload`).
+    pub tls_reload_interval_ms: u64,
 }
 
 /// The HTTP API's TLS: its certificate and key, and the CA client certificates must be
@@ -125,6 +129,7 @@ impl AggregatorConfig {
             api_token_file: None,
             summary: state::SummaryConfig::default(),
             http_tls: None,
+            tls_reload_interval_ms: ringwatch_transport::reload::DEFAULT_INTERVAL_MS,
         }
     }
 }
@@ -239,6 +244,22 @@ impl Aggregator {
         shared.api_token = cfg.api_token_file.clone().map(api::auth::TokenFile::new);
         shared.summary = cfg.summary;
         shared.http_max_connections = u64::try_from(cfg.http_limits.max_connections).unwrap_or(u64::MAX);
+        let http_tls = match &cfg.http_tls {
+            Some(t) => Some(Arc::new(std::sync::RwLock::new(
+                ringwatch_transport::http_tls_config(&t.cert, &t.key, t.client_ca.as_deref())
+                    .map_err(StartError::HttpTls)?,
+            ))),
+            None => None,
+        };
+        // Rotated certificates: the QUIC listener's files, and the HTTP listener's.
+        let mut reload = TlsReload::new(&cfg, endpoint.clone());
+        shared.tls_quic = Arc::clone(&reload.quic.counters);
+        if let (Some(t), Some(tls)) = (&cfg.http_tls, &http_tls) {
+            let ca = t.client_ca.as_deref().unwrap_or(&t.cert);
+            let w = TlsWatch::new(ca, &t.cert, &t.key, &[]);
+            shared.tls_http = Some(Arc::clone(&w.counters));
+            reload.http = Some((w, t.clone(), Arc::clone(tls)));
+        }
         let shared = Arc::new(shared);
         // A std listener, so the HTTP task can restart in place on a clone of it.
         let listener = std::net::TcpListener::bind(cfg.http)
@@ -246,13 +267,6 @@ impl Aggregator {
             .map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let http_addr = listener.local_addr().map_err(|source| StartError::Http { addr: cfg.http, source })?;
         let router = api::router(Arc::clone(&shared));
-        let http_tls = match &cfg.http_tls {
-            Some(t) => Some(
-                ringwatch_transport::http_tls_config(&t.cert, &t.key, t.client_ca.as_deref())
-                    .map_err(StartError::HttpTls)?,
-            ),
-            None => None,
-        };
         let (limits, http_counters) = (cfg.http_limits, Arc::clone(&shared.http));
         let ep = endpoint.clone();
         let sh = Arc::clone(&shared);
@@ -298,6 +312,16 @@ impl Aggregator {
                 Arc::clone(&shared),
                 |s| &s.tasks.otlp,
                 move || otlp::run(Arc::clone(&sh), o.clone()),
+            ));
+        }
+        if cfg.tls_reload_interval_ms > 0 {
+            shared.tls_reload_on.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (interval, reload) = (cfg.tls_reload_interval_ms, Arc::new(tokio::sync::Mutex::new(reload)));
+            let sh = Arc::clone(&shared);
+            tasks.push(supervise::spawn_io_task(
+                Arc::clone(&shared),
+                |s| &s.tasks.tls,
+                move || reload_tls(Arc::clone(&sh), Arc::clone(&reload), interval),
             ));
         }
         if let Some(path) = cfg.snapshot_path.clone() {
@@ -356,13 +380,65 @@ fn scaled_downtime(snapshot_ns: u64, now_ns: u64, time_scale: f64) -> u64 {
     snapshot_ns.saturating_add(state::scale_ns(now_ns.saturating_sub(snapshot_ns), time_scale))
 }
 
+/// What the certificate reload looks at: the QUIC listener's files, and the HTTP
+/// listener's with TLS on.
+struct TlsReload {
+    quic: TlsWatch,
+    files: (PathBuf, PathBuf, PathBuf),
+    tuning: Tuning,
+    endpoint: quinn::Endpoint,
+    http: Option<(TlsWatch, HttpTls, ringwatch_transport::reload::SharedServerTls)>,
+}
+
+impl TlsReload {
+    fn new(cfg: &AggregatorConfig, endpoint: quinn::Endpoint) -> Self {
+        Self {
+            quic: TlsWatch::new(&cfg.ca, &cfg.cert, &cfg.key, &[]),
+            files: (cfg.ca.clone(), cfg.cert.clone(), cfg.key.clone()),
+            tuning: cfg.tuning.clone(),
+            endpoint,
+            http: None,
+        }
+    }
+
+    /// One look at the files: what changed and loads is put in force for new
+    /// connections.
+    fn poll(&mut self) {
+        let (ca, cert, key) = (&self.files.0, &self.files.1, &self.files.2);
+        let tuning = &self.tuning;
+        if let Some(server) =
+            self.quic.poll("quic", || ringwatch_transport::server_config(TlsFiles { ca, cert, key }, tuning))
+        {
+            self.endpoint.set_server_config(Some(server));
+        }
+        if let Some((watch, t, tls)) = &mut self.http
+            && let Some(config) =
+                watch.poll("http", || ringwatch_transport::http_tls_config(&t.cert, &t.key, t.client_ca.as_deref()))
+        {
+            ringwatch_transport::reload::replace(tls, config);
+        }
+    }
+}
+
+/// Looks at the TLS files every `interval_ms` (the task `tls`).
+async fn reload_tls(shared: Arc<Shared>, reload: Arc<tokio::sync::Mutex<TlsReload>>, interval_ms: u64) {
+    let mut tick = tokio::time::interval(Duration::from_millis(interval_ms.max(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        shared.progress(&shared.tasks.tls);
+        reload.lock().await.poll();
+    }
+}
+
 /// Serves the API on (a clone of) the listener, with its limits.
 async fn serve_http(
     listener: std::io::Result<std::net::TcpListener>,
     router: axum::Router,
     limits: ringwatch_transport::http::HttpLimits,
     counters: Arc<ringwatch_transport::http::HttpCounters>,
-    tls: Option<Arc<ringwatch_transport::TlsServerConfig>>,
+    tls: Option<ringwatch_transport::reload::SharedServerTls>,
 ) {
     let listener = match listener.and_then(tokio::net::TcpListener::from_std) {
         Ok(l) => l,

@@ -125,6 +125,10 @@ pub const SPECS: &[Spec] = &[
         &["result"],
         "OTLP export requests, by result (ok, failed: sent again unless rejected).",
     ),
+    // Certificate rotation (QUIC listener; HTTP listener with TLS on).
+    ringwatch_transport::reload::SPECS[0],
+    ringwatch_transport::reload::SPECS[1],
+    ringwatch_transport::reload::SPECS[2],
     // Loss-aware figures of final collectives (ringwatch_core::matcher::derived).
     Spec::counter(
         "ringwatch_collectives_final_total",
@@ -445,6 +449,10 @@ fn fill(s: &Shared, f: &mut Families) -> Result<(), CoreFailed> {
         f.extend(s.snapshot_seconds.collect());
     }
     f.level("ringwatch_aggregator_snapshot_size_bytes", &[], ingest.last_snapshot_bytes);
+    ringwatch_transport::reload::fill(f, "quic", &s.tls_quic);
+    if let Some(http) = &s.tls_http {
+        ringwatch_transport::reload::fill(f, "http", http);
+    }
     let o = &s.otlp;
     for (result, n) in
         [("exported", &o.exported), ("dropped_evicted", &o.dropped_evicted), ("dropped_rejected", &o.dropped_rejected)]

@@ -10,12 +10,12 @@
 //! cloned and, once they have grown, nothing allocated), and the file is written after
 //! every lock is released ([`crate::snapshot_now`]).
 //!
-//! Restart semantics (DESIGN): the new instance's `aggregator_epoch` is the stored one + 1
-//! (sent in every `hello`); aggregator time continues from the snapshot's, plus the
-//! wall-clock time that passed, so the restored clocks, deadlines and watermarks stay
-//! meaningful; every node has a knowledge gap from the snapshot's time to its first batch
-//! after the restart, and collectives overlapping it are `indeterminate(aggregator_gap)`,
-//! never `stuck` or `not_joined`.
+//! Restart semantics (docs/design.md, "Restart semantics"): the new instance's
+//! `aggregator_epoch` is the stored one + 1 (sent in every `hello`); aggregator time
+//! continues from the snapshot's, plus the wall-clock time that passed, so the restored
+//! clocks, deadlines and watermarks stay meaningful; every node has a knowledge gap from
+//! the snapshot's time to its first batch after the restart, and collectives overlapping
+//! it are `indeterminate(aggregator_gap)`, never `stuck` or `not_joined`.
 
 use std::path::Path;
 

@@ -125,6 +125,8 @@ pub struct Tasks {
     pub events: TaskHealth,
     /// The OTLP exporter (alive only when `otlp_export` is on).
     pub otlp: TaskHealth,
+    /// The certificate reload (alive unless `tls_reload_interval_ms` is 0).
+    pub tls: TaskHealth,
     /// Panics caught in a connection's or a batch stream's task (that connection is
     /// closed; its shipper reconnects and resends what was not acked).
     pub connection_panics: AtomicU64,
@@ -142,6 +144,7 @@ impl Default for Tasks {
             pressure: TaskHealth::new("pressure"),
             events: TaskHealth::new("events"),
             otlp: TaskHealth::new("otlp"),
+            tls: TaskHealth::new("tls"),
             connection_panics: AtomicU64::new(0),
             handler_panics: AtomicU64::new(0),
         }
@@ -151,8 +154,8 @@ impl Default for Tasks {
 impl Tasks {
     /// Every long-lived task.
     #[must_use]
-    pub fn all(&self) -> [&TaskHealth; 7] {
-        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure, &self.events, &self.otlp]
+    pub fn all(&self) -> [&TaskHealth; 8] {
+        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure, &self.events, &self.otlp, &self.tls]
     }
 }
 
@@ -348,6 +351,11 @@ pub struct Shared {
     pub snapshot_seconds: prometheus::Histogram,
     /// What the OTLP exporter did (all zero while it is off).
     pub otlp: crate::otlp::OtlpCounters,
+    /// Certificate reloads of the QUIC listener and (with `http_tls_cert`) the HTTP one.
+    pub tls_quic: Arc<ringwatch_transport::reload::ReloadCounters>,
+    pub tls_http: Option<Arc<ringwatch_transport::reload::ReloadCounters>>,
+    /// The certificate reload runs (`tls_reload_interval_ms` > 0).
+    pub tls_reload_on: AtomicBool,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
     failure: tokio::sync::watch::Sender<Option<String>>,
 }
@@ -386,6 +394,9 @@ impl Shared {
             snapshot_buffers: std::sync::Mutex::new(crate::snapshots::Buffers::default()),
             snapshot_seconds: crate::metrics::snapshot_histogram(),
             otlp: crate::otlp::OtlpCounters::default(),
+            tls_quic: Arc::default(),
+            tls_http: None,
+            tls_reload_on: AtomicBool::new(false),
             failure: tokio::sync::watch::Sender::new(None),
         }
     }

@@ -1,6 +1,6 @@
-//! `loadgen bench`: per-component figures (DESIGN: on 2 cores the whole cluster cannot
-//! run at once, so each component is measured alone and the cluster figure is labelled
-//! extrapolated). Run it with the perf profile:
+//! `loadgen bench`: per-component figures (docs/design.md, "Rates and budgets": on 2
+//! cores the whole cluster cannot run at once, so each component is measured alone and
+//! the cluster figure is labelled extrapolated). Run it with the perf profile:
 //! `cargo run -p loadgen --profile perf -- bench`.
 //!
 //! 1. The shipper's pure core: 48-byte bulk frames through batcher + spool + transmit +
@@ -37,7 +37,8 @@ use ringwatch_core::{Core, IngestConfig, MatcherConfig, NodeId};
 use ringwatch_transport::{TlsFiles, Tuning};
 use zerocopy::IntoBytes;
 
-/// One node's bulk rate in DESIGN's budget: one 100 Gbit/s link of 1,500-byte packets.
+/// One node's bulk rate in the budgets of docs/design.md ("Rates and budgets"): one
+/// 100 Gbit/s link of 1,500-byte packets.
 pub const NODE_RATE: f64 = 8.3e6;
 
 /// The saturated run: a producer 24× the node rate (a burst no shipper takes whole)

@@ -333,6 +333,7 @@ pub fn shipper_config(
         ca: set.ca.clone(),
         cert,
         key,
+        tls_reload_interval_ms: ringwatch_transport::reload::DEFAULT_INTERVAL_MS,
         source: Source::Sim { scenario: scenario.to_owned(), node, bulk_scale_ppm: 0, seed: None },
         batcher: BatcherConfig {
             max_batch_bytes: 64 * 1024,
@@ -358,10 +359,10 @@ pub fn shipper_config(
     }
 }
 
-/// DESIGN's reorder timeout, kept in real time for compressed runs.
+/// The reorder timeout of docs/design.md ("Timers"), kept in real time for compressed runs.
 pub const REORDER_REAL_MS: u64 = 500;
 
-/// The reorder timeout in real ms for a run at `time_scale`: DESIGN's 500 ms at real
+/// The reorder timeout in real ms for a run at `time_scale`: 500 ms (docs/design.md) at real
 /// time; 1.5 s when compressed, because a compressed run pushes several times the frame
 /// rate through the same 2 cores, and on a loaded CI machine P0 frames then arrived later
 /// than 500 ms real (a completion judged `completed_inferred` where it did complete:
@@ -557,8 +558,9 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         let nodes: NodesDto = client::get_json(http, "/v1/nodes").await?;
         let cons = crate::score::conservation(&truth, &nodes);
         let exact = cons.iter().all(|c| c.exact == c.streams);
-        // A dead node gates its peers' verdicts until it is unreachable (DESIGN's
-        // silent-node rule): wait for that too (a node never heard of reads unreachable).
+        // A dead node gates its peers' verdicts until it is unreachable (docs/design.md,
+        // "Liveness and the silent-node rule"): wait for that too (a node never heard of
+        // reads unreachable).
         let dead_unreachable = truth
             .nodes
             .iter()

@@ -2,9 +2,10 @@
 //! in, a [`Score`] out (a table for people, JSON for scripts).
 //!
 //! What each rank is owed comes from the table in `loadgen_sim::expect` (the ground
-//! truth states physical facts only; that table maps them to DESIGN's vocabulary — it
-//! sits in `loadgen-sim` so the core's tests judge with the same table). Where timing
-//! alone decides between two verdicts the table names both, and either is right.
+//! truth states physical facts only; that table maps them to the outcome vocabulary of
+//! docs/design.md — it sits in `loadgen-sim` so the core's tests judge with the same
+//! table). Where timing alone decides between two verdicts the table names both, and
+//! either is right.
 //!
 //! What counts as right for an owed verdict (documented once, here):
 //! - the same outcome; `waiting_on` must name the truth's culprit when both name one
@@ -105,8 +106,9 @@ pub struct Score {
     pub non_final_old: u64,
     pub non_final_old_gated_by_silent: u64,
     /// Decidable ranks with no final verdict whose op has a participant on a node that
-    /// died (DESIGN: a silent participant does not let the others' verdicts be final
-    /// until it is unreachable or back): the scorer's silent-node excuse.
+    /// died (docs/design.md, "Liveness and the silent-node rule": a silent participant
+    /// does not let the others' verdicts be final until it is unreachable or back): the
+    /// scorer's silent-node excuse.
     pub non_final_gated_by_silent: u64,
     /// A few old non-final ones not gated by a silent node: (op, rank, truth, verdict so far).
     pub non_final_examples: Vec<(String, u32, String, String)>,
@@ -159,8 +161,9 @@ fn same_outcome(truth: &str, verdict: &str) -> bool {
 
 /// Whether two health names are the same answer. `silent` and `unreachable` are one:
 /// "nothing heard" — the simulator calls a dead node unreachable after 60 s, while the
-/// aggregator also does as soon as the node's connection is gone (DESIGN: 60 s *or*
-/// connection closed), which a dead node's QUIC idle timeout brings sooner.
+/// aggregator also does as soon as the node's connection is gone (docs/design.md,
+/// "Timers": 60 s *or* connection closed), which a dead node's QUIC idle timeout brings
+/// sooner.
 #[must_use]
 pub fn same_health(a: &str, b: &str) -> bool {
     a == b || (matches!(a, "silent" | "unreachable") && matches!(b, "silent" | "unreachable"))

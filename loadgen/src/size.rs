@@ -1,7 +1,7 @@
 //! `loadgen size SCENARIO`: ring, spool and aggregator sizing from a scenario's rates.
 //! Pure: the scenario and the measured figures in, a table out.
 //!
-//! Rules (seed 000's sizing rule for rings; the rest follows DESIGN's budgets):
+//! Rules (seed 000's sizing rule for rings; the rest follows the budgets of docs/design.md):
 //! - **ring bytes** = peak bytes/s into the ring × the measured p99.9 drain gap × 3,
 //!   rounded up to a power of two (BPF rings must be), at least one page. Peak: the
 //!   average rate, or for P0 a burst of every op spec issuing at once (all collectives

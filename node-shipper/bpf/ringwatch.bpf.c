@@ -3,7 +3,8 @@
  * ringwatch's eBPF side, part 1: the rings, the per-(ring, CPU) counters, the sampling
  * control, and the bulk producer.
  *
- * Every producer follows the same order (DESIGN "Streams, sequence numbers, epochs"):
+ * Every producer follows the same order (docs/design.md, "Streams, sequence numbers,
+ * epochs"):
  *   1. sampling first — a sampled-out event bumps `sampled_out` and takes no seq;
  *   2. the seq, with an atomic add, BEFORE the ring reserve;
  *   3. bpf_ringbuf_reserve (P0: bpf_ringbuf_output of a frame built on the stack); a

@@ -23,6 +23,12 @@ const FIELDS: &[Field] = &[
     ("ca", Kind::Text, None, "CA certificate (PEM) that signed the aggregator's certificate"),
     ("cert", Kind::Text, None, "this node's client certificate (PEM)"),
     ("key", Kind::Text, None, "this node's private key (PEM)"),
+    (
+        "tls_reload_interval_ms",
+        Kind::Int { min: 0, max: 3_600_000 },
+        Some("10000"),
+        "how often the TLS files are looked at; a rotated certificate is used for the next connection without a restart (0: never)",
+    ),
     ("source", Kind::Text, None, "frame source: bpf (the eBPF rings), capture:PATH or sim:SCENARIO"),
     ("source_node", Kind::Int { min: 0, max: 1 << 20 }, Some("0"), "which node of the capture or scenario to ship"),
     (
@@ -179,6 +185,8 @@ pub struct ShipperConfig {
     pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    /// How often the TLS files are looked at for a rotation (0: never).
+    pub tls_reload_interval_ms: u64,
     pub source: Source,
     pub batcher: BatcherConfig,
     pub spool: SpoolConfig,
@@ -363,6 +371,7 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
         ca: path("ca"),
         cert: path("cert"),
         key: path("key"),
+        tls_reload_interval_ms: int(v, "tls_reload_interval_ms"),
         source: source?,
         batcher: BatcherConfig {
             max_batch_bytes: as_usize("max_batch_bytes"),

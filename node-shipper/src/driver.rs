@@ -342,6 +342,14 @@ const MAX_SHED_RANGES: usize = 1024;
 
 struct Shared {
     core: Mutex<ShipperCore>,
+    /// The TLS client configuration for the next connection (replaced when the
+    /// certificate files rotate), what the reloads did, and a wake for a network task
+    /// waiting out a backoff.
+    client: Mutex<quinn::ClientConfig>,
+    tls: Arc<ringwatch_transport::reload::ReloadCounters>,
+    tls_rotated: Notify,
+    /// Why the certificate reload task stopped (it should not).
+    tls_ended: Mutex<Option<String>>,
     /// Staged bytes in the reader's queue, and their cap (see [`ToCore`] for what is uncapped).
     queue_bytes: AtomicUsize,
     queue_cap: usize,
@@ -550,6 +558,7 @@ impl Shared {
         let reader = self.pools_dto_without_core();
         r.pools[1] = (reader.reader_bytes, reader.reader_turned_away);
         r.queue_bytes = self.queue_bytes.load(Ordering::Relaxed);
+        r.tls = Some(Arc::clone(&self.tls));
         r.queue_cap_bytes = self.queue_cap;
         r.connected = self.net.established.load(Ordering::Relaxed);
         r.connect_attempts = self.net.attempts.load(Ordering::Relaxed);
@@ -1002,8 +1011,8 @@ pub async fn run_and_return_source(
     let client = ringwatch_transport::client_config(files, &tuning)?;
     let bind: SocketAddr =
         if cfg.aggregator.is_ipv6() { SocketAddr::from(([0u16; 8], 0)) } else { SocketAddr::from(([0u8; 4], 0)) };
-    let mut endpoint = tuning.endpoint(bind, None)?;
-    endpoint.set_default_client_config(client);
+    let endpoint = tuning.endpoint(bind, None)?;
+    let tls_watch = ringwatch_transport::reload::TlsWatch::new(&cfg.ca, &cfg.cert, &cfg.key, &[]);
     rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
         .map_err(|_| ShipperError::ServerName(cfg.server_name.clone()))?;
 
@@ -1022,6 +1031,10 @@ pub async fn run_and_return_source(
         wake: Notify::new(),
         resends: watch::Sender::new([0; 4]),
         session,
+        client: Mutex::new(client),
+        tls: Arc::clone(&tls_watch.counters),
+        tls_rotated: Notify::new(),
+        tls_ended: Mutex::new(None),
         core: Mutex::new(ShipperCore::new(
             CoreConfig { batch_log: options.batch_log, ..core_config(cfg, &tuning) },
             meta,
@@ -1087,6 +1100,26 @@ pub async fn run_and_return_source(
             }
         },
     };
+
+    // Certificate rotation, supervised: a reload task that ends is logged and makes
+    // `/healthz` degraded (the configuration in force stays).
+    let tls_task = (cfg.tls_reload_interval_ms > 0).then(|| {
+        let files = (cfg.ca.clone(), cfg.cert.clone(), cfg.key.clone());
+        let task =
+            tokio::spawn(reload_tls(Arc::clone(&shared), tls_watch, files, tuning.clone(), cfg.tls_reload_interval_ms));
+        let abort = task.abort_handle();
+        let shared = Arc::clone(&shared);
+        let sup = tokio::spawn(async move {
+            let why = match task.await {
+                Ok(()) => "ended".to_owned(),
+                Err(e) if e.is_cancelled() => return,
+                Err(e) => format!("panicked: {e}"),
+            };
+            tracing::error!(why = %why, "the certificate reload stopped: rotated certificates are not picked up");
+            *shared.tls_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+        });
+        (abort, sup)
+    });
 
     // Reader thread.
     let stop_reading = Arc::new(AtomicBool::new(false));
@@ -1251,6 +1284,10 @@ pub async fn run_and_return_source(
     let _ = net.await;
     if let Some(h) = http {
         h.abort();
+    }
+    if let Some((task, sup)) = tls_task {
+        task.abort();
+        sup.abort();
     }
     if let Some((watcher, sup, follow)) = pressure_task {
         watcher.abort();
@@ -1596,7 +1633,8 @@ async fn network(
     let mut offer = shared.max_control_version;
     while !*stop.borrow() {
         shared.net.attempts.fetch_add(1, Ordering::Relaxed);
-        let attempt = endpoint.connect(addr, &server_name);
+        let client = shared.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let attempt = endpoint.connect_with(client, addr, &server_name);
         let conn = match attempt {
             Ok(connecting) => tokio::select! {
                 c = connecting => c.map_err(|e| (refusal(&e), e.to_string())),
@@ -1678,7 +1716,31 @@ async fn network(
         }
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
+            // New certificates: try them now (a refusal may have been the old ones').
+            () = shared.tls_rotated.notified() => backoff.reset(),
             _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Looks at the TLS files every `interval_ms`; a rotated set that loads is used for the
+/// next connection (the one up keeps its keys).
+async fn reload_tls(
+    shared: Arc<Shared>,
+    mut watch: ringwatch_transport::reload::TlsWatch,
+    (ca, cert, key): (PathBuf, PathBuf, PathBuf),
+    tuning: Tuning,
+    interval_ms: u64,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(interval_ms.max(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let files = TlsFiles { ca: &ca, cert: &cert, key: &key };
+        if let Some(client) = watch.poll("quic", || ringwatch_transport::client_config(files, &tuning)) {
+            *shared.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = client;
+            shared.tls_rotated.notify_one();
         }
     }
 }
@@ -1963,6 +2025,9 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         let mut reasons = Vec::new();
         if let Some(why) = s.pressure_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
             reasons.push(format!("memory pressure watcher {why}"));
+        }
+        if let Some(why) = s.tls_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
+            reasons.push(format!("certificate reload {why}: rotated certificates are not picked up"));
         }
         let owners = s.owners.dto();
         if owners.stopped {

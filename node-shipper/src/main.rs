@@ -65,8 +65,8 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    // quinn costs less CPU on a current-thread runtime (quic.md); the ring reader has its
-    // own thread.
+    // quinn costs less CPU on a current-thread runtime (docs/quic-notes.md); the ring
+    // reader has its own thread.
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

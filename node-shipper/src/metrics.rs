@@ -185,6 +185,10 @@ pub const SPECS: &[Spec] = &[
         "The pressure watcher's level (0 nominal, 1 some, 2 full).",
     ),
     Spec::counter("ringwatch_shipper_p3_sheds_total", "1", &[], "Times P3 work was shed under pressure."),
+    // Certificate rotation.
+    ringwatch_transport::reload::SPECS[0],
+    ringwatch_transport::reload::SPECS[1],
+    ringwatch_transport::reload::SPECS[2],
 ];
 
 /// What one scrape reads (taken from the shipper's shared state by the driver).
@@ -210,6 +214,8 @@ pub struct Reading {
     pub latency: Option<LaneLatency>,
     /// The ring reader's histograms (sources that read rings).
     pub ring: Option<RingMetrics>,
+    /// The certificate reloads.
+    pub tls: Option<std::sync::Arc<ringwatch_transport::reload::ReloadCounters>>,
 }
 
 /// Bounds of the shipper's latency histograms, seconds.
@@ -247,6 +253,9 @@ pub fn fill(f: &mut Families, r: &Reading) {
         f.gauge("ringwatch_ring_fill_max_ratio", &[&ring, &cpu], f64::from(e.fill_max_ppm.get()) / 1e6);
     }
     f.level("ringwatch_shipper_sampling_level", &[], u64::from(r.sampling_level));
+    if let Some(tls) = &r.tls {
+        ringwatch_transport::reload::fill(f, "quic", tls);
+    }
     let s = &r.stats;
     f.count("ringwatch_shipper_frames_read_total", &[], s.frames_in);
     f.count("ringwatch_shipper_frames_malformed_total", &[], s.frames_malformed);

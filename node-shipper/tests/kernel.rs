@@ -842,8 +842,8 @@ fn shipper_args(pins: &Path, set: &certs::CertSet, extra: &[&str]) -> Vec<String
     v
 }
 
-/// A child v1 memory cgroup under this process's own (hybrid hierarchy, kernel.md), with
-/// a limit; removed on drop.
+/// A child v1 memory cgroup under this process's own (hybrid hierarchy,
+/// docs/kernel-notes.md), with a limit; removed on drop.
 struct Memcg(PathBuf);
 
 impl Memcg {

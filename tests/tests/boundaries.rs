@@ -1,6 +1,7 @@
 //! Dependency boundaries, read from the committed Cargo.lock (what CI builds):
-//! - the pure core never links tokio, quinn, aya, axum or hyper (DESIGN: the compiler
-//!   holds that boundary; this test holds the dependency graph to it);
+//! - the pure core never links tokio, quinn, aya, axum or hyper (docs/design.md, "Crates
+//!   and boundaries": the compiler holds that boundary; this test holds the dependency
+//!   graph to it);
 //! - the simulator never depends on the code it judges;
 //! - one crypto provider: aws-lc is never built.
 

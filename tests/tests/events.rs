@@ -500,3 +500,185 @@ async fn net_the_api_over_tls_and_with_client_certificates() {
     assert!(ingest.http.tls_handshake_failures >= 1, "{:?}", ingest.http);
     agg.shutdown();
 }
+
+/// A directory of TLS files updated the way a Kubernetes Secret volume is: every file is
+/// a symlink through `..data`, which is swapped in one rename to a new directory holding
+/// the whole new set (so a reader never sees half a rotation).
+struct Projected {
+    dir: std::path::PathBuf,
+    generation: u32,
+}
+
+impl Projected {
+    /// `ca.pem`, `cert.pem` and `key.pem` in `dir`, from `files` (same order).
+    fn new(dir: std::path::PathBuf, files: [&std::path::Path; 3]) -> Self {
+        std::fs::create_dir_all(&dir).expect("projected dir");
+        let mut p = Self { dir, generation: 0 };
+        p.rotate(files);
+        for name in Self::NAMES {
+            std::os::unix::fs::symlink(format!("..data/{name}"), p.dir.join(name)).expect("file symlink");
+        }
+        p
+    }
+
+    const NAMES: [&'static str; 3] = ["ca.pem", "cert.pem", "key.pem"];
+
+    fn paths(&self) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+        (self.dir.join("ca.pem"), self.dir.join("cert.pem"), self.dir.join("key.pem"))
+    }
+
+    /// The whole set replaced at once.
+    fn rotate(&mut self, files: [&std::path::Path; 3]) {
+        self.generation += 1;
+        let data = format!("..gen-{}", self.generation);
+        std::fs::create_dir_all(self.dir.join(&data)).expect("generation dir");
+        for (name, from) in Self::NAMES.iter().zip(files) {
+            std::fs::copy(from, self.dir.join(&data).join(name)).expect("copy a TLS file");
+        }
+        let tmp = self.dir.join("..data_tmp");
+        std::os::unix::fs::symlink(&data, &tmp).expect("data symlink");
+        std::fs::rename(&tmp, self.dir.join("..data")).expect("swap ..data");
+    }
+}
+
+/// `GET path` over TLS (trusting `ca`) until `done` holds on its JSON (at most
+/// [`STATE_LIMIT`]).
+async fn tls_wait<T: serde::de::DeserializeOwned + std::fmt::Debug>(
+    addr: std::net::SocketAddr,
+    ca: &std::path::Path,
+    path: &str,
+    what: &str,
+    done: impl Fn(&T) -> bool,
+) -> T {
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < STATE_LIMIT {
+        if let Ok((200, text)) = tls_get(addr, ca, None, path).await
+            && let Some((_, body)) = text.split_once("\r\n\r\n")
+            && let Ok(v) = serde_json::from_str::<T>(body)
+        {
+            if done(&v) {
+                println!("{what}: after {} ms", start.elapsed().as_millis());
+                return v;
+            }
+            last = Some(v);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("{what}: not reached in {STATE_LIMIT:?}; last answer {last:?}");
+}
+
+/// The value of one sample line of a Prometheus text page (`name{labels}`).
+fn sample(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Certificate rotation (issue 27): both binaries look at their TLS files and use a
+/// rotated set for new connections, with no restart; a connection already up stays; a
+/// set that does not load leaves the one in force and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn net_rotated_certificates_are_used_for_new_connections_without_a_restart() {
+    use aggregator::api::dto::NodesDto;
+    let dir = TempDir::new("rotate");
+    let names = [aggregator::certs::node_name(0), aggregator::certs::node_name(1)];
+    let a = aggregator::certs::init(&dir.path().join("a"), &names).expect("set a");
+    let b = aggregator::certs::init(&dir.path().join("b"), &names).expect("set b");
+    let both = dir.path().join("both-ca.pem");
+    let pem = |p: &std::path::Path| std::fs::read_to_string(p).expect("read a CA");
+    std::fs::write(&both, pem(&a.ca) + &pem(&b.ca)).expect("CA bundle");
+
+    // The aggregator on set A, its API over TLS on the same files, looking every 50 ms.
+    let mut agg_files = Projected::new(dir.path().join("agg"), [&a.ca, &a.server_cert, &a.server_key]);
+    let (agg_ca, agg_cert, agg_key) = agg_files.paths();
+    let mut cfg = AggregatorConfig::local(&a);
+    (cfg.ca, cfg.cert, cfg.key) = (agg_ca.clone(), agg_cert.clone(), agg_key.clone());
+    cfg.http_tls = Some(aggregator::HttpTls { cert: agg_cert.clone(), key: agg_key.clone(), client_ca: None });
+    cfg.tls_reload_interval_ms = 50;
+    let agg = Aggregator::start(cfg).await.expect("aggregator starts");
+    let http = agg.http_addr;
+
+    // node-00 trusts A's aggregator but presents B's certificate (A's CA did not sign it);
+    // node-01 has all of B: it does not trust A's aggregator.
+    let s = builtin::builtin("mixed").expect("built in").expect("valid");
+    let start = Instant::now();
+    let shipper = |node: u32, files: [&std::path::Path; 3]| {
+        let projected = Projected::new(dir.path().join(format!("s{node}")), files);
+        let (ca, cert, key) = projected.paths();
+        let source = node_shipper::source::SimSource::new(&s, SimOptions::default(), node, start).expect("source");
+        let placeholder =
+            node_shipper::config::Source::Sim { scenario: s.name.clone(), node, bulk_scale_ppm: 0, seed: None };
+        let mut c = ringwatch_tests::shipper_config(&a, agg.quic_addr, node, placeholder);
+        (c.ca, c.cert, c.key) = (ca, cert, key);
+        c.tls_reload_interval_ms = 50;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let metrics = listener.local_addr().expect("addr");
+        let opts = node_shipper::driver::RunOptions {
+            http: Some((Arc::new(listener), ringwatch_transport::http::HttpLimits::default())),
+            ..node_shipper::driver::RunOptions::default()
+        };
+        (ringwatch_tests::spawn_shipper(c, Box::new(source), opts), metrics, projected)
+    };
+    let (b0_cert, b0_key) = b.node(&names[0]);
+    let (s0, s0_metrics, mut s0_files) = shipper(0, [&a.ca, &b0_cert, &b0_key]);
+    let (b1_cert, b1_key) = b.node(&names[1]);
+    let (s1, _, _s1_files) = shipper(1, [&b.ca, &b1_cert, &b1_key]);
+
+    // Both fail their handshakes; neither is a node of the aggregator's.
+    tls_wait(http, &a.ca, "/v1/ingest", "handshakes failing", |i: &IngestDto| i.handshake_failures >= 4).await;
+    let nodes: NodesDto = tls_wait(http, &a.ca, "/v1/nodes", "nodes", |_: &NodesDto| true).await;
+    assert!(nodes.nodes.iter().all(|n| n.connections == 0), "{nodes:?}");
+
+    // The shipper's side: node-00 gets A's certificate for its node and connects.
+    let (a0_cert, a0_key) = a.node(&names[0]);
+    s0_files.rotate([&a.ca, &a0_cert, &a0_key]);
+    let nodes = tls_wait(http, &a.ca, "/v1/nodes", "node-00 connected after its rotation", |n: &NodesDto| {
+        n.nodes.iter().any(|n| n.name == names[0] && n.connected)
+    })
+    .await;
+    let conns_0 = nodes.nodes.iter().find(|n| n.name == names[0]).map(|n| n.connections);
+    let page = ringwatch_tests::http_get(s0_metrics, "/metrics").await.1;
+    assert_eq!(sample(&page, r#"ringwatch_tls_reloads_total{listener="quic",result="applied"}"#), Some(1.0), "{page}");
+    assert_eq!(sample(&page, r#"ringwatch_tls_reload_failing{listener="quic"}"#), Some(0.0));
+
+    // The aggregator's side: B's server certificate and both CAs. node-01 (trusting only
+    // B) connects; node-00's connection, made under A, stays as it was.
+    agg_files.rotate([&both, &b.server_cert, &b.server_key]);
+    let nodes =
+        tls_wait(http, &both, "/v1/nodes", "node-01 connected after the aggregator's rotation", |n: &NodesDto| {
+            n.nodes.iter().any(|n| n.name == names[1] && n.connected)
+        })
+        .await;
+    let n0 = nodes.nodes.iter().find(|n| n.name == names[0]).expect("node-00");
+    assert!(n0.connected && Some(n0.connections) == conns_0, "node-00 kept its connection: {n0:?}");
+    // The API's listener serves B's certificate now: a client trusting only B gets in.
+    let (code, _) = tls_get(http, &b.ca, None, "/healthz").await.expect("the API over B's certificate");
+    assert_eq!(code, 200);
+    let page = tls_get(http, &b.ca, None, "/metrics").await.expect("metrics").1;
+    for l in ["quic", "http"] {
+        let applied = format!(r#"ringwatch_tls_reloads_total{{listener="{l}",result="applied"}}"#);
+        assert_eq!(sample(&page, &applied), Some(1.0), "{l}: {page}");
+        let expiry = format!(r#"ringwatch_tls_certificate_expiry_timestamp_seconds{{listener="{l}"}}"#);
+        assert!(sample(&page, &expiry).is_some_and(|t| t > 1.7e9), "{l}: {page}");
+    }
+
+    // A key that does not match its certificate: refused, the set in force stays, said.
+    agg_files.rotate([&both, &b.server_cert, &a.server_key]);
+    let failing = r#"ringwatch_tls_reload_failing{listener="quic"}"#;
+    let start_wait = Instant::now();
+    let page = loop {
+        let page = tls_get(http, &b.ca, None, "/metrics").await.expect("metrics").1;
+        if sample(&page, failing) == Some(1.0) || start_wait.elapsed() > STATE_LIMIT {
+            break page;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(sample(&page, failing), Some(1.0), "{page}");
+    assert_eq!(sample(&page, r#"ringwatch_tls_reloads_total{listener="quic",result="failed"}"#), Some(1.0));
+    let (code, _) = tls_get(http, &b.ca, None, "/healthz").await.expect("still served over B's certificate");
+    assert_eq!(code, 200);
+
+    let reports = stop(vec![s0, s1]).await;
+    assert!(reports.iter().all(|r| r.ended == node_shipper::driver::Ended::Shutdown), "{reports:?}");
+    agg.shutdown();
+}

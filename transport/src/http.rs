@@ -73,9 +73,8 @@ pub async fn serve(
     router: axum::Router,
     limits: HttpLimits,
     counters: Arc<HttpCounters>,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    tls: Option<crate::reload::SharedServerTls>,
 ) {
-    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let mut last_error_log = None::<std::time::Instant>;
     // At most `max_connections` (the permits); finished ones are reaped as they end.
@@ -123,7 +122,8 @@ pub async fn serve(
         // done, panicked, or aborted with the listener.
         let open = OpenConnection { counters: Arc::clone(&counters), _permit: permit };
         let (counters, router) = (Arc::clone(&counters), router.clone());
-        let tls = tls.clone();
+        // The configuration in force when the connection came (certificates reload).
+        let tls = tls.as_ref().map(|t| tokio_rustls::TlsAcceptor::from(crate::reload::current(t)));
         conns.spawn(async move {
             let builder = {
                 let mut b = hyper::server::conn::http1::Builder::new();

@@ -25,6 +25,7 @@ pub mod memcg;
 pub mod metrics;
 pub mod pressure;
 pub mod psi;
+pub mod reload;
 
 use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;
@@ -91,7 +92,8 @@ pub enum IdentityError {
     NoDnsName,
 }
 
-/// Transport tuning. Defaults follow DESIGN's budgets and quic.md's measurements.
+/// Transport tuning. Defaults follow the budgets of docs/design.md and the measurements in
+/// docs/quic-notes.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tuning {
     /// Bytes bulk (P2/P3) may have unacked on a connection.
@@ -121,9 +123,10 @@ impl Default for Tuning {
             p1_reserve_bytes: 1 << 20,
             stream_window_bytes: 1 << 20,
             max_streams: 1024,
-            // quic.md: ≥ 2–4 MiB even on loopback, or quinn loses packets.
+            // docs/quic-notes.md: ≥ 2–4 MiB even on loopback, or quinn loses packets.
             socket_buffer_bytes: 4 << 20,
-            // quic.md: MTU 6000 + GSO is 2.4× the throughput of 1452; 8952 collapses.
+            // docs/quic-notes.md: MTU 6000 + GSO is 2.4× the throughput of 1452; 8952
+            // collapses.
             mtu_upper_bound: 6000,
             idle_timeout_ms: 10_000,
             keep_alive_ms: 1_000,

@@ -40,10 +40,10 @@ use crate::records::{
 };
 use crate::tally::Tally;
 
-/// Configuration (DESIGN's timer defaults).
+/// Configuration (timer defaults from docs/design.md, "Timers").
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IngestConfig {
-    /// Settlement delay after a heartbeat (DESIGN: 500 ms).
+    /// Settlement delay after a heartbeat (docs/design.md: 500 ms).
     pub reorder_timeout_ns: u64,
     /// Silent after this long without frames or heartbeats (NCCL RAS warns at 5 s).
     pub silent_ns: u64,

@@ -144,7 +144,8 @@ pub struct Progress {
 pub enum LivenessState {
     /// Heard from within `silent_ms`.
     Fresh,
-    /// Nothing for `silent_ms`: its verdicts wait, it does not gate others.
+    /// Nothing for `silent_ms`: its own verdicts wait, and so do final verdicts of ops it
+    /// takes part in, until it is unreachable or heard from again.
     Silent,
     /// Nothing for `unreachable_ms`, or its connection closed.
     Unreachable,

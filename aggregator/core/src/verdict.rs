@@ -40,7 +40,7 @@ pub enum Indeterminate {
     AggregatorGap,
 }
 
-/// A rank's outcome for one op (DESIGN's set).
+/// A rank's outcome for one op (the set in docs/design.md).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Completed,
@@ -79,7 +79,7 @@ pub const OUTCOME_KINDS: [&str; 10] = [
 ];
 
 impl Outcome {
-    /// Short name as DESIGN spells it.
+    /// Short name as docs/design.md spells it.
     #[must_use]
     pub fn name(&self) -> String {
         match self {

@@ -2,7 +2,7 @@
 //! types are not (they may change without notice). Adding fields is compatible; renaming
 //! or removing one is a new version (`/v2/...`).
 //!
-//! Names on the wire are DESIGN's vocabulary: outcomes (`completed`,
+//! Names on the wire are the vocabulary of docs/design.md: outcomes (`completed`,
 //! `completed_inferred`, `waiting_on(3)`, `stuck`, `unknown_silent`, …), health
 //! (`healthy`, `healthy_lossy`, `suspect`, `degraded`, `silent`, `unreachable`), loss
 //! causes (`kernel_ring_full`, `shipper_spool_full`, `rejected`, …).

@@ -223,10 +223,10 @@ fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
         why.push(format!("the last {failed} snapshots failed (the log says why): P0/P1 batches are not acked durable"));
     }
     for t in tasks {
-        // Snapshots, the pressure watcher and the OTLP exporter are optional; a dead
-        // pressure watcher or exporter makes `/healthz` degraded (below), not the
-        // aggregator unready.
-        if !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp") && !t.alive {
+        // Snapshots, the pressure watcher, the OTLP exporter and the certificate reload
+        // are optional; a dead watcher, exporter or reload makes `/healthz` degraded
+        // (below), not the aggregator unready.
+        if !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp" | "tls") && !t.alive {
             why.push(format!("task {} is not running", t.name));
         }
         if t.stalled {
@@ -246,6 +246,9 @@ async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     let mut reasons = not_ready(&s, &tasks);
     if s.otlp.enabled.load(Relaxed) && !s.tasks.otlp.alive.load(Relaxed) {
         reasons.push("task otlp is not running: events are not exported".to_owned());
+    }
+    if s.tls_reload_on.load(Relaxed) && !s.tasks.tls.alive.load(Relaxed) {
+        reasons.push("task tls is not running: rotated certificates are not picked up".to_owned());
     }
     if s.pressure.armed.load(Relaxed) && !s.tasks.pressure.alive.load(Relaxed) {
         reasons.push("task pressure is not running: memory pressure is no longer followed".to_owned());

@@ -1,8 +1,9 @@
-//! The scorer's table: the ground truth's physical facts → the verdict DESIGN's rules owe
-//! each rank. The truth ([`crate::truth`]) only says what happened; this module is the one
-//! place that maps it to DESIGN's vocabulary, so every judge (`loadgen`'s scorer, the
-//! core's property tests, the real-process tests) uses the same table. It lives here, not
-//! in `loadgen`, because the core's tests depend on `loadgen-sim` and not on `loadgen`.
+//! The scorer's table: the ground truth's physical facts → the verdict the rules of
+//! docs/design.md owe each rank. The truth ([`crate::truth`]) only says what happened;
+//! this module is the one place that maps it to the outcome vocabulary of docs/design.md,
+//! so every judge (`loadgen`'s scorer, the core's property tests, the real-process tests)
+//! uses the same table. It lives here, not in `loadgen`, because the core's tests depend
+//! on `loadgen-sim` and not on `loadgen`.
 //!
 //! | facts of the rank (first match wins) | expected verdict | decidable by the run's end |
 //! |---|---|---|
@@ -40,7 +41,7 @@ const CLOCK_NOISE_MS: f64 = 100.0;
 /// The verdict a rank is owed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expected {
-    /// DESIGN's outcome name, e.g. `waiting_on(3)`, `blocked_by(world/0#4)`.
+    /// The outcome's name in docs/design.md, e.g. `waiting_on(3)`, `blocked_by(world/0#4)`.
     pub outcome: String,
     /// A second right answer where timing alone decides (see the module docs).
     pub alternative: Option<String>,
@@ -108,7 +109,7 @@ impl<'a> Table<'a> {
 
     /// The op at the root of a chain of blocked ops: `behind` is blocked for rank
     /// `global` too, and so on, until an op where the rank did not end for a cause of its
-    /// own. DESIGN's `blocked_by` names that root (the earliest unresolved op).
+    /// own. `blocked_by` (docs/design.md) names that root (the earliest unresolved op).
     fn root_of(&self, behind: &str, global: u32) -> String {
         let mut cur = behind.to_owned();
         for _ in 0..self.t.collectives.len() {

@@ -14,7 +14,7 @@
 //!
 //! Layers: [`scenario`] (the file), [`model`] (topology and the causal timeline),
 //! [`sim`] (the simulated kernel side and emission), [`truth`] (physical facts),
-//! [`expect`] (the table mapping those facts to the verdicts DESIGN owes them),
+//! [`expect`] (the table mapping those facts to the verdicts docs/design.md owes them),
 //! [`capture`], and [`builtin`] scenarios.
 
 #![allow(

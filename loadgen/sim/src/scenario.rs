@@ -243,13 +243,14 @@ impl BulkSpec {
     }
 }
 
-/// The timers the evidence rules use (DESIGN's defaults).
+/// The timers the evidence rules use (defaults from docs/design.md, "Timers").
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Timers {
     #[serde(default = "default_heartbeat")]
     pub heartbeat_ms: u64,
-    /// A hang is identifiable only once this has passed (max(20 s, 4 × p99) in DESIGN).
+    /// A hang is identifiable only once this has passed (max(20 s, 4 × p99) in
+    /// docs/design.md).
     #[serde(default = "default_stuck")]
     pub stuck_deadline_ms: u64,
     /// A missing rank is `not_joined` only after this (PyTorch's watchdog: 600 s).

@@ -6,8 +6,8 @@
 //! (if ever, before the run's end) it enqueued, started and ended each op, why it did not
 //! end (a [`Cause`]), which of its P0 frames the kernel dropped, and tags for what was
 //! applied to it (lag, pause, mismatch). What a correct verdict is, given those facts and
-//! DESIGN's rules, is the scorer's table in [`crate::expect`] — the truth never
-//! re-implements the matcher's ladder. Telemetry loss is a tag, never a cause.
+//! the rules of docs/design.md, is the scorer's table in [`crate::expect`] — the truth
+//! never re-implements the matcher's ladder. Telemetry loss is a tag, never a cause.
 //!
 //! GPU and node health are stated as of the run's end, from the faults applied.
 //! Identifiability (per fault): a fault is identifiable when the evidence that survives

@@ -1,6 +1,7 @@
-//! When to raise the kernel's bulk sampling level: spool pressure (DESIGN "Priorities,
-//! backpressure, shedding": aggregator slow → flow control → spool fills → raise the
-//! sampling level, bulk only → then, if still full, evict bulk with loss records).
+//! When to raise the kernel's bulk sampling level: spool pressure (docs/design.md,
+//! "Priorities, backpressure, shedding": aggregator slow → flow control → spool fills →
+//! raise the sampling level, bulk only → then, if still full, evict bulk with loss
+//! records).
 //!
 //! Pure: one decision per heartbeat from the spool's fill. One step at a time with
 //! hysteresis: up when the spool is at least `raise_ppm` full, down when at most

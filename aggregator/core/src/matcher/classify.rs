@@ -96,8 +96,9 @@ pub(super) struct Culprits {
     pub(super) decisive: bool,
 }
 
-/// One rank's outcome (DESIGN's ladder, first match wins). `blocked_by` finds the rank's
-/// earlier unresolved op on another communicator; it is asked only on that rung.
+/// One rank's outcome (the rules of docs/design.md as a ladder, first match wins).
+/// `blocked_by` finds the rank's earlier unresolved op on another communicator; it is
+/// asked only on that rung.
 pub(super) fn classify(r: &RankEvidence, ctx: &OpContext, blocked_by: impl FnOnce() -> Option<OpRef>) -> Outcome {
     // Only this op's own evidence of two processes claiming one rank makes it a key
     // collision: a communicator that once shared its key with another still has ops no

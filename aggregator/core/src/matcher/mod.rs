@@ -11,7 +11,7 @@
 //! - getters: [`CollectiveMatcher::stats`], [`CollectiveMatcher::in_flight`],
 //!   [`CollectiveMatcher::health`], [`CollectiveMatcher::node_health`].
 //!
-//! Rules (DESIGN "Collectives: keys, phases, verdicts"):
+//! Rules (docs/design.md, "Collectives: keys, phases, verdicts"):
 //! - keys: `(comm, comm_op_seq)` for collectives, `(comm, src, dst, p2p_seq)` for P2P;
 //!   `local_op_seq` orders a rank's ops across communicators (`blocked_by`);
 //! - completion only from a rank-level `kernel_end`/`proxy_done`, PROGRESS
@@ -66,7 +66,7 @@ use crate::verdict::{
     Evidence, FrameRef, Indeterminate, MatcherEvent, OpRef, Outcome, ProgressRef, Rule, Verdict, VerdictTag,
 };
 
-/// Matcher configuration (DESIGN's timers).
+/// Matcher configuration (the timers of docs/design.md).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatcherConfig {
     /// Lower bound of the stuck deadline (NCCL RAS: 20 s).

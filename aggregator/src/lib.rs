@@ -395,7 +395,7 @@ impl TlsReload {
         Self {
             quic: TlsWatch::new(&cfg.ca, &cfg.cert, &cfg.key, &[]),
             files: (cfg.ca.clone(), cfg.cert.clone(), cfg.key.clone()),
-            tuning: cfg.tuning.clone(),
+            tuning: cfg.tuning,
             endpoint,
             http: None,
         }

@@ -327,7 +327,7 @@ pub fn shipper_config(
     )]
     let scaled = |ms: f64| (ms / time_scale).max(1.0) as u64;
     ShipperConfig {
-        aggregator,
+        aggregator: aggregator.into(),
         server_name: "localhost".into(),
         node_name: name,
         ca: set.ca.clone(),

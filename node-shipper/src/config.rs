@@ -17,7 +17,7 @@ use crate::core::spool::SpoolConfig;
 /// Every field: name (TOML key; flag `--name-with-dashes`; env upper case), kind, default,
 /// help.
 const FIELDS: &[Field] = &[
-    ("aggregator", Kind::Addr, None, "aggregator address, host:port (IP literal)"),
+    ("aggregator", Kind::HostPort, None, "aggregator address: ip:port, or dns-name:port resolved at every connection attempt"),
     ("server_name", Kind::Text, Some("aggregator"), "name in the aggregator's certificate"),
     ("node_name", Kind::Text, None, "this node's name; must equal its client certificate's DNS SAN"),
     ("ca", Kind::Text, None, "CA certificate (PEM) that signed the aggregator's certificate"),
@@ -176,10 +176,71 @@ pub enum Source {
     Bpf(crate::bpf::BpfConfig),
 }
 
+/// Where the aggregator is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AggregatorAddr {
+    /// An address.
+    Ip(SocketAddr),
+    /// A DNS name (a Kubernetes Service, say), resolved at every connection attempt so
+    /// an aggregator that moved is found again.
+    Name { host: String, port: u16 },
+}
+
+impl From<SocketAddr> for AggregatorAddr {
+    fn from(a: SocketAddr) -> Self {
+        Self::Ip(a)
+    }
+}
+
+impl std::fmt::Display for AggregatorAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Ip(a) => a.fmt(f),
+            Self::Name { host, port } => write!(f, "{host}:{port}"),
+        }
+    }
+}
+
+impl AggregatorAddr {
+    /// From text [`ringwatch_transport::config::host_port`] accepted.
+    #[must_use]
+    pub fn parse(text: &str) -> Option<Self> {
+        if let Ok(a) = text.parse() {
+            return Some(Self::Ip(a));
+        }
+        let (host, port) = text.rsplit_once(':')?;
+        Some(Self::Name { host: host.to_owned(), port: port.parse().ok()? })
+    }
+
+    /// The address to connect to now: a name is looked up (the first IPv4 answer
+    /// preferred when `v4`, else the first IPv6 one; the socket is bound to one family).
+    ///
+    /// # Errors
+    /// The lookup failed or gave no address of the socket's family.
+    pub async fn resolve(&self, v4: bool) -> Result<SocketAddr, String> {
+        match self {
+            Self::Ip(a) => Ok(*a),
+            Self::Name { host, port } => {
+                let all = tokio::net::lookup_host((host.as_str(), *port)).await.map_err(|e| format!("resolving {self}: {e}"))?;
+                all.into_iter()
+                    .find(|a| a.is_ipv4() == v4)
+                    .ok_or_else(|| format!("{self} has no IPv{} address", if v4 { 4 } else { 6 }))
+            }
+        }
+    }
+
+    /// Whether the socket should be IPv6: an IPv6 address, or a name given as such
+    /// (names bind IPv4 unless they resolve only to IPv6 at start).
+    #[must_use]
+    pub fn is_ipv6(&self) -> bool {
+        matches!(self, Self::Ip(a) if a.is_ipv6())
+    }
+}
+
 /// The validated configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShipperConfig {
-    pub aggregator: SocketAddr,
+    pub aggregator: AggregatorAddr,
     pub server_name: String,
     pub node_name: String,
     pub ca: PathBuf,
@@ -365,7 +426,7 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
     let string = |n: &str| v.text(n).unwrap_or_default().to_owned();
     let as_usize = |n: &str| usize::try_from(int(v, n)).unwrap_or(usize::MAX);
     Some(ShipperConfig {
-        aggregator: v.addr("aggregator")?,
+        aggregator: AggregatorAddr::parse(v.text("aggregator")?)?,
         server_name: string("server_name"),
         node_name: string("node_name"),
         ca: path("ca"),
@@ -449,6 +510,18 @@ pub fn check_files(cfg: &ShipperConfig) -> Vec<ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    #[tokio::test]
+    async fn a_dns_name_is_resolved_when_connecting_and_an_address_is_taken_as_is() {
+        let a = super::AggregatorAddr::parse("localhost:4433").unwrap();
+        assert_eq!(a.to_string(), "localhost:4433");
+        assert_eq!(a.resolve(true).await.unwrap(), "127.0.0.1:4433".parse().unwrap());
+        let ip = super::AggregatorAddr::parse("[::1]:9").unwrap();
+        assert!(ip.is_ipv6());
+        assert_eq!(ip.resolve(true).await.unwrap(), "[::1]:9".parse().unwrap());
+        let nowhere = super::AggregatorAddr::parse("no-such-host.invalid:4433").unwrap();
+        assert!(nowhere.resolve(true).await.is_err());
+    }
+
     use super::*;
 
     const GOOD: &str = r#"
@@ -466,7 +539,7 @@ flush_interval_ms = 2
         let mut i = Inputs::default();
         i.file(GOOD);
         let c = i.validate().unwrap();
-        assert_eq!(c.aggregator, "127.0.0.1:4433".parse().unwrap());
+        assert_eq!(c.aggregator, AggregatorAddr::Ip("127.0.0.1:4433".parse().unwrap()));
         assert_eq!(c.source, Source::Sim { scenario: "demo".into(), node: 0, bulk_scale_ppm: 1000, seed: None });
         assert_eq!(c.batcher.flush_interval_ns, 2_000_000);
         assert_eq!(c.batcher.max_batch_bytes, 65_536);

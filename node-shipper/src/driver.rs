@@ -37,7 +37,7 @@ use ringwatch_transport::psi::PressureState;
 use ringwatch_transport::{TlsFiles, Tuning, close, lane_priority};
 use tokio::sync::{Notify, Semaphore, watch};
 
-use crate::config::ShipperConfig;
+use crate::config::{AggregatorAddr, ShipperConfig};
 use crate::core::backoff::Backoff;
 use crate::core::batcher::{SessionMeta, Staged, Stager};
 use crate::core::budget::{Budget, BudgetInput};
@@ -1009,8 +1009,13 @@ pub async fn run_and_return_source(
         .map_or(queue_ceiling, |(_, b, _)| usize::try_from(b.reader_queue_cap_bytes).unwrap_or(usize::MAX));
     let files = TlsFiles { ca: &cfg.ca, cert: &cfg.cert, key: &cfg.key };
     let client = ringwatch_transport::client_config(files, &tuning)?;
-    let bind: SocketAddr =
-        if cfg.aggregator.is_ipv6() { SocketAddr::from(([0u16; 8], 0)) } else { SocketAddr::from(([0u8; 4], 0)) };
+    // A name's family: IPv4 unless it resolves only to IPv6 now (unresolvable at start:
+    // IPv4, and the network loop keeps trying).
+    let v6 = match &cfg.aggregator {
+        AggregatorAddr::Ip(a) => a.is_ipv6(),
+        name => name.resolve(true).await.is_err() && name.resolve(false).await.is_ok(),
+    };
+    let bind: SocketAddr = if v6 { SocketAddr::from(([0u16; 8], 0)) } else { SocketAddr::from(([0u8; 4], 0)) };
     let endpoint = tuning.endpoint(bind, None)?;
     let tls_watch = ringwatch_transport::reload::TlsWatch::new(&cfg.ca, &cfg.cert, &cfg.key, &[]);
     rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
@@ -1106,7 +1111,7 @@ pub async fn run_and_return_source(
     let tls_task = (cfg.tls_reload_interval_ms > 0).then(|| {
         let files = (cfg.ca.clone(), cfg.cert.clone(), cfg.key.clone());
         let task =
-            tokio::spawn(reload_tls(Arc::clone(&shared), tls_watch, files, tuning.clone(), cfg.tls_reload_interval_ms));
+            tokio::spawn(reload_tls(Arc::clone(&shared), tls_watch, files, tuning, cfg.tls_reload_interval_ms));
         let abort = task.abort_handle();
         let shared = Arc::clone(&shared);
         let sup = tokio::spawn(async move {
@@ -1167,7 +1172,7 @@ pub async fn run_and_return_source(
     let (stop_net_tx, stop_net_rx) = watch::channel(false);
     let net = tokio::spawn(network(
         endpoint.clone(),
-        cfg.aggregator,
+        (cfg.aggregator.clone(), !v6),
         cfg.server_name.clone(),
         Arc::clone(&shared),
         stop_net_rx,
@@ -1177,7 +1182,7 @@ pub async fn run_and_return_source(
         let listener = listener.try_clone().and_then(tokio::net::TcpListener::from_std);
         match listener {
             Ok(l) => {
-                let router = health_router(Arc::clone(&shared), cfg.aggregator);
+                let router = health_router(Arc::clone(&shared), cfg.aggregator.to_string());
                 Some(tokio::spawn(ringwatch_transport::http::serve(l, router, *limits, Arc::default(), None)))
             }
             Err(e) => {
@@ -1619,7 +1624,7 @@ async fn pump(
 
 async fn network(
     endpoint: quinn::Endpoint,
-    addr: SocketAddr,
+    (target, v4): (AggregatorAddr, bool),
     server_name: String,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
@@ -1634,13 +1639,25 @@ async fn network(
     while !*stop.borrow() {
         shared.net.attempts.fetch_add(1, Ordering::Relaxed);
         let client = shared.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        let attempt = endpoint.connect_with(client, addr, &server_name);
+        // A name is looked up at every attempt: a restarted aggregator may have moved.
+        let resolved = tokio::select! {
+            r = target.resolve(v4) => r,
+            _ = stop.changed() => return,
+        };
+        let addr = match resolved {
+            Ok(a) => a,
+            Err(_) => SocketAddr::from(([0u8; 4], 0)),
+        };
+        let attempt = match resolved {
+            Ok(_) => endpoint.connect_with(client, addr, &server_name).map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
         let conn = match attempt {
             Ok(connecting) => tokio::select! {
                 c = connecting => c.map_err(|e| (refusal(&e), e.to_string())),
                 _ = stop.changed() => return,
             },
-            Err(e) => Err((None, e.to_string())),
+            Err(e) => Err((None, e)),
         };
         let refused = match conn {
             Ok(conn) => {
@@ -1686,7 +1703,7 @@ async fn network(
             }
             Err((refused, e)) => {
                 if refused.is_none() {
-                    tracing::warn!(%addr, error = %e, retry_step_ms = backoff.step_ms(), "connect failed");
+                    tracing::warn!(aggregator = %target, error = %e, retry_step_ms = backoff.step_ms(), "connect failed");
                 }
                 refused
             }
@@ -1976,7 +1993,7 @@ async fn control_reader(mut recv: quinn::RecvStream, shared: Arc<Shared>, conn: 
 /// its network side counted) and `GET /readyz` (200 while a connection to the aggregator
 /// has its session established, else 503 with why). Errors as JSON, unknown query
 /// parameters refused, like the aggregator's API.
-fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
+fn health_router(shared: Arc<Shared>, aggregator: String) -> axum::Router {
     use axum::extract::State;
     use axum::http::{StatusCode, Uri};
     use axum::response::{IntoResponse, Response};
@@ -2012,7 +2029,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         ready: bool,
         reasons: Vec<String>,
     }
-    async fn healthz(State((s, agg)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
+    async fn healthz(State((s, agg)): State<(Arc<Shared>, String)>, uri: Uri) -> Response {
         if let Err(r) = http::params(&uri, &[]) {
             return r.into_response();
         }
@@ -2039,7 +2056,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         let health = Health {
             status: if reasons.is_empty() { "ok" } else { "degraded" },
             reasons,
-            aggregator: agg.to_string(),
+            aggregator: agg,
             connected: s.net.established.load(Ordering::Relaxed),
             uptime_ms: s.now() / 1_000_000,
             connect_attempts: s.net.attempts.load(Ordering::Relaxed),
@@ -2064,7 +2081,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         };
         (code, axum::Json(health)).into_response()
     }
-    async fn readyz(State((s, agg)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
+    async fn readyz(State((s, agg)): State<(Arc<Shared>, String)>, uri: Uri) -> Response {
         if let Err(r) = http::params(&uri, &[]) {
             return r.into_response();
         }
@@ -2079,7 +2096,7 @@ fn health_router(shared: Arc<Shared>, aggregator: SocketAddr) -> axum::Router {
         let code = if reasons.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
         (code, axum::Json(Ready { ready: reasons.is_empty(), reasons })).into_response()
     }
-    async fn metrics(State((s, _)): State<(Arc<Shared>, SocketAddr)>, uri: Uri) -> Response {
+    async fn metrics(State((s, _)): State<(Arc<Shared>, String)>, uri: Uri) -> Response {
         if let Err(r) = http::params(&uri, &[]) {
             return r.into_response();
         }

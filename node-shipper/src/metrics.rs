@@ -340,6 +340,7 @@ mod tests {
             counters: SourceCounters { streams: vec![entry], ..SourceCounters::default() },
             latency: Some(LaneLatency::default()),
             ring: Some(RingMetrics::new([4096, 8192])),
+            tls: Some(std::sync::Arc::default()),
             ..Reading::default()
         };
         let mut f = Families::new(SPECS);

@@ -34,7 +34,7 @@ async fn net_partition_longer_than_the_spool_evicts_bulk_keeps_p0_and_accounts_e
         if node == CUT {
             // Node 1 talks through the proxy, with a spool whose bulk share (512 KiB)
             // holds ~1.6 s of its bulk; its connection gives up after 2 s of silence.
-            cfg.aggregator = proxy.addr;
+            cfg.aggregator = proxy.addr.into();
             cfg.spool = SpoolConfig {
                 cap_bytes: (512 << 10) + (2 << 20),
                 p0_reserve_bytes: 1 << 20,

@@ -48,6 +48,8 @@ pub enum Kind {
     OptText,
     /// `ip:port`.
     Addr,
+    /// `ip:port` or `dns-name:port` (a name is resolved where it is used, not here).
+    HostPort,
     /// A whole number in `min..=max`.
     Int { min: u64, max: u64 },
 }
@@ -292,6 +294,12 @@ impl<S: Schema> Inputs<S> {
                     }
                     Err(_) => v.errors.push(bad(format!("{value:?} is not ip:port"))),
                 },
+                Kind::HostPort => match host_port(&value) {
+                    Ok(()) => {
+                        v.text.insert(name, value);
+                    }
+                    Err(why) => v.errors.push(bad(format!("{value:?} is not host:port: {why}"))),
+                },
                 Kind::Int { min, max } => match value.trim().parse::<u64>() {
                     Ok(x) if (min..=max).contains(&x) => {
                         v.ints.insert(name, x);
@@ -371,5 +379,49 @@ impl Values {
     #[must_use]
     pub fn has_problems(&self) -> bool {
         !self.errors.is_empty()
+    }
+}
+
+/// Whether `value` is `ip:port` or `dns-name:port` (RFC 1123 labels, port 1..=65535).
+///
+/// # Errors
+/// What is wrong with it.
+pub fn host_port(value: &str) -> Result<(), String> {
+    if value.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let (host, port) = value.rsplit_once(':').ok_or("no :port")?;
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => return Err(format!("port {port:?} is not 1..=65535")),
+        Ok(_) => {}
+    }
+    let host = host.strip_suffix('.').unwrap_or(host);
+    if host.is_empty() || host.len() > 253 {
+        return Err("the host name must be 1..=253 characters".into());
+    }
+    for label in host.split('.') {
+        let ok = (1..=63).contains(&label.len())
+            && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !label.starts_with('-')
+            && !label.ends_with('-');
+        if !ok {
+            return Err(format!("{label:?} is not a DNS label (an IPv6 address needs [brackets])"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_port;
+
+    #[test]
+    fn host_port_takes_addresses_and_dns_names_and_refuses_the_rest() {
+        for ok in ["127.0.0.1:4433", "[::1]:4433", "aggregator:4433", "aggregator.ringwatch.svc.cluster.local.:4433"] {
+            assert_eq!(host_port(ok), Ok(()), "{ok}");
+        }
+        for bad in ["aggregator", "aggregator:0", "aggregator:65536", ":4433", "-x.y:1", "a..b:1", "::1:4433", "a_b:1"] {
+            assert!(host_port(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -258,7 +258,9 @@ pub fn own_cgroup(proc_self_cgroup: &str) -> Option<&str> {
 }
 
 /// The pressure file to watch: the process's cgroup v2 `memory.pressure` if one of
-/// [`CGROUP2_MOUNTS`] has it, else [`SYSTEM_FILE`].
+/// [`CGROUP2_MOUNTS`] has it and this process may write a trigger into it, else
+/// [`SYSTEM_FILE`] (a service under systemd's `DynamicUser=` or a container whose
+/// cgroupfs is read-only cannot arm its own cgroup's file).
 ///
 /// # Errors
 /// Why neither exists (PSI is off: `psi=0` on the kernel command line, or no
@@ -268,7 +270,8 @@ pub fn locate() -> Result<PathBuf, String> {
     if let Some(cg) = own.as_deref().and_then(own_cgroup) {
         for mount in CGROUP2_MOUNTS {
             let p = Path::new(mount).join(cg.trim_start_matches('/')).join("memory.pressure");
-            if p.exists() {
+            // Opening read-write arms nothing (a trigger is armed by a write).
+            if std::fs::OpenOptions::new().read(true).write(true).open(&p).is_ok() {
                 return Ok(p);
             }
         }

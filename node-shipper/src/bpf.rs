@@ -933,15 +933,25 @@ fn attach_xdp(ebpf: &mut Ebpf, cfg: &BpfConfig) -> Result<(), LoadError> {
 
 /// uprobes on the shim's probe functions, and the exit hook; links pinned (kept by a
 /// restarted shipper: the probes never go away while processes run).
+///
+/// A uprobe belongs to the file's inode, not its path: every process that maps that file
+/// is probed, whatever path it opened (a bind mount into a pod's mount namespace, a hard
+/// link). The links are pinned per inode, so a shim replaced at the same path (an
+/// upgrade: a new inode) gets links of its own when the shipper starts again, and the
+/// links on the old file stay for the processes that still map it.
 fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadError> {
-    if !shim.exists() {
-        return Err(LoadError::Kernel {
-            what: format!("the NCCL profiler shim {}", shim.display()),
-            detail: "no such file (build it: make -C node-shipper/nccl-shim)".into(),
-        });
-    }
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(shim).map_err(|e| LoadError::Kernel {
+        what: format!("the NCCL profiler shim {}", shim.display()),
+        detail: if e.kind() == std::io::ErrorKind::NotFound {
+            "no such file (build it: make -C node-shipper/nccl-shim)".into()
+        } else {
+            e.to_string()
+        },
+    })?;
+    let inode = format!("{:x}_{:x}", meta.dev(), meta.ino());
     for (prog_name, symbol) in NCCL_PROBES {
-        let pin = pin_dir.join(format!("link_uprobe_{symbol}"));
+        let pin = pin_dir.join(format!("link_uprobe_{symbol}_{inode}"));
         if pin.exists() {
             continue;
         }
@@ -957,6 +967,7 @@ fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadE
             .map_err(|e| LoadError::Kernel { what: format!("the uprobe link on {symbol}"), detail: chain(&e) })?;
         pin_link(link, &format!("the uprobe on {symbol}"), &pin)?;
     }
+    tracing::info!(shim = %shim.display(), inode = %inode, "uprobes on the NCCL profiler shim");
     let pin = pin_dir.join("link_tp_sched_process_exit");
     if !pin.exists() {
         let prog: &mut aya::programs::TracePoint = ebpf

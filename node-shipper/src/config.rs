@@ -17,7 +17,12 @@ use crate::core::spool::SpoolConfig;
 /// Every field: name (TOML key; flag `--name-with-dashes`; env upper case), kind, default,
 /// help.
 const FIELDS: &[Field] = &[
-    ("aggregator", Kind::HostPort, None, "aggregator address: ip:port, or dns-name:port resolved at every connection attempt"),
+    (
+        "aggregator",
+        Kind::HostPort,
+        None,
+        "aggregator address: ip:port, or dns-name:port resolved at every connection attempt",
+    ),
     ("server_name", Kind::Text, Some("aggregator"), "name in the aggregator's certificate"),
     ("node_name", Kind::Text, None, "this node's name; must equal its client certificate's DNS SAN"),
     ("ca", Kind::Text, None, "CA certificate (PEM) that signed the aggregator's certificate"),
@@ -221,7 +226,9 @@ impl AggregatorAddr {
         match self {
             Self::Ip(a) => Ok(*a),
             Self::Name { host, port } => {
-                let all = tokio::net::lookup_host((host.as_str(), *port)).await.map_err(|e| format!("resolving {self}: {e}"))?;
+                let all = tokio::net::lookup_host((host.as_str(), *port))
+                    .await
+                    .map_err(|e| format!("resolving {self}: {e}"))?;
                 all.into_iter()
                     .find(|a| a.is_ipv4() == v4)
                     .ok_or_else(|| format!("{self} has no IPv{} address", if v4 { 4 } else { 6 }))

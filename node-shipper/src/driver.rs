@@ -1110,8 +1110,7 @@ pub async fn run_and_return_source(
     // `/healthz` degraded (the configuration in force stays).
     let tls_task = (cfg.tls_reload_interval_ms > 0).then(|| {
         let files = (cfg.ca.clone(), cfg.cert.clone(), cfg.key.clone());
-        let task =
-            tokio::spawn(reload_tls(Arc::clone(&shared), tls_watch, files, tuning, cfg.tls_reload_interval_ms));
+        let task = tokio::spawn(reload_tls(Arc::clone(&shared), tls_watch, files, tuning, cfg.tls_reload_interval_ms));
         let abort = task.abort_handle();
         let shared = Arc::clone(&shared);
         let sup = tokio::spawn(async move {

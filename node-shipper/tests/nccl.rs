@@ -104,7 +104,21 @@ const WORLD: &str = "5257574f524c4400";
 /// An aggregator (short deadlines), a shipper on fresh rings with uprobes on the shim,
 /// then the workload with `args`; waits until the verdicts settle.
 async fn run(tag: &str, args: &[&str], ring: &[(&str, &str)]) -> Outcome {
-    run_in(tag, args, ring, None).await
+    run_in(tag, args, ring, Launch::default()).await
+}
+
+/// How the workload starts, and which shim file the shipper is given.
+#[derive(Default)]
+struct Launch<'a> {
+    /// The ranks' cgroup (they inherit it from the workload, which moves itself there).
+    cgroup: Option<&'a std::path::Path>,
+    /// The shim file the shipper attaches to (default: the built one).
+    shim: Option<&'a std::path::Path>,
+    /// NCCL loads the shim from here: a bind mount of the shipper's shim file made in a
+    /// mount namespace of the workload's own (a pod's view of a hostPath volume).
+    bind_at: Option<&'a std::path::Path>,
+    /// Called with the shipper's BPF configuration before the shipper opens its rings.
+    before: Option<Box<dyn FnOnce(&node_shipper::bpf::BpfConfig) + 'a>>,
 }
 
 /// A cgroup v2 path shaped like kubelet's (systemd driver) for one pod and container,
@@ -143,9 +157,8 @@ impl Drop for PodCgroup {
     }
 }
 
-/// [`run`], the workload's rank processes in `cgroup` (they inherit it from the
-/// workload, which moves itself there before it starts).
-async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], cgroup: Option<&std::path::Path>) -> Outcome {
+/// [`run`], launched as `launch` says.
+async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], launch: Launch<'_>) -> Outcome {
     let dir = std::env::temp_dir().join(format!("rw-nccl-{tag}-{}", std::process::id()));
     let set = certs::init(&dir, &[certs::node_name(0)]).expect("certificates");
     let mut agg_cfg = AggregatorConfig::local(&set);
@@ -155,10 +168,14 @@ async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], cgroup: Option<
     agg_cfg.ingest.reorder_timeout_ns = 300_000_000;
     let agg = Aggregator::start(agg_cfg).await.expect("aggregator");
     let p = Pins::new(&format!("nccl-{tag}"));
-    let mut extra: Vec<(&str, String)> = vec![("nccl_profiler_shim", SHIM.to_owned())];
+    let shim = launch.shim.map_or_else(|| SHIM.to_owned(), |p| p.display().to_string());
+    let mut extra: Vec<(&str, String)> = vec![("nccl_profiler_shim", shim.clone())];
     extra.extend(ring.iter().map(|(k, v)| (*k, (*v).to_owned())));
     let cfg = shipper_cfg(&set, &agg, &p.0, &extra);
     let bpf_cfg = bpf_of(&cfg);
+    if let Some(before) = launch.before {
+        before(&bpf_cfg);
+    }
     let source = RingSource::open(bpf_cfg.clone()).expect("ring source with uprobes");
     let producer = Producer::open(&bpf_cfg).expect("counters");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -171,16 +188,36 @@ async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], cgroup: Option<
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let mut workload = match cgroup {
-        None => Command::new(WORKLOAD),
-        Some(cg) => {
+    let mut workload = match (launch.cgroup, launch.bind_at) {
+        (None, None) => Command::new(WORKLOAD),
+        (Some(cg), None) => {
             let mut c = Command::new("sh");
             c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec \"$@\""]).arg(cg).arg(WORKLOAD);
             c
         }
+        (None, Some(at)) => {
+            // A private mount namespace: the bind mount exists for the workload only and
+            // goes away with it.
+            std::fs::write(at, b"").expect("bind mount target");
+            let mut c = Command::new("unshare");
+            c.args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "mount --bind \"$0\" \"$1\" && shift && exec \"$@\"",
+            ])
+            .arg(&shim)
+            .arg(at)
+            .arg(WORKLOAD);
+            c
+        }
+        (Some(_), Some(_)) => unimplemented!("a cgroup and a bind mount at once"),
     };
+    let plugin = launch.bind_at.map_or_else(|| shim.clone(), |p| p.display().to_string());
     let workload = workload
-        .env("NCCL_PROFILER_PLUGIN", SHIM)
+        .env("NCCL_PROFILER_PLUGIN", &plugin)
         .args(["--ranks", "4", "--hold-ms", "3000", "--tail-ms", "1000"])
         .args(args)
         .output();
@@ -240,7 +277,8 @@ async fn kernel_nccl_collectives_and_p2p_match_through_uprobes() {
     // The ranks run in a pod's container (a kubelet-shaped cgroup path): every verdict
     // names its owner, resolved by the shipper from /proc/<pid>/cgroup (issue 24).
     let pod = PodCgroup::new();
-    let o = run_in("clean", &["--ops", "12", "--p2p"], &[], Some(&pod.leaf)).await;
+    let o =
+        run_in("clean", &["--ops", "12", "--p2p"], &[], Launch { cgroup: Some(&pod.leaf), ..Launch::default() }).await;
     drop(pod);
     assert!(!o.workload_stdout.is_empty());
     for v in &o.verdicts {
@@ -272,6 +310,88 @@ async fn kernel_nccl_collectives_and_p2p_match_through_uprobes() {
     assert!(!p2p.is_empty(), "P2P ops were matched");
     assert!(p2p.iter().all(|v| v.outcome == "completed" && v.is_final), "{p2p:?}");
     assert_eq!(o.p0_dropped, 0);
+    no_gpu_degraded_except(&o, None);
+}
+
+/// Every rank of all-reduces 1..=`ops` completed, final.
+fn all_completed(o: &Outcome, ops: u64) {
+    for k in 1..=ops {
+        for r in 0..4 {
+            let v = o.world(k, r).unwrap_or_else(|| panic!("no verdict for all-reduce {k} rank {r}"));
+            assert_eq!((v.outcome.as_str(), v.is_final), ("completed", true), "all-reduce {k} rank {r}: {v:?}");
+        }
+    }
+}
+
+/// A scratch directory of one test, removed on drop.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let d = std::env::temp_dir().join(format!("rw-nccl-scratch-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("scratch dir");
+        Self(d)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A pod sees the node-wide shim through a hostPath volume: a bind mount, in a mount
+/// namespace of its own, at a path of its own. The uprobes are on the file's inode, so
+/// the pod's ranks are seen (deploy/kubernetes/components/nccl-shim).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_shim_bind_mounted_in_another_mount_namespace_is_probed() {
+    if unavailable("kernel_nccl_shim_bind_mounted_in_another_mount_namespace_is_probed").is_some() {
+        return;
+    }
+    let scratch = Scratch::new("bind");
+    let at = scratch.0.join("pod-view-libnccl-profiler-ringwatch.so");
+    let o = run_in("bind", &["--ops", "12"], &[], Launch { bind_at: Some(&at), ..Launch::default() }).await;
+    all_completed(&o, 12);
+    no_gpu_degraded_except(&o, None);
+}
+
+/// An upgrade replaces the shim at its path (a new inode) while the old one's uprobe
+/// links stay pinned: the restarted shipper attaches to the new file too, so jobs that
+/// load it are seen (with links pinned by path alone, they were not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_shim_replaced_at_its_path_is_probed_after_a_restart() {
+    use std::os::unix::fs::MetadataExt as _;
+    if unavailable("kernel_nccl_shim_replaced_at_its_path_is_probed_after_a_restart").is_some() {
+        return;
+    }
+    let scratch = Scratch::new("replaced");
+    let path = scratch.0.join("libnccl-profiler-ringwatch.so");
+    std::fs::copy(SHIM, &path).expect("first shim file");
+    let first = std::fs::metadata(&path).expect("stat").ino();
+    let replace_path = path.clone();
+    let before = Box::new(move |cfg: &node_shipper::bpf::BpfConfig| {
+        // A shipper ran on the first file: its links stay pinned when it stops.
+        drop(RingSource::open(cfg.clone()).expect("the first shipper"));
+        let old_links = std::fs::read_dir(&cfg.pin_dir)
+            .expect("pins")
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("link_uprobe_"))
+            .count();
+        assert_eq!(old_links, 3, "three uprobe links pinned for the first file");
+        // The upgrade: a new file renamed over the old path.
+        let new = replace_path.with_extension("new");
+        std::fs::copy(SHIM, &new).expect("second shim file");
+        std::fs::rename(&new, &replace_path).expect("rename");
+    });
+    let o = run_in(
+        "replaced",
+        &["--ops", "12"],
+        &[],
+        Launch { shim: Some(&path), before: Some(before), ..Launch::default() },
+    )
+    .await;
+    assert_ne!(std::fs::metadata(&path).expect("stat").ino(), first, "the file was replaced");
+    all_completed(&o, 12);
     no_gpu_degraded_except(&o, None);
 }
 

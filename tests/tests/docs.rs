@@ -76,7 +76,8 @@ fn readme_test_command_is_what_ci_runs() {
     assert!(readme.lines().any(|l| l.trim() == command), "README.md must hold the test command on a line of its own");
     let script = std::fs::read_to_string(repo_root().join(command)).unwrap();
     assert!(
-        script.contains("cargo install cargo-nextest --locked") && script.contains("exec cargo nextest run --workspace --profile ci"),
+        script.contains("cargo install cargo-nextest --locked")
+            && script.contains("exec cargo nextest run --workspace --profile ci"),
         "scripts/test must install cargo-nextest when missing and run the ci profile"
     );
     assert!(ci.lines().any(|l| l.trim() == command), ".ci/run must run the README's test command verbatim");
@@ -143,10 +144,17 @@ fn nothing_refers_to_files_outside_the_repository() {
             files += 1;
             for (n, line) in text.lines().enumerate() {
                 let bare = BARE.iter().any(|b| {
-                    line.match_indices(b).any(|(i, _)| i == 0 || !line.as_bytes()[i - 1].is_ascii_alphanumeric() && line.as_bytes()[i - 1] != b'-')
+                    line.match_indices(b).any(|(i, _)| {
+                        i == 0 || !line.as_bytes()[i - 1].is_ascii_alphanumeric() && line.as_bytes()[i - 1] != b'-'
+                    })
                 });
                 if bare || OUTSIDE.iter().any(|o| line.contains(o)) {
-                    offenders.push(format!("{}:{}: {}", path.strip_prefix(&root).unwrap().display(), n + 1, line.trim()));
+                    offenders.push(format!(
+                        "{}:{}: {}",
+                        path.strip_prefix(&root).unwrap().display(),
+                        n + 1,
+                        line.trim()
+                    ));
                 }
             }
         }

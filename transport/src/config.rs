@@ -420,7 +420,8 @@ mod tests {
         for ok in ["127.0.0.1:4433", "[::1]:4433", "aggregator:4433", "aggregator.ringwatch.svc.cluster.local.:4433"] {
             assert_eq!(host_port(ok), Ok(()), "{ok}");
         }
-        for bad in ["aggregator", "aggregator:0", "aggregator:65536", ":4433", "-x.y:1", "a..b:1", "::1:4433", "a_b:1"] {
+        for bad in ["aggregator", "aggregator:0", "aggregator:65536", ":4433", "-x.y:1", "a..b:1", "::1:4433", "a_b:1"]
+        {
             assert!(host_port(bad).is_err(), "{bad}");
         }
     }

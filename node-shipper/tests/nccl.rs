@@ -107,6 +107,9 @@ async fn run(tag: &str, args: &[&str], ring: &[(&str, &str)]) -> Outcome {
     run_in(tag, args, ring, Launch::default()).await
 }
 
+/// Called with the shipper's BPF configuration before the shipper opens its rings.
+type BeforeOpen<'a> = Box<dyn FnOnce(&node_shipper::bpf::BpfConfig) + 'a>;
+
 /// How the workload starts, and which shim file the shipper is given.
 #[derive(Default)]
 struct Launch<'a> {
@@ -118,7 +121,7 @@ struct Launch<'a> {
     /// mount namespace of the workload's own (a pod's view of a hostPath volume).
     bind_at: Option<&'a std::path::Path>,
     /// Called with the shipper's BPF configuration before the shipper opens its rings.
-    before: Option<Box<dyn FnOnce(&node_shipper::bpf::BpfConfig) + 'a>>,
+    before: Option<BeforeOpen<'a>>,
 }
 
 /// A cgroup v2 path shaped like kubelet's (systemd driver) for one pod and container,
@@ -213,7 +216,7 @@ async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], launch: Launch<
             .arg(WORKLOAD);
             c
         }
-        (Some(_), Some(_)) => unimplemented!("a cgroup and a bind mount at once"),
+        (Some(_), Some(_)) => panic!("Launch: a cgroup and a bind mount at once are not supported"),
     };
     let plugin = launch.bind_at.map_or_else(|| shim.clone(), |p| p.display().to_string());
     let workload = workload

@@ -852,6 +852,85 @@ fn ext_systemd_units_verify_with_no_warnings() {
             println!("{line}");
         }
     }
+    // The syscall filters let through what each binary calls: the shipper's list is what
+    // `strace -f -c` saw a real node-shipper (source bpf, uprobes on the shim,
+    // reader_cpus, a DNS name for the aggregator, HTTP listener, SIGTERM) call.
+    let shipper_calls = [
+        "accept4",
+        "bind",
+        "bpf",
+        "clock_nanosleep",
+        "clone3",
+        "close",
+        "connect",
+        "epoll_create1",
+        "epoll_ctl",
+        "epoll_wait",
+        "eventfd2",
+        "execve",
+        "fcntl",
+        "futex",
+        "getdents64",
+        "getpid",
+        "getrandom",
+        "getsockname",
+        "gettid",
+        "ioctl",
+        "listen",
+        "lseek",
+        "madvise",
+        "mkdir",
+        "mmap",
+        "mprotect",
+        "mremap",
+        "munmap",
+        "newfstatat",
+        "openat",
+        "perf_event_open",
+        "poll",
+        "prctl",
+        "pread64",
+        "prlimit64",
+        "read",
+        "readlinkat",
+        "recvfrom",
+        "recvmmsg",
+        "rseq",
+        "rt_sigaction",
+        "rt_sigprocmask",
+        "rt_sigreturn",
+        "sched_getaffinity",
+        "sched_setaffinity",
+        "sendmsg",
+        "sendto",
+        "set_robust_list",
+        "set_tid_address",
+        "setsockopt",
+        "shutdown",
+        "sigaltstack",
+        "socket",
+        "socketpair",
+        "statfs",
+        "statx",
+        "uname",
+        "unlink",
+        "write",
+        "writev",
+    ];
+    let aggregator_calls: Vec<&str> = shipper_calls
+        .iter()
+        .copied()
+        .filter(|c| !["bpf", "perf_event_open", "sched_setaffinity"].contains(c))
+        .collect();
+    for (unit, calls) in [("node-shipper.service", &shipper_calls[..]), ("aggregator.service", &aggregator_calls[..])] {
+        let text = std::fs::read_to_string(units.join(unit)).unwrap();
+        let allowed = effective_syscall_filter(&text);
+        let blocked: Vec<&&str> = calls.iter().filter(|c| !allowed.contains(**c)).collect();
+        println!("{unit}: {} system calls allowed; of the {} needed, blocked: {blocked:?}", allowed.len(), calls.len());
+        if !blocked.is_empty() {
+            bad.push(format!("{unit}: its SystemCallFilter blocks {blocked:?}"));
+        }
+    }
     // A misspelled directive is reported (the check can fail).
     let unit = std::fs::read_to_string(units.join("aggregator.service")).unwrap();
     std::fs::write(r.join("etc/systemd/system/broken.service"), unit.replace("NoNewPrivileges=", "NoNewPrivilege="))
@@ -860,4 +939,175 @@ fn ext_systemd_units_verify_with_no_warnings() {
         run(Command::new("systemd-analyze").arg("verify").arg(format!("--root={}", r.display())).arg("broken.service"));
     assert!(out.contains("Unknown key"), "a misspelled directive went unreported: {out}");
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The images build with no base image to pull (a root filesystem from Debian's
+/// packages by mmdebstrap), and what they hold runs: each binary, executed inside its
+/// image's root filesystem (chroot into `podman image mount`; containers themselves
+/// cannot start on this machine kind: crun cannot set RLIMIT_NPROC without
+/// CAP_SYS_RESOURCE), the shell tools the shim's init container uses, and the users and
+/// entrypoints the manifests assume.
+#[test]
+fn ext_container_images_build_from_debian_packages_and_their_binaries_run() {
+    let have = |c: &str| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success());
+    if !(have("podman") && have("mmdebstrap") && have("cc")) {
+        let why = "podman, mmdebstrap or cc is missing (Debian packages podman, mmdebstrap, gcc)";
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true: {why}");
+        println!("skipped: {why}");
+        return;
+    }
+    let bins = TempDir::new("container-bins");
+    for (package, name) in [("node-shipper", "node-shipper"), ("aggregator", "aggregator")] {
+        std::fs::copy(workspace_binary(package, name), bins.0.join(name)).unwrap();
+    }
+    let tag = format!("test-{}", std::process::id());
+    let (ok, out) = run(Command::new(repo_root().join("deploy/container/build.sh"))
+        .args(["--tag", &tag, "--binaries"])
+        .arg(&bins.0)
+        .current_dir(repo_root()));
+    let images = [format!("localhost/ringwatch/node-shipper:{tag}"), format!("localhost/ringwatch/aggregator:{tag}")];
+    let cleanup = || {
+        for i in &images {
+            let _ = Command::new("podman").args(["image", "unmount", i]).output();
+            let _ = Command::new("podman").args(["rmi", "-f", i]).output();
+        }
+    };
+    if !ok {
+        cleanup();
+        panic!("deploy/container/build.sh: {out}");
+    }
+    let mut problems = Vec::new();
+    for (image, binary, args, user) in [
+        (&images[0], "node-shipper", &["--help"][..], "0:0"),
+        (&images[1], "aggregator", &["run", "--help"][..], "65532:65532"),
+    ] {
+        let (_, cfg) = run(Command::new("podman").args([
+            "image",
+            "inspect",
+            "--format",
+            "{{.Config.User}} {{json .Config.Entrypoint}}",
+            image,
+        ]));
+        let want = format!("{user} [\"/usr/local/bin/{binary}\"]");
+        if cfg.trim() != want {
+            problems.push(format!("{image}: user and entrypoint {:?}, want {want:?}", cfg.trim()));
+        }
+        let (mounted, root) = run(Command::new("podman").args(["image", "mount", image]));
+        if !mounted {
+            problems.push(format!("podman image mount {image}: {root}"));
+            continue;
+        }
+        let root = root.trim();
+        let (ran, help) = run(Command::new("chroot").arg(root).arg(format!("/usr/local/bin/{binary}")).args(args));
+        println!(
+            "{image}: /usr/local/bin/{binary} {} in the image's root: {}",
+            args.join(" "),
+            if ran { "ran" } else { "FAILED" }
+        );
+        if !ran || !help.contains("--config") {
+            problems.push(format!("{image}: {binary} {} did not run in the image: {help}", args.join(" ")));
+        }
+        if binary == "node-shipper" {
+            let (tools, out) = run(Command::new("chroot").arg(root).args([
+                "/bin/sh",
+                "-c",
+                "command -v cmp cp mv chmod && test -r /usr/lib/ringwatch/libnccl-profiler-ringwatch.so",
+            ]));
+            if !tools {
+                problems.push(format!("{image}: the init container's tools or the shim are missing: {out}"));
+            }
+        } else {
+            let meta = std::fs::metadata(Path::new(root).join("var/lib/ringwatch"));
+            use std::os::unix::fs::MetadataExt as _;
+            if !meta.as_ref().is_ok_and(|m| m.uid() == 65532) {
+                problems.push(format!("{image}: /var/lib/ringwatch is not owned by 65532: {meta:?}"));
+            }
+        }
+    }
+    let (_, sizes) = run(Command::new("podman").args([
+        "images",
+        "--format",
+        "{{.Repository}}:{{.Tag}} {{.Size}}",
+        "--filter",
+        "reference=localhost/ringwatch/*",
+    ]));
+    println!("{sizes}");
+    cleanup();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The system calls a unit's `SystemCallFilter=` lines allow: the first line an allow
+/// list, each `~` line removing from it (groups expanded by `systemd-analyze
+/// syscall-filter`, nested groups included).
+fn effective_syscall_filter(unit: &str) -> BTreeSet<String> {
+    let (ok, listing) = run(Command::new("systemd-analyze").arg("syscall-filter"));
+    assert!(ok, "systemd-analyze syscall-filter: {listing}");
+    let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut current = None;
+    for line in listing.lines() {
+        let word = line.split_whitespace().next().unwrap_or("");
+        if word.is_empty() || word.starts_with('#') {
+            continue;
+        }
+        if !line.starts_with(char::is_whitespace) && word.starts_with('@') {
+            current = Some(word.to_owned());
+            groups.entry(word.to_owned()).or_default();
+        } else if let Some(g) = &current {
+            groups.get_mut(g).unwrap().push(word.to_owned());
+        }
+    }
+    fn expand(name: &str, groups: &BTreeMap<String, Vec<String>>, out: &mut BTreeSet<String>) {
+        match groups.get(name) {
+            Some(members) => members.iter().for_each(|m| expand(m, groups, out)),
+            None => {
+                out.insert(name.to_owned());
+            }
+        }
+    }
+    let mut allowed = BTreeSet::new();
+    for line in unit.lines().filter_map(|l| l.strip_prefix("SystemCallFilter=")) {
+        let (deny, list) = match line.strip_prefix('~') {
+            Some(rest) => (true, rest),
+            None => (false, line),
+        };
+        let mut set = BTreeSet::new();
+        for item in list.split_whitespace() {
+            expand(item, &groups, &mut set);
+        }
+        if deny {
+            allowed.retain(|c| !set.contains(c));
+        } else {
+            allowed.extend(set);
+        }
+    }
+    allowed
+}
+
+/// The Slurm TaskProlog sets NCCL_PROFILER_PLUGIN to the node's shim, keeps a plugin a
+/// job already names, and says so when the shim is missing.
+#[test]
+fn slurm_task_prolog_points_tasks_at_the_node_shim() {
+    let script = repo_root().join("deploy/systemd/slurm-task-prolog.sh");
+    let dir = TempDir::new("prolog");
+    let shim = dir.0.join("libnccl-profiler-ringwatch.so");
+    let prolog = |plugin: Option<&str>| {
+        let mut c = Command::new("sh");
+        c.arg(&script).env("RINGWATCH_NCCL_SHIM", &shim).env_remove("NCCL_PROFILER_PLUGIN");
+        if let Some(p) = plugin {
+            c.env("NCCL_PROFILER_PLUGIN", p);
+        }
+        let (ok, out) = run(&mut c);
+        assert!(ok, "{out}");
+        out
+    };
+    let missing = prolog(None);
+    assert!(
+        missing.starts_with("print ringwatch:") && missing.contains("is missing") && !missing.contains("export"),
+        "{missing}"
+    );
+    std::fs::write(&shim, b"").unwrap();
+    let out = prolog(None);
+    assert!(out.lines().any(|l| l == format!("export NCCL_PROFILER_PLUGIN={}", shim.display())), "{out}");
+    let kept = prolog(Some("/opt/other/inspector.so"));
+    assert!(!kept.contains("export"), "{kept}");
 }

@@ -140,6 +140,43 @@ const FIELDS: &[Field] = &[
         "on: every event of GET /v1/events also leaves as an OTLP log record (OTLP/HTTP protobuf, to OTEL_EXPORTER_OTLP_LOGS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; the standard OTEL_* variables configure it); off: nothing is exported",
     ),
     ("log_format", Kind::Text, Some("text"), "logs on stderr: text or json"),
+    (
+        "role",
+        Kind::Text,
+        Some("all"),
+        "all: one process (no NATS); ingest, matcher or api: one shard role of a scaled-out aggregator over NATS JetStream (needs nats_url)",
+    ),
+    (
+        "nats_url",
+        Kind::OptText,
+        Some(""),
+        "the shard roles' NATS servers, comma-separated (nats://host:port,...); any of the JetStream cluster's",
+    ),
+    (
+        "shard",
+        Kind::Int { min: 0, max: 1023 },
+        Some("0"),
+        "this ingest or matcher shard's index (shippers list the ingest shards; matcher shard i owns the i-th hash range of communicators)",
+    ),
+    (
+        "matcher_shards",
+        Kind::Int { min: 1, max: 1024 },
+        Some("1"),
+        "how many matcher shards there are (every ingest and matcher shard must say the same)",
+    ),
+    ("nats_replicas", Kind::Int { min: 1, max: 5 }, Some("3"), "JetStream replicas of each stream the roles create"),
+    (
+        "nats_stream_mb",
+        Kind::Int { min: 1, max: 1_048_576 },
+        Some("1024"),
+        "each records stream's and the verdict stream's size cap (the oldest messages go first; a matcher that far behind counts what it missed)",
+    ),
+    (
+        "time_origin_unix_ms",
+        Kind::Int { min: 0, max: 4_102_444_800_000 },
+        Some("1767225600000"),
+        "the shard roles' aggregator time zero (Unix ms; every role of one cluster must say the same): their clocks are the wall clock since it",
+    ),
 ];
 
 /// The field names with their help (for the binary's flags and the docs).
@@ -215,6 +252,7 @@ impl Schema for Aggregator {
                 None
             }
         };
+        let cluster = cluster_from(v);
         if v.has_problems() {
             return None;
         }
@@ -258,12 +296,64 @@ impl Schema for Aggregator {
             correlated_share_pct: int("correlated_share_pct"),
             correlated_window_ns: s_to_ns("correlated_window_s"),
         };
+        c.cluster = cluster;
+        if let Some(cl) = &mut c.cluster {
+            cl.verdict_max_age = std::time::Duration::from_nanos(c.store.retention_ns);
+        }
         Some(Validated { service: c, log_json: v.text("log_format") == Some("json") })
     }
 
     fn check_files(c: &Validated) -> Vec<ConfigError> {
         check_files(&c.service)
     }
+}
+
+/// The shard role, if any (problems reported on `v`).
+fn cluster_from(v: &mut Values) -> Option<crate::cluster::ClusterConfig> {
+    use crate::cluster::{ClusterConfig, ShardRole};
+    let int = |v: &Values, n: &str| v.int(n).unwrap_or(0);
+    let shard = u32::try_from(int(v, "shard")).unwrap_or(0);
+    let shards = u32::try_from(int(v, "matcher_shards")).unwrap_or(1);
+    let role = match v.text("role") {
+        Some("all") => None,
+        Some("ingest") => Some(ShardRole::Ingest { shard }),
+        Some("matcher") => Some(ShardRole::Matcher { shard }),
+        Some("api") => Some(ShardRole::Api),
+        other => {
+            v.problem("role", format!("{other:?} is none of all, ingest, matcher, api"));
+            return None;
+        }
+    };
+    let urls: Vec<String> = v
+        .opt_text("nats_url")
+        .map(|t| t.split(',').map(|u| u.trim().to_owned()).filter(|u| !u.is_empty()).collect())
+        .unwrap_or_default();
+    let Some(role) = role else {
+        if !urls.is_empty() {
+            v.problem("nats_url", "only the shard roles use NATS: give role = ingest, matcher or api");
+        }
+        return None;
+    };
+    if urls.is_empty() {
+        v.problem("nats_url", "required by the shard roles");
+    }
+    for u in &urls {
+        if u.parse::<async_nats::ServerAddr>().is_err() {
+            v.problem("nats_url", format!("{u:?} is not a NATS server address (nats://host:port)"));
+        }
+    }
+    if matches!(role, ShardRole::Matcher { .. }) && shard >= shards {
+        v.problem("shard", format!("matcher shard {shard} of {shards}: the index must be below matcher_shards"));
+    }
+    Some(ClusterConfig {
+        role,
+        nats: urls,
+        matcher_shards: shards,
+        replicas: usize::try_from(int(v, "nats_replicas")).unwrap_or(1),
+        stream_max_bytes: i64::try_from(int(v, "nats_stream_mb").saturating_mul(1 << 20)).unwrap_or(i64::MAX),
+        verdict_max_age: std::time::Duration::from_secs(3600),
+        time_origin_unix_ms: int(v, "time_origin_unix_ms"),
+    })
 }
 
 /// Checks the files the configuration names, every problem at once: the CA (PEM, CA

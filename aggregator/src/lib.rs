@@ -14,6 +14,7 @@
 
 pub mod api;
 pub mod certs;
+pub mod cluster;
 pub mod config;
 pub mod events;
 pub mod ingest;
@@ -89,6 +90,8 @@ pub struct AggregatorConfig {
     /// How often the TLS files are looked at for a rotation (0: never; a rotated
     /// certificate is used for new connections, see `ringwatch_transport::reload`).
     pub tls_reload_interval_ms: u64,
+    /// A shard role over NATS JetStream (none: `all`, one process; see [`cluster`]).
+    pub cluster: Option<cluster::ClusterConfig>,
 }
 
 /// The HTTP API's TLS: its certificate and key, and the CA client certificates must be
@@ -130,8 +133,51 @@ impl AggregatorConfig {
             summary: state::SummaryConfig::default(),
             http_tls: None,
             tls_reload_interval_ms: ringwatch_transport::reload::DEFAULT_INTERVAL_MS,
+            cluster: None,
         }
     }
+}
+
+/// The shard role's tasks, each supervised (see [`cluster`]).
+fn spawn_cluster_tasks(
+    shared: &Arc<Shared>,
+    c: &cluster::ClusterConfig,
+    js: &async_nats::jetstream::Context,
+) -> Vec<JoinHandle<()>> {
+    type Task = fn(
+        Arc<Shared>,
+        cluster::ClusterConfig,
+        async_nats::jetstream::Context,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+    let (bus, state): (Task, Task) = match c.role {
+        cluster::ShardRole::Ingest { .. } => (
+            |s, c, js| Box::pin(cluster::publish_records(s, c, js)),
+            |s, c, js| Box::pin(cluster::publish_nodes(s, c, js)),
+        ),
+        cluster::ShardRole::Matcher { .. } => (
+            |s, c, js| Box::pin(cluster::consume_records(s, c, js)),
+            |s, c, js| Box::pin(cluster::publish_verdicts(s, c, js)),
+        ),
+        cluster::ShardRole::Api => {
+            (|s, _, js| Box::pin(cluster::consume_verdicts(s, js)), |s, _, js| Box::pin(cluster::consume_state(s, js)))
+        }
+    };
+    let mut out = Vec::new();
+    for (task, pick) in [(bus, (|s| &s.tasks.cluster) as supervise::Pick), (state, |s| &s.tasks.cluster_state)] {
+        let (sh, c, js) = (Arc::clone(shared), c.clone(), js.clone());
+        out.push(supervise::spawn_io_task(Arc::clone(shared), pick, move || {
+            task(Arc::clone(&sh), c.clone(), js.clone())
+        }));
+    }
+    if matches!(c.role, cluster::ShardRole::Matcher { .. }) {
+        let (sh, c, js) = (Arc::clone(shared), c.clone(), js.clone());
+        out.push(supervise::spawn_io_task(
+            Arc::clone(shared),
+            |s| &s.tasks.cluster_state,
+            move || cluster::publish_health(Arc::clone(&sh), c.clone(), js.clone()),
+        ));
+    }
+    out
 }
 
 /// Errors starting the service.
@@ -145,6 +191,8 @@ pub enum StartError {
     Snapshot(#[from] snapshots::SnapshotFileError),
     #[error("HTTP TLS: {0}")]
     HttpTls(ringwatch_transport::TransportError),
+    #[error("NATS: {0}")]
+    Nats(String),
 }
 
 /// A running aggregator.
@@ -238,7 +286,27 @@ impl Aggregator {
         // Timers and caps are configuration, not state: a restored core takes this run's.
         if let Ok(mut core) = shared.core() {
             core.reconfigure(cfg.ingest, cfg.matcher);
+            if let Some(c) = &cfg.cluster {
+                core.set_role(c.core_role());
+            }
         }
+        let nats = match &cfg.cluster {
+            Some(c) => {
+                // Every role's clock: the wall clock since the shared origin.
+                shared.base_ns = cluster::now_ns(c, cfg.time_scale);
+                shared.cluster_role = Some(c.role);
+                if matches!(c.role, cluster::ShardRole::Matcher { .. }) {
+                    shared.keep_events_for_the_bus();
+                }
+                if !matches!(c.role, cluster::ShardRole::Ingest { .. }) {
+                    // Only ingest shards take shippers: a shipper sent here is refused.
+                    endpoint.set_server_config(None);
+                }
+                let name = format!("ringwatch-{}", c.role_name());
+                Some((c.clone(), cluster::connect(c, &name).await.map_err(StartError::Nats)?))
+            }
+            None => None,
+        };
         shared.time_scale = if cfg.time_scale > 0.0 { cfg.time_scale } else { 1.0 };
         shared.configure_events(cfg.events);
         shared.api_token = cfg.api_token_file.clone().map(api::auth::TokenFile::new);
@@ -270,11 +338,24 @@ impl Aggregator {
         let (limits, http_counters) = (cfg.http_limits, Arc::clone(&shared.http));
         let ep = endpoint.clone();
         let sh = Arc::clone(&shared);
+        let takes_shippers = !matches!(
+            cfg.cluster.as_ref().map(|c| c.role),
+            Some(cluster::ShardRole::Matcher { .. } | cluster::ShardRole::Api)
+        );
         let mut tasks = vec![
             supervise::spawn_io_task(
                 Arc::clone(&shared),
                 |s| &s.tasks.ingest,
-                move || ingest::serve(ep.clone(), Arc::clone(&sh)),
+                move || {
+                    let (ep, sh) = (ep.clone(), Arc::clone(&sh));
+                    async move {
+                        if takes_shippers {
+                            ingest::serve(ep, sh).await;
+                        } else {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                },
             ),
             supervise::spawn_core_task(Arc::clone(&shared), |s| &s.tasks.timers, timers(Arc::clone(&shared))),
             supervise::spawn_io_task(
@@ -297,6 +378,9 @@ impl Aggregator {
             |s| &s.tasks.events,
             move || watch_nodes(Arc::clone(&sh)),
         ));
+        if let Some((c, js)) = nats {
+            tasks.extend(spawn_cluster_tasks(&shared, &c, &js));
+        }
         if let Some(psi) = cfg.psi.clone() {
             let sh = Arc::clone(&shared);
             tasks.push(supervise::spawn_io_task(

@@ -127,6 +127,12 @@ pub struct Tasks {
     pub otlp: TaskHealth,
     /// The certificate reload (alive unless `tls_reload_interval_ms` is 0).
     pub tls: TaskHealth,
+    /// A shard role's bus work (alive only in the shard roles): an ingest shard's record
+    /// publisher, a matcher shard's record consumer, the API role's verdict consumer.
+    pub cluster: TaskHealth,
+    /// A shard role's state traffic: an ingest shard's node summaries, a matcher shard's
+    /// event publisher, the API role's state consumer.
+    pub cluster_state: TaskHealth,
     /// Panics caught in a connection's or a batch stream's task (that connection is
     /// closed; its shipper reconnects and resends what was not acked).
     pub connection_panics: AtomicU64,
@@ -145,6 +151,8 @@ impl Default for Tasks {
             events: TaskHealth::new("events"),
             otlp: TaskHealth::new("otlp"),
             tls: TaskHealth::new("tls"),
+            cluster: TaskHealth::new("cluster"),
+            cluster_state: TaskHealth::new("cluster_state"),
             connection_panics: AtomicU64::new(0),
             handler_panics: AtomicU64::new(0),
         }
@@ -154,8 +162,19 @@ impl Default for Tasks {
 impl Tasks {
     /// Every long-lived task.
     #[must_use]
-    pub fn all(&self) -> [&TaskHealth; 8] {
-        [&self.timers, &self.ingest, &self.http, &self.snapshots, &self.pressure, &self.events, &self.otlp, &self.tls]
+    pub fn all(&self) -> [&TaskHealth; 10] {
+        [
+            &self.timers,
+            &self.ingest,
+            &self.http,
+            &self.snapshots,
+            &self.pressure,
+            &self.events,
+            &self.otlp,
+            &self.tls,
+            &self.cluster,
+            &self.cluster_state,
+        ]
     }
 }
 
@@ -210,7 +229,7 @@ impl LogThrottle {
 }
 
 /// One node as the registry knows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NodeEntry {
     pub name: String,
     /// Its connections open now (a reconnecting shipper's old connection may close after
@@ -358,6 +377,15 @@ pub struct Shared {
     pub tls_reload_on: AtomicBool,
     /// Why the core failed (see [`CoreFailed`]); `None` while it serves.
     failure: tokio::sync::watch::Sender<Option<String>>,
+    /// The shard role this process runs (none: `all`).
+    pub cluster_role: Option<crate::cluster::ShardRole>,
+    /// What the shard roles did.
+    pub cluster: crate::cluster::ClusterCounters,
+    /// Woken when a shard role's publisher has put something on the bus (a waiting batch
+    /// stream or record consumer looks again).
+    pub publish_drained: tokio::sync::Notify,
+    /// A matcher shard's events not yet on the bus (none outside the matcher role).
+    events_out: std::sync::Mutex<Option<Vec<ringwatch_core::verdict::MatcherEvent>>>,
 }
 
 impl Shared {
@@ -398,6 +426,10 @@ impl Shared {
             tls_http: None,
             tls_reload_on: AtomicBool::new(false),
             failure: tokio::sync::watch::Sender::new(None),
+            cluster_role: None,
+            cluster: crate::cluster::ClusterCounters::default(),
+            publish_drained: tokio::sync::Notify::new(),
+            events_out: std::sync::Mutex::new(None),
         }
     }
 
@@ -547,8 +579,33 @@ impl Shared {
             return;
         }
         let now = self.now();
+        if let Some(out) = self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_mut() {
+            out.extend(events.iter().cloned());
+        }
         self.push_events(now, events.iter().map(crate::api::events::Event::of_matcher));
         self.store().apply(now, events);
+    }
+
+    /// Matcher role: keep every event drained for the bus ([`Self::take_events`]).
+    pub fn keep_events_for_the_bus(&self) {
+        *self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Vec::new());
+    }
+
+    /// Matcher role: events not yet taken for the bus.
+    pub fn unpublished_events(&self) -> usize {
+        self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map_or(0, Vec::len)
+    }
+
+    /// Matcher role: the oldest `max` events not yet taken for the bus.
+    pub fn take_events(&self, max: usize) -> Vec<ringwatch_core::verdict::MatcherEvent> {
+        let mut g = self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match g.as_mut() {
+            Some(v) => {
+                let n = v.len().min(max);
+                v.drain(..n).collect()
+            }
+            None => Vec::new(),
+        }
     }
 }
 

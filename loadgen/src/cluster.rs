@@ -62,8 +62,28 @@ pub struct RunSpec {
 #[derive(Debug, Clone)]
 pub struct External {
     pub quic: SocketAddr,
+    /// A scaled-out aggregator's ingest shards (the aggregator's `--role ingest`): each
+    /// shipper is given the whole list and picks its shard by rendezvous hashing of its
+    /// node name, as a deployed shipper does. Empty: `quic` alone.
+    pub ingest_shards: Vec<SocketAddr>,
     pub http: SocketAddr,
     pub certs: PathBuf,
+    /// The external aggregator's `time_scale` (1 unless it was started compressed, as a
+    /// test's in-process shard roles are): the run's must equal it.
+    pub time_scale: f64,
+    /// Also wait for this before the run counts as settled (a scaled-out aggregator's
+    /// roles have drained their streams); none: the API's state alone.
+    pub settled: Option<SettledHook>,
+}
+
+/// A condition the settle phase also waits for.
+#[derive(Clone)]
+pub struct SettledHook(pub Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl std::fmt::Debug for SettledHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SettledHook")
+    }
 }
 
 /// Errors running a cluster.
@@ -406,7 +426,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     let mut agg_cfg: Option<AggregatorConfig> = None;
     let (set, agg, quic, http) = match &spec.external {
         Some(x) => {
-            if (spec.time_scale - 1.0).abs() > f64::EPSILON {
+            if (spec.time_scale - x.time_scale).abs() > f64::EPSILON {
                 return Err(RunError::Usage(
                     "--time-scale needs the embedded aggregator (its clock is scaled too)".into(),
                 ));
@@ -459,7 +479,14 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         let source = SimSource::new(&scenario, options, node, start)
             .map_err(|e| RunError::Scenario(e.to_string()))?
             .with_speed(spec.time_scale);
-        let cfg = shipper_config(&set, ship_to, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
+        let mut cfg =
+            shipper_config(&set, ship_to, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
+        if let Some(x) = spec.external.as_ref().filter(|x| !x.ingest_shards.is_empty() && proxy.is_none()) {
+            let list: Vec<String> = x.ingest_shards.iter().map(ToString::to_string).collect();
+            if let Some(a) = node_shipper::config::AggregatorAddr::pick(&list.join(","), &cfg.node_name) {
+                cfg.aggregator = a;
+            }
+        }
         let opts = RunOptions { frames_in: Some(Arc::clone(&live[node as usize])), ..RunOptions::default() };
         let (tx, rx) = tokio::sync::mpsc::channel::<NodeCmd>(4);
         shippers.push((tx, spawn_node(cfg, opts, Box::new(source), rx)));
@@ -579,7 +606,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
         }
         let passed = targets.as_ref().is_some_and(|t| {
             t.iter().all(|(name, at)| nodes.nodes.iter().any(|n| &n.name == name && n.watermark_p0_node_ns >= *at))
-        });
+        }) && spec.external.as_ref().and_then(|x| x.settled.as_ref()).is_none_or(|h| (h.0)());
         if passed {
             break;
         }

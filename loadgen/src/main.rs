@@ -190,7 +190,7 @@ fn external(m: &ArgMatches) -> Option<cluster::External> {
     let quic = m.try_get_one::<std::net::SocketAddr>("aggregator").ok().flatten().copied()?;
     let http = m.try_get_one::<std::net::SocketAddr>("api").ok().flatten().copied()?;
     let certs = m.try_get_one::<std::path::PathBuf>("certs").ok().flatten().cloned()?;
-    Some(cluster::External { quic, http, certs })
+    Some(cluster::External { quic, ingest_shards: Vec::new(), http, certs, time_scale: 1.0, settled: None })
 }
 
 fn net_faults(m: &ArgMatches) -> Option<ringwatch_faultproxy::Faults> {

@@ -21,7 +21,7 @@ const FIELDS: &[Field] = &[
         "aggregator",
         Kind::HostPort,
         None,
-        "aggregator address: ip:port, or dns-name:port resolved at every connection attempt",
+        "aggregator address: ip:port, or dns-name:port resolved at every connection attempt; a comma-separated list of ingest shards: the one rendezvous hashing of node_name picks",
     ),
     ("server_name", Kind::Text, Some("aggregator"), "name in the aggregator's certificate"),
     ("node_name", Kind::Text, None, "this node's name; must equal its client certificate's DNS SAN"),
@@ -215,6 +215,14 @@ impl AggregatorAddr {
         }
         let (host, port) = text.rsplit_once(':')?;
         Some(Self::Name { host: host.to_owned(), port: port.parse().ok()? })
+    }
+
+    /// From a [`ringwatch_transport::config::host_ports`] list: the ingest shard
+    /// `node_name` goes to (rendezvous hashing; a list of one is that one).
+    #[must_use]
+    pub fn pick(list: &str, node_name: &str) -> Option<Self> {
+        let items: Vec<&str> = list.split(',').map(str::trim).collect();
+        Self::parse(ringwatch_transport::shard::rendezvous(node_name, &items)?)
     }
 
     /// The address to connect to now: a name is looked up (the first IPv4 answer
@@ -433,7 +441,7 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
     let string = |n: &str| v.text(n).unwrap_or_default().to_owned();
     let as_usize = |n: &str| usize::try_from(int(v, n)).unwrap_or(usize::MAX);
     Some(ShipperConfig {
-        aggregator: AggregatorAddr::parse(v.text("aggregator")?)?,
+        aggregator: AggregatorAddr::pick(v.text("aggregator")?, v.text("node_name").unwrap_or_default())?,
         server_name: string("server_name"),
         node_name: string("node_name"),
         ca: path("ca"),

@@ -108,6 +108,9 @@ pub struct PairConfig {
     /// Keep the last verdict of every (op, rank) for [`Report::last_verdicts`] (short
     /// runs that look at verdicts one by one; a long run judges and drops them).
     pub keep_verdicts: bool,
+    /// The aggregator core's role (`All` for every verdict test; `Ingest` keeps its
+    /// records unpublished in [`Report::core`] for the shard tests to replay).
+    pub role: ringwatch_core::shard::Role,
 }
 
 impl PairConfig {
@@ -136,6 +139,7 @@ impl PairConfig {
             poll_ns: MS,
             map_check_ns: 60_000 * MS,
             keep_verdicts: true,
+            role: ringwatch_core::shard::Role::All,
         }
     }
 }
@@ -868,7 +872,8 @@ impl Pair {
         // never cuts a live node off for long); this harness partitions live nodes past
         // the idle timeout, so it runs the production default.
         agg.matcher.dead_after_ns = ringwatch_core::MatcherConfig::default().dead_after_ns;
-        let core = Core::new(agg.ingest, agg.matcher, 0);
+        let mut core = Core::new(agg.ingest, agg.matcher, 0);
+        core.set_role(cfg.role);
         let reorder_ms = agg.ingest.reorder_timeout_ns / MS;
         let dead_at: Vec<u64> = sim.model().dead_at.clone();
         let truth = sim.ground_truth();

@@ -101,6 +101,7 @@ fn config(duration_ms: u64, faults: Vec<NetFault>) -> PairConfig {
         poll_ns: 1_000_000,
         map_check_ns: MIN,
         keep_verdicts: false,
+        role: ringwatch_core::shard::Role::All,
     }
 }
 

@@ -48,7 +48,8 @@ pub enum Kind {
     OptText,
     /// `ip:port`.
     Addr,
-    /// `ip:port` or `dns-name:port` (a name is resolved where it is used, not here).
+    /// `ip:port` or `dns-name:port` (a name is resolved where it is used, not here), or
+    /// a comma-separated list of them (shards: at most 64, no repeats).
     HostPort,
     /// A whole number in `min..=max`.
     Int { min: u64, max: u64 },
@@ -294,7 +295,7 @@ impl<S: Schema> Inputs<S> {
                     }
                     Err(_) => v.errors.push(bad(format!("{value:?} is not ip:port"))),
                 },
-                Kind::HostPort => match host_port(&value) {
+                Kind::HostPort => match host_ports(&value) {
                     Ok(()) => {
                         v.text.insert(name, value);
                     }
@@ -411,9 +412,35 @@ pub fn host_port(value: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks a comma-separated list of [`host_port`]s: 1 to 64, none repeated.
+///
+/// # Errors
+/// Why it is not such a list.
+pub fn host_ports(value: &str) -> Result<(), String> {
+    let items: Vec<&str> = value.split(',').map(str::trim).collect();
+    if items.len() > 64 {
+        return Err(format!("{} addresses: 64 at most", items.len()));
+    }
+    for (i, item) in items.iter().enumerate() {
+        host_port(item).map_err(|why| if items.len() > 1 { format!("{item:?}: {why}") } else { why })?;
+        if items.get(..i).is_some_and(|before| before.contains(item)) {
+            return Err(format!("{item:?} is listed twice"));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::host_port;
+
+    #[test]
+    fn a_list_of_shards_is_checked_item_by_item() {
+        assert!(super::host_ports("a:1,b:2 , 127.0.0.1:3").is_ok());
+        assert!(super::host_ports("a:1,a:1").unwrap_err().contains("twice"));
+        assert!(super::host_ports("a:1,,b:2").is_err());
+        assert!(super::host_ports("a:1,b").unwrap_err().contains("\"b\""));
+    }
 
     #[test]
     fn host_port_takes_addresses_and_dns_names_and_refuses_the_rest() {

@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod pressure;
 pub mod psi;
 pub mod reload;
+pub mod shard;
 
 use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;

@@ -459,6 +459,34 @@ impl Ingest {
         }
     }
 
+    /// Loss interval ids from here on start at `base` at least (an ingest shard's ids
+    /// must not collide with another shard's in a matcher that hears from both).
+    pub fn reserve_loss_ids(&mut self, base: u64) {
+        self.next_loss_id = self.next_loss_id.max(base);
+    }
+
+    /// The API role: a node's state as its ingest shard published it. An older state
+    /// than the one held (by last-heard time) is ignored; a new node past `max_nodes`
+    /// is refused (counted in `nodes_refused_batches`). Whether it was installed.
+    pub fn install_node(&mut self, node: NodeId, state: NodeState) -> bool {
+        let full = self.nodes.len() >= self.config.max_nodes;
+        match self.nodes.get_mut(&node) {
+            Some(held) if held.last_heard_ns > state.last_heard_ns => false,
+            Some(held) => {
+                *held = state;
+                true
+            }
+            None if full => {
+                self.stats.nodes_refused_batches.inc();
+                false
+            }
+            None => {
+                self.nodes.insert(node, state);
+                true
+            }
+        }
+    }
+
     /// Batch dedup state (see [`crate::dedup`]).
     #[must_use]
     pub fn dedup(&self) -> &BatchDedup {

@@ -15,7 +15,7 @@
 //! health), [`plausible`] (what a batch may say before any arithmetic on it), [`pipeline`]
 //! (`Core`: ingest and matcher together), [`store`] (`VerdictStore`: what the API serves,
 //! bounded by age and bytes), [`bounds`] (every map's cap), [`snapshot`] (the versioned
-//! state format).
+//! state format), [`shard`] (the scale-out roles: what goes to which matcher shard).
 
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
@@ -30,6 +30,7 @@ pub mod pipeline;
 pub mod plausible;
 pub mod rates;
 pub mod records;
+pub mod shard;
 pub mod snapshot;
 pub mod store;
 mod tally;

@@ -15,7 +15,8 @@ use std::collections::BTreeMap;
 
 use crate::matcher::{CollectiveMatcher, Health, MatcherConfig};
 use crate::plausible::Implausible;
-use crate::records::NodeId;
+use crate::records::{NodeId, Record};
+use crate::shard::{Role, ShardHealth};
 use crate::verdict::MatcherEvent;
 
 /// The pure core.
@@ -24,6 +25,23 @@ pub struct Core {
     ingest: Ingest,
     matcher: CollectiveMatcher,
     records: u64,
+    /// Which part of the pipeline this core runs ([`Role`]; `All` unless set).
+    role: Role,
+    /// Ingest role: records produced and not yet published, with their index (the
+    /// value of `records` when each was produced) and the aggregator time they were
+    /// produced at. Snapshotted: a restored shard publishes them again under the same
+    /// indices.
+    unpublished: Vec<(u64, u64, Record)>,
+    /// API role: what the matcher shards published.
+    mirror: Mirror,
+}
+
+/// The API role's copy of what the matcher shards published: their events, not yet
+/// polled, and each shard's latest health.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+struct Mirror {
+    events: crate::outbox::Outbox<MatcherEvent>,
+    health: BTreeMap<u32, ShardHealth>,
 }
 
 /// What became of a batch handed to [`Core::receive_batch`], i.e. what to answer.
@@ -59,7 +77,126 @@ impl Core {
     /// A fresh core started at `now`.
     #[must_use]
     pub fn new(ingest: IngestConfig, matcher: MatcherConfig, now: u64) -> Self {
-        Self { ingest: Ingest::new(ingest, now), matcher: CollectiveMatcher::new(matcher), records: 0 }
+        Self {
+            ingest: Ingest::new(ingest, now),
+            matcher: CollectiveMatcher::new(matcher),
+            records: 0,
+            role: Role::All,
+            unpublished: Vec::new(),
+            mirror: Mirror::default(),
+        }
+    }
+
+    /// Runs this core as `role` (see [`crate::shard`]). An ingest shard numbers its loss
+    /// intervals from [`crate::shard::loss_id_base`] of its index, so ids stay unique
+    /// across the shards a matcher hears from.
+    pub fn set_role(&mut self, role: Role) {
+        if let Role::Ingest { shard } = role {
+            self.ingest.reserve_loss_ids(crate::shard::loss_id_base(shard));
+        }
+        self.role = role;
+    }
+
+    /// The role this core runs.
+    #[must_use]
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Ingest role: the records produced and not yet published, oldest first, each with
+    /// its index and the aggregator time it was produced at.
+    #[must_use]
+    pub fn unpublished(&self) -> &[(u64, u64, Record)] {
+        &self.unpublished
+    }
+
+    /// Ingest role: every record up to index `through` is published (the bus has it).
+    pub fn mark_published(&mut self, through: u64) {
+        let n = self.unpublished.partition_point(|(i, _, _)| *i <= through);
+        self.unpublished.drain(..n);
+    }
+
+    /// Matcher role: records from the bus, in the order the shard's stream holds them.
+    /// Records this shard does not own (another shard's communicators) are skipped and
+    /// counted in the second number; the first is how many were applied.
+    pub fn apply_records<'a>(&mut self, now: u64, records: impl IntoIterator<Item = &'a Record>) -> (u64, u64) {
+        let (shard, shards) = match self.role {
+            Role::Matcher { shard, shards } => (shard, shards),
+            _ => (0, 1),
+        };
+        let (mut applied, mut skipped) = (0u64, 0u64);
+        for r in records {
+            if crate::shard::takes(r, shard, shards) {
+                self.records = self.records.saturating_add(1);
+                self.matcher.handle_record(now, r);
+                applied = applied.saturating_add(1);
+            } else {
+                skipped = skipped.saturating_add(1);
+            }
+        }
+        (applied, skipped)
+    }
+
+    /// API role: a node's ingest state as its ingest shard published it (replacing what
+    /// was held; an older summary than the one held — by the node's last-heard time — is
+    /// ignored and `false` returned).
+    pub fn install_node(&mut self, node: NodeId, state: crate::ingest::NodeState) -> bool {
+        self.ingest.install_node(node, state)
+    }
+
+    /// API role: events a matcher shard published, to be polled by [`Self::poll_event`].
+    pub fn inject_events(&mut self, events: impl IntoIterator<Item = MatcherEvent>) {
+        self.mirror.events.extend(events);
+    }
+
+    /// API role: a matcher shard's latest health (an older one than held is ignored).
+    pub fn set_shard_health(&mut self, health: ShardHealth) {
+        let newer = self.mirror.health.get(&health.shard).is_none_or(|h| h.at_ns <= health.at_ns);
+        if newer {
+            self.mirror.health.insert(health.shard, health);
+        }
+    }
+
+    /// The matcher's own node and GPU health (no telemetry-loss adjustment): what a
+    /// matcher shard publishes.
+    #[must_use]
+    pub fn shard_health(&self, shard: u32, now: u64) -> ShardHealth {
+        ShardHealth {
+            shard,
+            at_ns: now,
+            nodes: self.matcher.node_health(now).into_iter().collect(),
+            gpus: self.matcher.health(now).into_iter().map(|((n, g), h)| (n, g, h)).collect(),
+        }
+    }
+
+    /// Node health before the P0-loss adjustment: the matcher's, or in the API role the
+    /// worst any matcher shard reported.
+    fn raw_node_health(&self, now: u64) -> BTreeMap<NodeId, Health> {
+        if self.role != Role::Api {
+            return self.matcher.node_health(now);
+        }
+        let mut out: BTreeMap<NodeId, Health> = BTreeMap::new();
+        for h in self.mirror.health.values() {
+            for (n, x) in &h.nodes {
+                let e = out.entry(*n).or_insert(*x);
+                *e = (*e).max(*x);
+            }
+        }
+        out
+    }
+
+    fn raw_gpu_health(&self, now: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
+        if self.role != Role::Api {
+            return self.matcher.health(now);
+        }
+        let mut out: BTreeMap<(NodeId, [u8; 16]), Health> = BTreeMap::new();
+        for h in self.mirror.health.values() {
+            for (n, g, x) in &h.gpus {
+                let e = out.entry((*n, *g)).or_insert(*x);
+                *e = (*e).max(*x);
+            }
+        }
+        out
     }
 
     /// Ingest's state, to read (stats, node states, stream trackers).
@@ -117,6 +254,13 @@ impl Core {
     pub fn map_sizes(&self) -> Vec<crate::MapSize> {
         let mut out = self.ingest.map_sizes();
         out.extend(self.matcher.map_sizes());
+        if matches!(self.role, Role::Ingest { .. }) {
+            out.push(crate::MapSize {
+                name: "core.unpublished",
+                len: self.unpublished.len(),
+                cap: crate::shard::MAX_UNPUBLISHED,
+            });
+        }
         out
     }
 
@@ -259,7 +403,7 @@ impl Core {
     /// whatever the order in which the loss and the verdicts it touches were learnt).
     #[must_use]
     pub fn node_health(&self, now: u64) -> BTreeMap<NodeId, Health> {
-        let mut out = self.matcher.node_health(now);
+        let mut out = self.raw_node_health(now);
         for (node, h) in &mut out {
             *h = self.with_p0_loss(*node, *h);
         }
@@ -271,7 +415,7 @@ impl Core {
     /// are per CPU and carry every rank of it).
     #[must_use]
     pub fn gpu_health(&self, now: u64) -> BTreeMap<(NodeId, [u8; 16]), Health> {
-        let mut out = self.matcher.health(now);
+        let mut out = self.raw_gpu_health(now);
         let mut lossy: BTreeMap<NodeId, bool> = BTreeMap::new();
         for ((node, _), h) in &mut out {
             let l = *lossy.entry(*node).or_insert_with(|| self.p0_loss(*node).0 > 0);
@@ -288,13 +432,23 @@ impl Core {
 
     /// The next verdict or recovery event.
     pub fn poll_event(&mut self) -> Option<MatcherEvent> {
+        if self.role == Role::Api {
+            return self.mirror.events.poll();
+        }
         self.matcher.poll_event()
     }
 
     fn pump(&mut self, now: u64) {
         while let Some(r) = self.ingest.poll_record() {
+            let index = self.records;
             self.records = self.records.saturating_add(1);
-            self.matcher.handle_record(now, &r);
+            match self.role {
+                Role::Ingest { .. } => self.unpublished.push((index, now, r)),
+                // The API role's ingest holds installed node states only: what its own
+                // timers derive from them is no telemetry (the matcher shards decide).
+                Role::Api => {}
+                Role::All | Role::Matcher { .. } => self.matcher.handle_record(now, &r),
+            }
         }
     }
 

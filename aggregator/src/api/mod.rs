@@ -226,7 +226,9 @@ fn not_ready(s: &Shared, tasks: &[TaskDto]) -> Vec<String> {
         // Snapshots, the pressure watcher, the OTLP exporter and the certificate reload
         // are optional; a dead watcher, exporter or reload makes `/healthz` degraded
         // (below), not the aggregator unready.
-        if !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp" | "tls") && !t.alive {
+        let optional = matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp" | "tls")
+            || (s.cluster_role.is_none() && matches!(t.name.as_str(), "cluster" | "cluster_state"));
+        if !optional && !t.alive {
             why.push(format!("task {} is not running", t.name));
         }
         if t.stalled {

@@ -274,6 +274,12 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                 }
                 let rtt = shared.aggregator_ns(conn2.rtt());
+                // An ingest shard whose records wait for the bus reads nothing more
+                // until they drain: QUIC flow control holds the shipper back.
+                while shared.cluster_role.is_some() && shared.core().is_ok_and(|c| crate::cluster::backlogged(&c)) {
+                    shared.cluster.backpressure_waits.fetch_add(1, Ordering::Relaxed);
+                    shared.publish_drained.notified().await;
+                }
                 match apply(&shared, node, rtt, &bytes, durable) {
                     Ok(Answer::CloseNodeCap) => conn2.close(close::REFUSED.into(), b"aggregator node cap reached"),
                     Ok(Answer::CloseFailed) => conn2.close(close::SHUTDOWN.into(), b"aggregator restarting"),

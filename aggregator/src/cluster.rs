@@ -1,0 +1,589 @@
+//! Scale-out over NATS JetStream (issue 28): the shard roles' I/O.
+//!
+//! One aggregator binary, four roles (`--role`): `all` (one process, no NATS: the
+//! default), `ingest`, `matcher` and `api`. What travels, and where:
+//!
+//! | stream | subjects | written by | read by |
+//! |---|---|---|---|
+//! | `RINGWATCH_RECORDS_<m>` | `ringwatch.records.<m>` | every ingest shard | matcher shard `m` |
+//! | `RINGWATCH_VERDICTS` | `ringwatch.verdicts.<m>` | matcher shard `m` | the API role |
+//! | `RINGWATCH_STATE` | `ringwatch.nodes.<node>`, `ringwatch.health.<m>` (the last of each kept) | ingest / matcher shards | the API role |
+//!
+//! - An **ingest shard** runs today's QUIC ingest, seq accounting and bulk path; its
+//!   core keeps the records it produces unpublished (`Core::unpublished`), and
+//!   [`publish_records`] sends them, in production order, each to the subject of the
+//!   matcher shard [`ringwatch_core::shard::route`] names (a node's watermarks to every
+//!   one, after the records they cover), one message in flight per matcher shard,
+//!   retried under the same `Nats-Msg-Id` until JetStream acks it; only then are they
+//!   dropped from the core (a snapshot holds what is not yet acked). While more than
+//!   [`ringwatch_core::shard::MAX_UNPUBLISHED`] wait, batch streams are not read (QUIC
+//!   flow control holds the shippers back, their spools keep the batches).
+//!   [`publish_nodes`] publishes each node's ingest state (trackers, watermarks,
+//!   liveness) with its name twice a second.
+//! - A **matcher shard** reads its stream from the start with an ordered consumer
+//!   ([`consume_records`]: a restart replays what the stream holds), applies the
+//!   records it owns, and publishes its events ([`publish_verdicts`]) and its node and
+//!   GPU health ([`publish_health`]).
+//! - The **API role** reads the verdict stream from the start and the state stream's
+//!   last message per subject, into a core in the `Api` role: the HTTP API and the
+//!   event stream serve them as they serve one process's.
+//!
+//! Time: every role's aggregator time is the wall clock since `time_origin_unix_ms`
+//! (times `time_scale`), so records, deadlines and health evidence mean the same in
+//! every process.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures_util::StreamExt;
+use ringwatch_core::Core;
+use ringwatch_core::records::NodeId;
+use ringwatch_core::shard::{self, NodeSummary, RecordBatch, ShardHealth};
+use ringwatch_core::verdict::MatcherEvent;
+
+use crate::state::Shared;
+
+/// Which shard role this process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardRole {
+    Ingest { shard: u32 },
+    Matcher { shard: u32 },
+    Api,
+}
+
+/// The shard roles' configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    pub role: ShardRole,
+    /// NATS servers (`nats://host:port`), any of the cluster's.
+    pub nats: Vec<String>,
+    /// How many matcher shards there are (every ingest and matcher shard must agree).
+    pub matcher_shards: u32,
+    /// JetStream replicas of each stream (3 on a 3-server cluster).
+    pub replicas: usize,
+    /// Each records stream's byte cap (the oldest go first past it: a matcher shard
+    /// that far behind counts what it missed).
+    pub stream_max_bytes: i64,
+    /// How long the verdict stream keeps verdicts (the API role replays it at start).
+    pub verdict_max_age: Duration,
+    /// Aggregator time zero, as Unix ms (every role's clock).
+    pub time_origin_unix_ms: u64,
+}
+
+impl ClusterConfig {
+    /// The core's role for this shard role.
+    #[must_use]
+    pub fn core_role(&self) -> shard::Role {
+        match self.role {
+            ShardRole::Ingest { shard } => shard::Role::Ingest { shard },
+            ShardRole::Matcher { shard } => shard::Role::Matcher { shard, shards: self.matcher_shards },
+            ShardRole::Api => shard::Role::Api,
+        }
+    }
+
+    /// The role's name (logs, `/healthz`).
+    #[must_use]
+    pub fn role_name(&self) -> String {
+        match self.role {
+            ShardRole::Ingest { shard } => format!("ingest-{shard}"),
+            ShardRole::Matcher { shard } => format!("matcher-{shard}"),
+            ShardRole::Api => "api".into(),
+        }
+    }
+}
+
+/// What the shard roles count (`/v1/ingest` `cluster`).
+#[derive(Debug, Default)]
+pub struct ClusterCounters {
+    /// Connected to NATS and the streams exist.
+    pub connected: std::sync::atomic::AtomicBool,
+    pub records_published: std::sync::atomic::AtomicU64,
+    pub record_messages_published: std::sync::atomic::AtomicU64,
+    /// Publishes JetStream did not ack (each retried under the same message id).
+    pub publish_failures: std::sync::atomic::AtomicU64,
+    /// Publishes JetStream said it already held (a retry of one that had landed).
+    pub publish_duplicates: std::sync::atomic::AtomicU64,
+    /// Times a batch stream waited for the unpublished records to drain.
+    pub backpressure_waits: std::sync::atomic::AtomicU64,
+    pub node_summaries_published: std::sync::atomic::AtomicU64,
+    pub records_applied: std::sync::atomic::AtomicU64,
+    /// Records in a matcher shard's stream owned by another shard (never expected).
+    pub records_not_owned: std::sync::atomic::AtomicU64,
+    /// Messages a consumer could not decode (counted, logged, skipped).
+    pub undecodable: std::sync::atomic::AtomicU64,
+    /// Stream messages a consumer never saw: the stream dropped them past its limits
+    /// before they were read.
+    pub messages_expired: std::sync::atomic::AtomicU64,
+    pub events_published: std::sync::atomic::AtomicU64,
+    pub events_applied: std::sync::atomic::AtomicU64,
+    pub node_summaries_applied: std::sync::atomic::AtomicU64,
+    pub health_applied: std::sync::atomic::AtomicU64,
+    /// Per stream this role publishes to (records stream `m`, or the verdict stream's
+    /// shard subject), the stream sequence of its last acked publish.
+    pub acked_seq: std::sync::Mutex<std::collections::BTreeMap<u32, u64>>,
+    /// The stream sequence of the last message a consumer applied (a matcher shard's
+    /// records stream, the API role's verdict stream).
+    pub applied_seq: std::sync::atomic::AtomicU64,
+}
+
+impl ClusterCounters {
+    fn acked(&self, key: u32, seq: u64) {
+        let mut g = self.acked_seq.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let e = g.entry(key).or_insert(0);
+        *e = (*e).max(seq);
+    }
+
+    /// The last acked stream sequence of each stream published to.
+    #[must_use]
+    pub fn acked_seqs(&self) -> std::collections::BTreeMap<u32, u64> {
+        self.acked_seq.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// A matcher shard's events not yet on the bus, at most (past it, the record consumer
+/// waits: it applies nothing until they drain).
+pub const MAX_UNPUBLISHED_EVENTS: usize = 1 << 20;
+
+/// Records per message, at most (NATS's default payload cap is 1 MiB).
+const RECORDS_PER_MESSAGE: usize = 1024;
+/// Events per message, at most.
+const EVENTS_PER_MESSAGE: usize = 256;
+
+/// The records stream of matcher shard `m`.
+#[must_use]
+pub fn records_stream(m: u32) -> String {
+    format!("RINGWATCH_RECORDS_{m}")
+}
+
+fn records_subject(m: u32) -> String {
+    format!("ringwatch.records.{m}")
+}
+
+/// The verdict stream.
+pub const VERDICTS_STREAM: &str = "RINGWATCH_VERDICTS";
+/// The state stream (node summaries, shard health: the last of each subject kept).
+pub const STATE_STREAM: &str = "RINGWATCH_STATE";
+
+/// Aggregator time at this instant for `cfg` (wall clock since the origin, scaled).
+#[must_use]
+pub fn now_ns(cfg: &ClusterConfig, time_scale: f64) -> u64 {
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let since = wall.saturating_sub(cfg.time_origin_unix_ms.saturating_mul(1_000_000));
+    crate::state::scale_ns(since, time_scale)
+}
+
+/// Connects to NATS and makes sure every stream exists (created with this
+/// configuration if missing; an existing one is used as it is).
+///
+/// # Errors
+/// No server answered, or a stream could not be created.
+pub async fn connect(cfg: &ClusterConfig, name: &str) -> Result<jetstream::Context, String> {
+    let addrs: Vec<async_nats::ServerAddr> =
+        cfg.nats.iter().map(|u| u.parse().map_err(|e| format!("NATS server {u:?}: {e}"))).collect::<Result<_, _>>()?;
+    let client = async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(Duration::from_secs(5))
+        .connect(addrs)
+        .await
+        .map_err(|e| format!("connecting to NATS {:?}: {e}", cfg.nats))?;
+    let js = jetstream::new(client);
+    let base = stream::Config {
+        storage: stream::StorageType::File,
+        num_replicas: cfg.replicas,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    };
+    for m in 0..cfg.matcher_shards {
+        ensure(
+            &js,
+            stream::Config {
+                name: records_stream(m),
+                subjects: vec![records_subject(m)],
+                max_bytes: cfg.stream_max_bytes,
+                discard: stream::DiscardPolicy::Old,
+                ..base.clone()
+            },
+        )
+        .await?;
+    }
+    ensure(
+        &js,
+        stream::Config {
+            name: VERDICTS_STREAM.into(),
+            subjects: vec!["ringwatch.verdicts.*".into()],
+            max_age: cfg.verdict_max_age,
+            max_bytes: cfg.stream_max_bytes,
+            discard: stream::DiscardPolicy::Old,
+            ..base.clone()
+        },
+    )
+    .await?;
+    ensure(
+        &js,
+        stream::Config {
+            name: STATE_STREAM.into(),
+            subjects: vec!["ringwatch.nodes.*".into(), "ringwatch.health.*".into()],
+            max_messages_per_subject: 1,
+            discard: stream::DiscardPolicy::Old,
+            ..base
+        },
+    )
+    .await?;
+    Ok(js)
+}
+
+async fn ensure(js: &jetstream::Context, config: stream::Config) -> Result<(), String> {
+    let name = config.name.clone();
+    js.get_or_create_stream(config).await.map(|_| ()).map_err(|e| format!("stream {name}: {e}"))
+}
+
+/// Publishes `payload` to `subject` under `id` until JetStream acks it (the same id on
+/// every try: a retry of a publish that landed is a duplicate JetStream drops).
+async fn publish_acked(s: &Shared, js: &jetstream::Context, subject: String, id: String, payload: Vec<u8>) -> u64 {
+    let c = &s.cluster;
+    let mut wait = Duration::from_millis(50);
+    loop {
+        let msg = jetstream::message::PublishMessage::build().payload(payload.clone().into()).message_id(&id);
+        let res = match js.send_publish(subject.clone(), msg).await {
+            Ok(ack) => ack.await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match res {
+            Ok(ack) => {
+                if ack.duplicate {
+                    c.publish_duplicates.fetch_add(1, Relaxed);
+                }
+                c.connected.store(true, Relaxed);
+                return ack.sequence;
+            }
+            Err(e) => {
+                if c.publish_failures.fetch_add(1, Relaxed) % 100 == 0 {
+                    tracing::warn!(subject, id, error = %e, "publish not acked: retrying under the same id");
+                }
+                c.connected.store(false, Relaxed);
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Ingest shard: publishes the core's unpublished records (see the module docs).
+pub async fn publish_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
+    let ShardRole::Ingest { shard: me } = cfg.role else { return };
+    let shards = cfg.matcher_shards.max(1);
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        s.progress(&s.tasks.cluster);
+        let taken: Vec<(u64, u64, ringwatch_core::records::Record)> = {
+            let Ok(core) = s.core() else { return };
+            core.unpublished().iter().take(RECORDS_PER_MESSAGE).copied().collect()
+        };
+        let Some(&(last, _, _)) = taken.last() else { continue };
+        let mut per: Vec<Vec<(u64, u64, ringwatch_core::records::Record)>> = vec![Vec::new(); shards as usize];
+        for r in &taken {
+            match shard::route(&r.2, shards) {
+                Some(m) => per.get_mut(m as usize).into_iter().for_each(|v| v.push(*r)),
+                None => per.iter_mut().for_each(|v| v.push(*r)),
+            }
+        }
+        let sends = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(m, records)| {
+            let m = u32::try_from(m).unwrap_or(0);
+            let first = records.first().map_or(0, |r| r.0);
+            let batch = RecordBatch { ingest_shard: me, epoch: s.epoch, records };
+            let id = format!("i{me}.e{}.m{m}.r{first}", s.epoch);
+            let (s, js) = (Arc::clone(&s), js.clone());
+            async move {
+                match shard::encode(&batch) {
+                    Ok(payload) => {
+                        let seq = publish_acked(&s, &js, records_subject(m), id, payload).await;
+                        s.cluster.acked(m, seq);
+                    }
+                    Err(e) => tracing::error!(error = %e, "a record batch could not be encoded"),
+                }
+            }
+        });
+        futures_util::future::join_all(sends).await;
+        s.cluster.records_published.fetch_add(taken.len() as u64, Relaxed);
+        s.cluster.record_messages_published.fetch_add(1, Relaxed);
+        if let Ok(mut core) = s.core() {
+            core.mark_published(last);
+        }
+        s.publish_drained.notify_waiters();
+    }
+}
+
+/// Ingest shard: whether batch streams must wait for the bus (see the module docs).
+pub fn backlogged(core: &Core) -> bool {
+    core.unpublished().len() >= shard::MAX_UNPUBLISHED
+}
+
+/// Ingest shard: each node's ingest state, twice a second.
+pub async fn publish_nodes(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
+    let ShardRole::Ingest { shard: me } = cfg.role else { return };
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        s.progress(&s.tasks.cluster_state);
+        let summaries: Vec<NodeSummary> = {
+            let Ok(core) = s.core() else { return };
+            core.node_ids()
+                .filter_map(|id| {
+                    let state = core.node_state(id)?.clone();
+                    let (name, live, connections) = s
+                        .nodes
+                        .get(&id)
+                        .map_or_else(|| (format!("{:016x}", id.0), 0, 0), |e| (e.name.clone(), e.live, e.connections));
+                    Some(NodeSummary { ingest_shard: me, node: id, name, live, connections, state })
+                })
+                .collect()
+        };
+        for n in summaries {
+            let subject = format!("ringwatch.nodes.{:016x}", n.node.0);
+            match shard::encode(&n) {
+                Ok(payload) => match js.publish(subject, payload.into()).await {
+                    Ok(ack) => {
+                        if ack.await.is_ok() {
+                            s.cluster.node_summaries_published.fetch_add(1, Relaxed);
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "node summary not published (the next one follows)"),
+                },
+                Err(e) => tracing::error!(error = %e, "a node summary could not be encoded"),
+            }
+        }
+    }
+}
+
+/// An ordered consumer of `stream` (only `filter`, when given) from its start (or, with
+/// `last_per_subject`, from the last message of each subject), its messages as a
+/// stream. Retried every second until it exists (a stream still being created, a
+/// cluster still electing its leader), with a WARN each time.
+async fn ordered(
+    js: &jetstream::Context,
+    stream: &str,
+    filter: Option<&str>,
+    last_per_subject: bool,
+) -> consumer::pull::Ordered {
+    loop {
+        let made = async {
+            let st = js.get_stream(stream).await.map_err(|e| format!("stream {stream}: {e}"))?;
+            let deliver_policy =
+                if last_per_subject { consumer::DeliverPolicy::LastPerSubject } else { consumer::DeliverPolicy::All };
+            let c = st
+                .create_consumer(consumer::pull::OrderedConfig {
+                    deliver_policy,
+                    filter_subject: filter.unwrap_or_default().to_owned(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| format!("consumer on {stream}: {e}"))?;
+            c.messages().await.map_err(|e| format!("messages of {stream}: {e}"))
+        };
+        match made.await {
+            Ok(m) => return m,
+            Err(e) => {
+                tracing::warn!(error = %e, "consumer not created; trying again in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// Counts stream sequences a consumer skipped (the stream dropped them past its limits).
+fn count_gap(s: &Shared, last: &mut u64, seq: u64) {
+    if *last != 0 && seq > last.saturating_add(1) {
+        let lost = seq - *last - 1;
+        s.cluster.messages_expired.fetch_add(lost, Relaxed);
+        tracing::warn!(from = *last + 1, to = seq - 1, "stream messages expired before they were read");
+    }
+    *last = (*last).max(seq);
+}
+
+/// Matcher shard: applies its records stream (see the module docs).
+pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
+    let ShardRole::Matcher { shard: me } = cfg.role else { return };
+    let mut msgs = ordered(&js, &records_stream(me), None, false).await;
+    let mut last = 0u64;
+    while let Some(m) = msgs.next().await {
+        s.progress(&s.tasks.cluster);
+        let m = match m {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "records consumer");
+                continue;
+            }
+        };
+        if let Ok(info) = m.info() {
+            count_gap(&s, &mut last, info.stream_sequence);
+        }
+        let batch: RecordBatch = match shard::decode(&m.payload, "record batch") {
+            Ok(b) => b,
+            Err(e) => {
+                s.cluster.undecodable.fetch_add(1, Relaxed);
+                tracing::warn!(error = %e, subject = %m.subject, "skipped");
+                continue;
+            }
+        };
+        while s.unpublished_events() >= MAX_UNPUBLISHED_EVENTS {
+            s.cluster.backpressure_waits.fetch_add(1, Relaxed);
+            s.publish_drained.notified().await;
+        }
+        let now = s.now();
+        let Ok(mut core) = s.core() else { return };
+        let (applied, skipped) = core.apply_records(now, batch.records.iter().map(|r| &r.2));
+        s.drain_events(&mut core);
+        drop(core);
+        s.cluster.records_applied.fetch_add(applied, Relaxed);
+        s.cluster.records_not_owned.fetch_add(skipped, Relaxed);
+        s.cluster.applied_seq.store(last, Relaxed);
+    }
+}
+
+/// Matcher shard: publishes the events its core produced (the same order).
+pub async fn publish_verdicts(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
+    let ShardRole::Matcher { shard: me } = cfg.role else { return };
+    let mut next = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        s.progress(&s.tasks.cluster_state);
+        let events = s.take_events(EVENTS_PER_MESSAGE);
+        if events.is_empty() {
+            continue;
+        }
+        let n = events.len() as u64;
+        let batch = VerdictBatch { shard: me, epoch: s.epoch, first: next, events };
+        match shard::encode(&batch) {
+            Ok(payload) => {
+                let id = format!("m{me}.e{}.v{next}", s.epoch);
+                let seq = publish_acked(&s, &js, format!("ringwatch.verdicts.{me}"), id, payload).await;
+                s.cluster.acked(me, seq);
+            }
+            Err(e) => tracing::error!(error = %e, "an event batch could not be encoded"),
+        }
+        next = next.saturating_add(n);
+        s.cluster.events_published.fetch_add(n, Relaxed);
+        s.publish_drained.notify_waiters();
+    }
+}
+
+/// Matcher shard: its node and GPU health, four times a second.
+pub async fn publish_health(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
+    let ShardRole::Matcher { shard: me } = cfg.role else { return };
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = s.now();
+        let h = {
+            let Ok(core) = s.core() else { return };
+            core.shard_health(me, now)
+        };
+        if let Ok(payload) = shard::encode(&h)
+            && let Ok(ack) = js.publish(format!("ringwatch.health.{me}"), payload.into()).await
+        {
+            let _ = ack.await;
+        }
+    }
+}
+
+/// A matcher shard's events, in order: `first` is the index of the first in the shard's
+/// event sequence since its start (`epoch`).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone, PartialEq)]
+pub struct VerdictBatch {
+    pub shard: u32,
+    pub epoch: u64,
+    pub first: u64,
+    pub events: Vec<MatcherEvent>,
+}
+
+/// API role: the verdict stream into the core's mirror (and so into the store and the
+/// event log).
+pub async fn consume_verdicts(s: Arc<Shared>, js: jetstream::Context) {
+    let mut msgs = ordered(&js, VERDICTS_STREAM, None, false).await;
+    let mut last = 0u64;
+    while let Some(m) = msgs.next().await {
+        s.progress(&s.tasks.cluster);
+        let Ok(m) = m else { continue };
+        if let Ok(info) = m.info() {
+            count_gap(&s, &mut last, info.stream_sequence);
+        }
+        let batch: VerdictBatch = match shard::decode(&m.payload, "verdict batch") {
+            Ok(b) => b,
+            Err(e) => {
+                s.cluster.undecodable.fetch_add(1, Relaxed);
+                tracing::warn!(error = %e, subject = %m.subject, "skipped");
+                continue;
+            }
+        };
+        let n = batch.events.len() as u64;
+        let Ok(mut core) = s.core() else { return };
+        core.inject_events(batch.events);
+        s.drain_events(&mut core);
+        drop(core);
+        s.cluster.events_applied.fetch_add(n, Relaxed);
+        s.cluster.applied_seq.store(last, Relaxed);
+    }
+}
+
+/// API role: node summaries and shard health into the core's mirror and the registry
+/// (two consumers: NATS 2.9 delivers the last message per subject only under a filter).
+pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
+    let nodes = async {
+        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.nodes.*"), true).await;
+        while let Some(m) = msgs.next().await {
+            s.progress(&s.tasks.cluster_state);
+            let Ok(m) = m else { continue };
+            match shard::decode::<NodeSummary>(&m.payload, "node summary") {
+                Ok(n) => apply_summary(&s, n),
+                Err(e) => {
+                    s.cluster.undecodable.fetch_add(1, Relaxed);
+                    tracing::warn!(error = %e, "skipped");
+                }
+            }
+        }
+    };
+    let health = async {
+        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.health.*"), true).await;
+        while let Some(m) = msgs.next().await {
+            let Ok(m) = m else { continue };
+            match shard::decode::<ShardHealth>(&m.payload, "shard health") {
+                Ok(h) => {
+                    if let Ok(mut core) = s.core() {
+                        core.set_shard_health(h);
+                    }
+                    s.cluster.health_applied.fetch_add(1, Relaxed);
+                }
+                Err(e) => {
+                    s.cluster.undecodable.fetch_add(1, Relaxed);
+                    tracing::warn!(error = %e, "skipped");
+                }
+            }
+        }
+    };
+    tokio::join!(nodes, health);
+}
+
+fn apply_summary(s: &Shared, n: NodeSummary) {
+    let id: NodeId = n.node;
+    let installed = match s.core() {
+        Ok(mut core) => core.install_node(id, n.state),
+        Err(_) => return,
+    };
+    if installed {
+        let mut e = s.nodes.entry(id).or_default();
+        e.name = n.name;
+        e.live = n.live;
+        e.connections = n.connections;
+        s.cluster.node_summaries_applied.fetch_add(1, Relaxed);
+    }
+}

@@ -1,0 +1,286 @@
+//! Scale-out over NATS JetStream (issue 28), for real: a 3-server JetStream cluster on
+//! loopback (Debian's `nats-server`, installed by `.ci/run`), two ingest shards, two
+//! matcher shards and an API role — the aggregator's shard roles, in this process — and
+//! the demo scenario through them from eight real shippers (QUIC + mTLS, each picking
+//! its ingest shard by rendezvous hashing of its node name). The same scenario and seed
+//! through one aggregator process gives the reference: the demo table (every GPU's
+//! health) is the same and the truth's, every final verdict is right and, where both
+//! decided an op, the same; every stream is exact.
+//!
+//! Without `nats-server` the test skips with the reason; with `CI=true` it fails.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use aggregator::cluster::{ClusterConfig, ShardRole};
+use aggregator::{Aggregator, certs};
+use loadgen::cluster::{self, External, RunSpec, SettledHook};
+use loadgen::{demo, score};
+use loadgen_sim::builtin;
+
+const TIME_SCALE: f64 = 4.0;
+
+/// `nats-server`, or the reason it is missing (a failure under `CI=true`).
+fn nats_server() -> Option<()> {
+    if Command::new("nats-server").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        return Some(());
+    }
+    let why = "nats-server is not installed (Debian package nats-server)";
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true: {why}");
+    println!("skipped: {why}");
+    None
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// Three JetStream servers routed to each other; killed (by pid) and their stores
+/// removed when dropped.
+struct NatsCluster {
+    children: Vec<Child>,
+    urls: Vec<String>,
+    dir: ringwatch_tests::TempDir,
+}
+
+impl NatsCluster {
+    fn start() -> Self {
+        let dir = ringwatch_tests::TempDir::new("nats");
+        let client: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let routes: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let mut children = Vec::new();
+        for i in 0..3 {
+            let store = dir.0.join(format!("n{i}"));
+            let others: Vec<String> =
+                (0..3).filter(|&j| j != i).map(|j| format!("\"nats-route://127.0.0.1:{}\"", routes[j])).collect();
+            let conf = format!(
+                "server_name: n{i}\nlisten: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\ncluster {{ name: rw, listen: 127.0.0.1:{}, routes: [{}] }}\n",
+                client[i],
+                store.display(),
+                routes[i],
+                others.join(", ")
+            );
+            let path = dir.0.join(format!("n{i}.conf"));
+            std::fs::write(&path, conf).expect("write config");
+            let log = std::fs::File::create(dir.0.join(format!("n{i}.log"))).expect("log file");
+            children.push(
+                Command::new("nats-server")
+                    .arg("-c")
+                    .arg(&path)
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .expect("nats-server starts"),
+            );
+        }
+        let urls = client.iter().map(|p| format!("nats://127.0.0.1:{p}")).collect();
+        Self { children, urls, dir }
+    }
+
+    fn logs(&self) -> String {
+        (0..3)
+            .map(|i| std::fs::read_to_string(self.dir.0.join(format!("n{i}.log"))).unwrap_or_default())
+            .map(|l| l.lines().rev().take(15).collect::<Vec<_>>().join("\n"))
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spec(external: Option<External>) -> RunSpec {
+    RunSpec {
+        scenario: builtin::builtin("demo").expect("built in").expect("valid"),
+        seed: Some(2026),
+        scale: 1e-4,
+        time_scale: TIME_SCALE,
+        progress: false,
+        net_faults: None,
+        external,
+        demo_rows: false,
+    }
+}
+
+fn role_config(
+    set: &certs::CertSet,
+    nats: &NatsCluster,
+    role: ShardRole,
+    origin_ms: u64,
+) -> aggregator::AggregatorConfig {
+    let s = builtin::builtin("demo").expect("built in").expect("valid");
+    let mut cfg = cluster::aggregator_config(set, &s, TIME_SCALE);
+    cfg.cluster = Some(ClusterConfig {
+        role,
+        nats: nats.urls.clone(),
+        matcher_shards: 2,
+        replicas: 3,
+        stream_max_bytes: 256 << 20,
+        verdict_max_age: Duration::from_secs(3600),
+        time_origin_unix_ms: origin_ms,
+    });
+    cfg
+}
+
+/// Starts a role, retrying while the JetStream cluster elects its meta leader.
+async fn start_role(cfg: aggregator::AggregatorConfig, nats: &NatsCluster) -> Aggregator {
+    let started = Instant::now();
+    loop {
+        match Aggregator::start(cfg.clone()).await {
+            Ok(a) => return a,
+            Err(e) if started.elapsed() < ringwatch_tests::STATE_LIMIT => {
+                println!("role not started yet ({e}); the JetStream cluster may still be forming");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("role did not start: {e}\nNATS logs:\n{}", nats.logs()),
+        }
+    }
+}
+
+type Finals = std::collections::BTreeMap<(String, u64, u32), String>;
+
+/// Final verdicts by (communicator, op, rank) → outcome.
+fn finals(v: &aggregator::api::dto::VerdictsDto) -> Finals {
+    v.verdicts
+        .iter()
+        .filter(|v| v.is_final)
+        .map(|v| {
+            (
+                (
+                    format!("{}/{}/{}/{}", v.op.kind, v.op.comm, v.op.comm_disambiguator, v.op.comm_instance),
+                    v.op.seq,
+                    v.rank,
+                ),
+                v.outcome.clone(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jetstream() {
+    if nats_server().is_none() {
+        return;
+    }
+    // The reference: one aggregator process.
+    let single = cluster::run(spec(None)).await.expect("single-process run");
+    if let Some(a) = &single.aggregator {
+        a.shutdown();
+    }
+    let single_rows = demo::rows(&single.truth, &single.nodes, &single.verdicts);
+
+    let nats = NatsCluster::start();
+    let dir = ringwatch_tests::TempDir::new("scaleout");
+    let names: Vec<String> = (0..8).map(certs::node_name).collect();
+    let set = certs::init(&dir.0, &names).expect("certificates");
+    // Every role's clock: the wall clock since one origin (now, so the numbers stay small).
+    let origin_ms = u64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis(),
+    )
+    .expect("ms");
+    let mut ingests = Vec::new();
+    for shard in 0..2 {
+        ingests.push(start_role(role_config(&set, &nats, ShardRole::Ingest { shard }, origin_ms), &nats).await);
+    }
+    let mut matchers = Vec::new();
+    for shard in 0..2 {
+        matchers.push(start_role(role_config(&set, &nats, ShardRole::Matcher { shard }, origin_ms), &nats).await);
+    }
+    let api = start_role(role_config(&set, &nats, ShardRole::Api, origin_ms), &nats).await;
+
+    // Settled when every role has drained: nothing unpublished at the ingest shards,
+    // each matcher shard has applied its stream up to what every ingest shard had acked,
+    // and the API role has applied the verdict stream up to what every matcher had acked.
+    let (i_shared, m_shared, a_shared) = (
+        ingests.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(),
+        matchers.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(),
+        Arc::clone(&api.shared),
+    );
+    let drained = {
+        let (i_shared, m_shared, a_shared) = (i_shared.clone(), m_shared.clone(), Arc::clone(&a_shared));
+        move || {
+            let unpublished = i_shared.iter().all(|s| s.core().is_ok_and(|c| c.unpublished().is_empty()));
+            let records = m_shared.iter().enumerate().all(|(m, ms)| {
+                let want = i_shared
+                    .iter()
+                    .filter_map(|s| s.cluster.acked_seqs().get(&u32::try_from(m).unwrap()).copied())
+                    .max()
+                    .unwrap_or(0);
+                ms.cluster.applied_seq.load(Relaxed) >= want
+            });
+            let events = m_shared.iter().all(|s| s.unpublished_events() == 0);
+            let want_v =
+                m_shared.iter().filter_map(|s| s.cluster.acked_seqs().values().max().copied()).max().unwrap_or(0);
+            let verdicts = a_shared.cluster.applied_seq.load(Relaxed) >= want_v;
+            unpublished && records && events && verdicts
+        }
+    };
+    let external = External {
+        quic: ingests[0].quic_addr,
+        ingest_shards: ingests.iter().map(|a| a.quic_addr).collect(),
+        http: api.http_addr,
+        certs: dir.0.clone(),
+        time_scale: TIME_SCALE,
+        settled: Some(SettledHook(Arc::new(drained))),
+    };
+    let r = cluster::run(spec(Some(external))).await.expect("scaled-out run");
+
+    // Both ingest shards took shippers; both matcher shards decided; nothing misrouted.
+    for (i, s) in i_shared.iter().enumerate() {
+        let nodes = s.nodes.len();
+        let published = s.cluster.records_published.load(Relaxed);
+        println!("ingest {i}: {nodes} nodes, {published} records published");
+        assert!(nodes > 0 && published > 0, "ingest shard {i} took shippers");
+        assert_eq!(s.cluster.publish_failures.load(Relaxed), 0, "ingest {i}: every publish acked first time");
+    }
+    for (m, s) in m_shared.iter().enumerate() {
+        let applied = s.cluster.records_applied.load(Relaxed);
+        let events = s.cluster.events_published.load(Relaxed);
+        println!("matcher {m}: {applied} records applied, {events} events published");
+        assert!(applied > 0 && events > 0, "matcher shard {m} decided");
+        assert_eq!(s.cluster.records_not_owned.load(Relaxed), 0, "matcher {m}: only its own records");
+        assert_eq!(s.cluster.messages_expired.load(Relaxed), 0);
+        assert_eq!(s.cluster.undecodable.load(Relaxed), 0);
+    }
+    assert_eq!(a_shared.cluster.undecodable.load(Relaxed), 0);
+
+    // The same table as one process, and the truth's.
+    let rows = demo::rows(&r.truth, &r.nodes, &r.verdicts);
+    print!("{}", demo::table(&rows));
+    let bad: Vec<_> = rows.iter().filter(|x| !x.matches()).collect();
+    assert!(bad.is_empty(), "rows not the truth's: {bad:#?}");
+    let key = |rows: &[demo::Row]| -> Vec<(String, u32, String)> {
+        // `silent` and `unreachable` are one answer, "no news" (as `Row::matches` has it).
+        rows.iter().map(|x| (x.node.clone(), x.gpu, x.health.replace("unreachable", "silent"))).collect()
+    };
+    assert_eq!(key(&rows), key(&single_rows), "the single process's table");
+
+    // Every final verdict right, none falsely degraded, every stream exact.
+    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(TIME_SCALE));
+    println!("{}", sc.table());
+    assert_eq!(sc.final_right, sc.final_verdicts, "wrong final verdicts: {:?}", sc.wrong_examples);
+    assert_eq!(sc.false_degraded, 0);
+    for c in &sc.conservation {
+        assert_eq!(c.exact, c.streams, "{} not exact: {c:?}", c.node);
+    }
+    assert_eq!(sc.conservation.len(), 8, "every node's streams");
+
+    // Where both decided an op, the same outcome; and about as many decided.
+    let (a, b) = (finals(&single.verdicts), finals(&r.verdicts));
+    let differ: Vec<_> = a.iter().filter(|(k, v)| b.get(*k).is_some_and(|w| w != *v)).take(10).collect();
+    assert!(differ.is_empty(), "final outcomes differ: {differ:?}");
+    println!("final verdicts: single process {}, scaled out {}", a.len(), b.len());
+    assert!(b.len() * 10 >= a.len() * 9, "scaled out decided {} of the single process's {}", b.len(), a.len());
+
+    for a in ingests.iter().chain(&matchers).chain(std::iter::once(&api)) {
+        a.shutdown();
+    }
+}

@@ -315,6 +315,16 @@ pub async fn publish_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
         if let Ok(mut core) = s.core() {
             core.mark_published(last);
         }
+        // Batches whose records are all on the bus are durable: every record below index
+        // `last + 1` is (`durable_gen` = records published + 1; see ingest).
+        let upto = last.saturating_add(2);
+        s.durable_gen.send_if_modified(|d| {
+            let newer = upto > *d;
+            if newer {
+                *d = upto;
+            }
+            newer
+        });
         s.publish_drained.notify_waiters();
     }
 }
@@ -362,8 +372,8 @@ pub async fn publish_nodes(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Co
     }
 }
 
-/// An ordered consumer of `stream` (only `filter`, when given) from its start (or, with
-/// `last_per_subject`, from the last message of each subject), its messages as a
+/// An ordered consumer of `stream` (only `filter`, when given) from sequence `from` (or,
+/// with `last_per_subject`, from the last message of each subject), its messages as a
 /// stream. Retried every second until it exists (a stream still being created, a
 /// cluster still electing its leader), with a WARN each time.
 async fn ordered(
@@ -371,12 +381,16 @@ async fn ordered(
     stream: &str,
     filter: Option<&str>,
     last_per_subject: bool,
+    from: u64,
 ) -> consumer::pull::Ordered {
     loop {
         let made = async {
             let st = js.get_stream(stream).await.map_err(|e| format!("stream {stream}: {e}"))?;
-            let deliver_policy =
-                if last_per_subject { consumer::DeliverPolicy::LastPerSubject } else { consumer::DeliverPolicy::All };
+            let deliver_policy = match (last_per_subject, from) {
+                (true, _) => consumer::DeliverPolicy::LastPerSubject,
+                (false, 0 | 1) => consumer::DeliverPolicy::All,
+                (false, start_sequence) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
+            };
             let c = st
                 .create_consumer(consumer::pull::OrderedConfig {
                     deliver_policy,
@@ -410,8 +424,10 @@ fn count_gap(s: &Shared, last: &mut u64, seq: u64) {
 /// Matcher shard: applies its records stream (see the module docs).
 pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
     let ShardRole::Matcher { shard: me } = cfg.role else { return };
-    let mut msgs = ordered(&js, &records_stream(me), None, false).await;
-    let mut last = 0u64;
+    // A restored shard reads on after the last message its snapshot applied.
+    let from = s.core().map_or(0, |c| c.bus_position());
+    let mut msgs = ordered(&js, &records_stream(me), None, false, from.saturating_add(1)).await;
+    let mut last = from;
     while let Some(m) = msgs.next().await {
         s.progress(&s.tasks.cluster);
         let m = match m {
@@ -439,6 +455,7 @@ pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
         let now = s.now();
         let Ok(mut core) = s.core() else { return };
         let (applied, skipped) = core.apply_records(now, batch.records.iter().map(|r| &r.2));
+        core.set_bus_position(last);
         s.drain_events(&mut core);
         drop(core);
         s.cluster.records_applied.fetch_add(applied, Relaxed);
@@ -456,7 +473,10 @@ pub async fn publish_verdicts(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream:
     loop {
         tick.tick().await;
         s.progress(&s.tasks.cluster_state);
-        let events = s.take_events(EVENTS_PER_MESSAGE);
+        let events: Vec<MatcherEvent> = match s.core() {
+            Ok(core) => core.for_bus().iter().take(EVENTS_PER_MESSAGE).cloned().collect(),
+            Err(_) => return,
+        };
         if events.is_empty() {
             continue;
         }
@@ -471,6 +491,9 @@ pub async fn publish_verdicts(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream:
             Err(e) => tracing::error!(error = %e, "an event batch could not be encoded"),
         }
         next = next.saturating_add(n);
+        if let Ok(mut core) = s.core() {
+            core.mark_sent(usize::try_from(n).unwrap_or(usize::MAX));
+        }
         s.cluster.events_published.fetch_add(n, Relaxed);
         s.publish_drained.notify_waiters();
     }
@@ -509,7 +532,7 @@ pub struct VerdictBatch {
 /// API role: the verdict stream into the core's mirror (and so into the store and the
 /// event log).
 pub async fn consume_verdicts(s: Arc<Shared>, js: jetstream::Context) {
-    let mut msgs = ordered(&js, VERDICTS_STREAM, None, false).await;
+    let mut msgs = ordered(&js, VERDICTS_STREAM, None, false, 1).await;
     let mut last = 0u64;
     while let Some(m) = msgs.next().await {
         s.progress(&s.tasks.cluster);
@@ -539,7 +562,7 @@ pub async fn consume_verdicts(s: Arc<Shared>, js: jetstream::Context) {
 /// (two consumers: NATS 2.9 delivers the last message per subject only under a filter).
 pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
     let nodes = async {
-        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.nodes.*"), true).await;
+        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.nodes.*"), true, 1).await;
         while let Some(m) = msgs.next().await {
             s.progress(&s.tasks.cluster_state);
             let Ok(m) = m else { continue };
@@ -553,7 +576,7 @@ pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
         }
     };
     let health = async {
-        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.health.*"), true).await;
+        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.health.*"), true, 1).await;
         while let Some(m) = msgs.next().await {
             let Ok(m) = m else { continue };
             match shard::decode::<ShardHealth>(&m.payload, "shard health") {

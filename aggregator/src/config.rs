@@ -342,6 +342,15 @@ fn cluster_from(v: &mut Values) -> Option<crate::cluster::ClusterConfig> {
             v.problem("nats_url", format!("{u:?} is not a NATS server address (nats://host:port)"));
         }
     }
+    if matches!(role, ShardRole::Ingest { .. }) && v.opt_text("snapshot").is_some() {
+        v.problem(
+            "snapshot",
+            "an ingest shard's durability is the bus (a batch is acked durable once its records are in JetStream); a snapshot restored after a crash would miss batches acked since",
+        );
+    }
+    if matches!(role, ShardRole::Api) && v.opt_text("snapshot").is_some() {
+        v.problem("snapshot", "the API role rebuilds its state from the streams at every start: no snapshot");
+    }
     if matches!(role, ShardRole::Matcher { .. }) && shard >= shards {
         v.problem("shard", format!("matcher shard {shard} of {shards}: the index must be below matcher_shards"));
     }

@@ -275,7 +275,12 @@ impl Aggregator {
                 }
             },
         };
-        shared.durability = if cfg.snapshot_path.is_some() {
+        shared.durability = if matches!(cfg.cluster.as_ref().map(|c| c.role), Some(cluster::ShardRole::Ingest { .. })) {
+            // Nothing published is needed from this process again: a batch is durable
+            // once its records are on the bus.
+            shared.durable_gen.send_replace(1);
+            proto_flat::codes::Durability::Jetstream
+        } else if cfg.snapshot_path.is_some() {
             proto_flat::codes::Durability::Snapshot
         } else {
             proto_flat::codes::Durability::None

@@ -384,8 +384,8 @@ pub struct Shared {
     /// Woken when a shard role's publisher has put something on the bus (a waiting batch
     /// stream or record consumer looks again).
     pub publish_drained: tokio::sync::Notify,
-    /// A matcher shard's events not yet on the bus (none outside the matcher role).
-    events_out: std::sync::Mutex<Option<Vec<ringwatch_core::verdict::MatcherEvent>>>,
+    /// A matcher shard keeps every event drained for the bus (in its core).
+    events_for_bus: AtomicBool,
 }
 
 impl Shared {
@@ -429,7 +429,7 @@ impl Shared {
             cluster_role: None,
             cluster: crate::cluster::ClusterCounters::default(),
             publish_drained: tokio::sync::Notify::new(),
-            events_out: std::sync::Mutex::new(None),
+            events_for_bus: AtomicBool::new(false),
         }
     }
 
@@ -579,33 +579,21 @@ impl Shared {
             return;
         }
         let now = self.now();
-        if let Some(out) = self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_mut() {
-            out.extend(events.iter().cloned());
+        if self.events_for_bus.load(Ordering::Relaxed) {
+            core.keep_for_bus(events.iter().cloned());
         }
         self.push_events(now, events.iter().map(crate::api::events::Event::of_matcher));
         self.store().apply(now, events);
     }
 
-    /// Matcher role: keep every event drained for the bus ([`Self::take_events`]).
+    /// Matcher role: keep every event drained for the bus (`Core::for_bus`).
     pub fn keep_events_for_the_bus(&self) {
-        *self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Vec::new());
+        self.events_for_bus.store(true, Ordering::Relaxed);
     }
 
-    /// Matcher role: events not yet taken for the bus.
+    /// Matcher role: events not yet on the bus (0 when the core failed).
     pub fn unpublished_events(&self) -> usize {
-        self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map_or(0, Vec::len)
-    }
-
-    /// Matcher role: the oldest `max` events not yet taken for the bus.
-    pub fn take_events(&self, max: usize) -> Vec<ringwatch_core::verdict::MatcherEvent> {
-        let mut g = self.events_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match g.as_mut() {
-            Some(v) => {
-                let n = v.len().min(max);
-                v.drain(..n).collect()
-            }
-            None => Vec::new(),
-        }
+        self.core().map_or(0, |c| c.for_bus().len())
     }
 }
 

@@ -130,6 +130,7 @@ enum rw_ack_status {
 enum rw_durability {
 	RW_DURABILITY_NONE = 0,
 	RW_DURABILITY_SNAPSHOT = 1,
+	RW_DURABILITY_JETSTREAM = 2,
 };
 
 enum rw_control_type {

@@ -351,10 +351,13 @@ wire_enum! {
     /// What an aggregator keeps across a crash (`hello`, protocol 3): with `none` an
     /// applied ack is the last word (a restart is a knowledge gap); with `snapshot` it
     /// sends `ack durable` for P0/P1 batches once a snapshot written to disk holds them,
-    /// and the shipper keeps those batches until then.
+    /// and the shipper keeps those batches until then; with `jetstream` (a scaled-out
+    /// aggregator's ingest shard) it sends `ack durable` once the records the batch
+    /// produced are in NATS JetStream, the shipper keeping them alike.
     Durability: u8, "durability" {
         None = 0 => "none",
         Snapshot = 1 => "snapshot",
+        Jetstream = 2 => "jetstream",
     }
 }
 

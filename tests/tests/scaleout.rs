@@ -5,7 +5,9 @@
 //! its ingest shard by rendezvous hashing of its node name). The same scenario and seed
 //! through one aggregator process gives the reference: the demo table (every GPU's
 //! health) is the same and the truth's, every final verdict is right and, where both
-//! decided an op, the same; every stream is exact.
+//! decided an op, the same; every stream is exact. Mid-run, matcher shard 1 stops with a
+//! snapshot and starts again from it, reading its stream on from the snapshot's
+//! position: nothing changes in the outcome.
 //!
 //! Without `nats-server` the test skips with the reason; with `CI=true` it fails.
 
@@ -190,23 +192,31 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     for shard in 0..2 {
         ingests.push(start_role(role_config(&set, &nats, ShardRole::Ingest { shard }, origin_ms), &nats).await);
     }
+    let matcher_cfg = |shard: u32| {
+        let mut c = role_config(&set, &nats, ShardRole::Matcher { shard }, origin_ms);
+        c.snapshot_path = Some(dir.0.join(format!("matcher-{shard}.snap")));
+        c.snapshot_interval_ms = 500;
+        c
+    };
     let mut matchers = Vec::new();
     for shard in 0..2 {
-        matchers.push(start_role(role_config(&set, &nats, ShardRole::Matcher { shard }, origin_ms), &nats).await);
+        matchers.push(start_role(matcher_cfg(shard), &nats).await);
     }
     let api = start_role(role_config(&set, &nats, ShardRole::Api, origin_ms), &nats).await;
 
     // Settled when every role has drained: nothing unpublished at the ingest shards,
     // each matcher shard has applied its stream up to what every ingest shard had acked,
     // and the API role has applied the verdict stream up to what every matcher had acked.
-    let (i_shared, m_shared, a_shared) = (
-        ingests.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(),
-        matchers.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(),
-        Arc::clone(&api.shared),
-    );
+    let (i_shared, a_shared) =
+        (ingests.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(), Arc::clone(&api.shared));
+    let matchers = Arc::new(tokio::sync::Mutex::new(matchers));
+    let m_live = Arc::new(std::sync::Mutex::new(
+        matchers.lock().await.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(),
+    ));
     let drained = {
-        let (i_shared, m_shared, a_shared) = (i_shared.clone(), m_shared.clone(), Arc::clone(&a_shared));
+        let (i_shared, m_live, a_shared) = (i_shared.clone(), Arc::clone(&m_live), Arc::clone(&a_shared));
         move || {
+            let m_shared = m_live.lock().unwrap().clone();
             let unpublished = i_shared.iter().all(|s| s.core().is_ok_and(|c| c.unpublished().is_empty()));
             let records = m_shared.iter().enumerate().all(|(m, ms)| {
                 let want = i_shared
@@ -231,7 +241,33 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
         time_scale: TIME_SCALE,
         settled: Some(SettledHook(Arc::new(drained))),
     };
+    // Matcher shard 1 restarts from its snapshot once it has applied some of the run.
+    let restart = {
+        let (matchers, m_live, cfg) = (Arc::clone(&matchers), Arc::clone(&m_live), matcher_cfg(1));
+        tokio::spawn(async move {
+            let s = Arc::clone(&m_live.lock().unwrap()[1]);
+            let started = Instant::now();
+            while s.cluster.records_applied.load(Relaxed) < 2000 && started.elapsed() < ringwatch_tests::STATE_LIMIT {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let mut g = matchers.lock().await;
+            assert!(g[1].shutdown_with_snapshot().await, "matcher 1 wrote its snapshot");
+            let position = s.core().map(|c| c.bus_position()).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let again = Aggregator::start(cfg).await.expect("matcher 1 starts again");
+            assert!(again.shared.restored, "restored from its snapshot");
+            let restored_at = again.shared.core().map(|c| c.bus_position()).unwrap_or(0);
+            assert_eq!(restored_at, position, "it reads on from where its snapshot stood");
+            m_live.lock().unwrap()[1] = Arc::clone(&again.shared);
+            g[1] = again;
+            position
+        })
+    };
     let r = cluster::run(spec(Some(external))).await.expect("scaled-out run");
+    let position = restart.await.expect("the restart task");
+    println!("matcher 1 restarted from its snapshot at stream sequence {position}");
+    assert!(position > 0);
+    let m_shared = m_live.lock().unwrap().clone();
 
     // Both ingest shards took shippers; both matcher shards decided; nothing misrouted.
     for (i, s) in i_shared.iter().enumerate() {
@@ -244,13 +280,20 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     for (m, s) in m_shared.iter().enumerate() {
         let applied = s.cluster.records_applied.load(Relaxed);
         let events = s.cluster.events_published.load(Relaxed);
-        println!("matcher {m}: {applied} records applied, {events} events published");
+        println!("matcher {m}: {applied} records applied, {events} events published (this instance)");
         assert!(applied > 0 && events > 0, "matcher shard {m} decided");
         assert_eq!(s.cluster.records_not_owned.load(Relaxed), 0, "matcher {m}: only its own records");
         assert_eq!(s.cluster.messages_expired.load(Relaxed), 0);
         assert_eq!(s.cluster.undecodable.load(Relaxed), 0);
     }
     assert_eq!(a_shared.cluster.undecodable.load(Relaxed), 0);
+    // Durability `jetstream`: every shipper kept its P0/P1 batches until their records
+    // were on the bus, and was told so for them.
+    for rep in r.reports.iter().filter(|x| x.node_name != "node-07") {
+        assert_eq!(rep.durability, "jetstream", "{}", rep.node_name);
+        assert!(rep.batches_durable > 0, "{}: batches acked durable", rep.node_name);
+        assert_eq!(rep.released_undurable, 0, "{}: none released before it was durable", rep.node_name);
+    }
 
     // The same table as one process, and the truth's.
     let rows = demo::rows(&r.truth, &r.nodes, &r.verdicts);
@@ -280,7 +323,7 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     println!("final verdicts: single process {}, scaled out {}", a.len(), b.len());
     assert!(b.len() * 10 >= a.len() * 9, "scaled out decided {} of the single process's {}", b.len(), a.len());
 
-    for a in ingests.iter().chain(&matchers).chain(std::iter::once(&api)) {
+    for a in ingests.iter().chain(matchers.lock().await.iter()).chain(std::iter::once(&api)) {
         a.shutdown();
     }
 }

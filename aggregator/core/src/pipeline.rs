@@ -34,6 +34,11 @@ pub struct Core {
     unpublished: Vec<(u64, u64, Record)>,
     /// API role: what the matcher shards published.
     mirror: Mirror,
+    /// Matcher role: the stream sequence of the last bus message applied (a restored
+    /// shard reads on from the next), and the events drained and not yet on the bus
+    /// (snapshotted with the state that produced them, so a restored shard sends them).
+    bus_position: u64,
+    for_bus: Vec<MatcherEvent>,
 }
 
 /// The API role's copy of what the matcher shards published: their events, not yet
@@ -84,6 +89,8 @@ impl Core {
             role: Role::All,
             unpublished: Vec::new(),
             mirror: Mirror::default(),
+            bus_position: 0,
+            for_bus: Vec::new(),
         }
     }
 
@@ -135,6 +142,33 @@ impl Core {
             }
         }
         (applied, skipped)
+    }
+
+    /// Matcher role: the stream sequence of the last bus message applied (0: none).
+    #[must_use]
+    pub fn bus_position(&self) -> u64 {
+        self.bus_position
+    }
+
+    /// Matcher role: the bus message at stream sequence `seq` is applied.
+    pub fn set_bus_position(&mut self, seq: u64) {
+        self.bus_position = self.bus_position.max(seq);
+    }
+
+    /// Matcher role: events drained from this core, to go on the bus.
+    pub fn keep_for_bus(&mut self, events: impl IntoIterator<Item = MatcherEvent>) {
+        self.for_bus.extend(events);
+    }
+
+    /// Matcher role: the events not yet on the bus, oldest first.
+    #[must_use]
+    pub fn for_bus(&self) -> &[MatcherEvent] {
+        &self.for_bus
+    }
+
+    /// Matcher role: the oldest `n` events are on the bus.
+    pub fn mark_sent(&mut self, n: usize) {
+        self.for_bus.drain(..n.min(self.for_bus.len()));
     }
 
     /// API role: a node's ingest state as its ingest shard published it (replacing what

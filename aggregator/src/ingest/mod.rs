@@ -159,7 +159,7 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
         Counters::inc(&shared.counters.connections_protocol_2);
     }
     // Durable acks only where the aggregator keeps anything and the shipper understands.
-    let durable = version >= 3 && shared.durability == Durability::Snapshot;
+    let durable = version >= 3 && matches!(shared.durability, Durability::Snapshot | Durability::Jetstream);
     // The session's resume, applied before any batch of this connection is read.
     match read_resume(&mut ctl_recv).await {
         Ok(r) => {
@@ -426,7 +426,15 @@ fn apply(
         let Ok(mut core) = shared.core() else { return Ok(Answer::CloseFailed) };
         let r = core.receive_batch(now, node, rtt, &view);
         shared.drain_events(&mut core);
-        (r, keep.then(|| shared.capture_gen.load(Ordering::Relaxed)))
+        // Durable once a snapshot captured after now is on disk — or, for an ingest
+        // shard, once every record produced so far is on the bus (`durable_gen` is then
+        // the count of records published, plus one).
+        let generation = if shared.durability == Durability::Jetstream {
+            core.records()
+        } else {
+            shared.capture_gen.load(Ordering::Relaxed)
+        };
+        (r, keep.then_some(generation))
     };
     match receipt {
         Receipt::Applied => {
@@ -504,6 +512,9 @@ async fn control_writer(
                     }
                 }
                 encode_answers(&mut out, &mut pending, &shared, &mut awaiting);
+                // What is already durable need not wait for the next change.
+                let on_disk = *durable_rx.borrow();
+                encode_durable(&mut out, &mut awaiting, on_disk, &shared);
             }
             changed = durable_rx.changed() => {
                 if changed.is_err() {

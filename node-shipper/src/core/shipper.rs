@@ -600,7 +600,7 @@ impl ShipperCore {
         self.stats.aggregator_epoch = aggregator_epoch;
         self.stats.control_version = control_version;
         self.stats.durability = durability.code();
-        self.keep_until_durable = durability == Durability::Snapshot;
+        self.keep_until_durable = matches!(durability, Durability::Snapshot | Durability::Jetstream);
         if !self.keep_until_durable {
             for b in self.spool.release_awaiting() {
                 self.stats.released_undurable += 1;

@@ -40,7 +40,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use ringwatch_core::Core;
 use ringwatch_core::records::NodeId;
-use ringwatch_core::shard::{self, NodeSummary, RecordBatch, ShardHealth};
+use ringwatch_core::shard::{self, NodeSummary, RecordBatch, ShardHealth, VerdictBatch};
 use ringwatch_core::verdict::MatcherEvent;
 
 use crate::state::Shared;
@@ -142,9 +142,7 @@ impl ClusterCounters {
     }
 }
 
-/// A matcher shard's events not yet on the bus, at most (past it, the record consumer
-/// waits: it applies nothing until they drain).
-pub const MAX_UNPUBLISHED_EVENTS: usize = 1 << 20;
+pub use ringwatch_core::shard::MAX_UNPUBLISHED_EVENTS;
 
 /// Records per message, at most (NATS's default payload cap is 1 MiB).
 const RECORDS_PER_MESSAGE: usize = 1024;
@@ -261,7 +259,7 @@ async fn publish_acked(s: &Shared, js: &jetstream::Context, subject: String, id:
                 return ack.sequence;
             }
             Err(e) => {
-                if c.publish_failures.fetch_add(1, Relaxed) % 100 == 0 {
+                if c.publish_failures.fetch_add(1, Relaxed).is_multiple_of(100) {
                     tracing::warn!(subject, id, error = %e, "publish not acked: retrying under the same id");
                 }
                 c.connected.store(false, Relaxed);
@@ -517,16 +515,6 @@ pub async fn publish_health(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::C
             let _ = ack.await;
         }
     }
-}
-
-/// A matcher shard's events, in order: `first` is the index of the first in the shard's
-/// event sequence since its start (`epoch`).
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone, PartialEq)]
-pub struct VerdictBatch {
-    pub shard: u32,
-    pub epoch: u64,
-    pub first: u64,
-    pub events: Vec<MatcherEvent>,
 }
 
 /// API role: the verdict stream into the core's mirror (and so into the store and the

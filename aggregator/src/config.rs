@@ -449,6 +449,35 @@ mod tests {
     }
 
     #[test]
+    fn shard_roles_need_nats_and_agree_on_what_they_are() {
+        let base = "certs = \"/etc/rw\"\n";
+        let ok = |extra: &str| {
+            let mut i = Inputs::default();
+            i.file(&format!("{base}{extra}"));
+            i.validate()
+        };
+        let c = ok("role = \"matcher\"\nshard = 1\nmatcher_shards = 2\nnats_url = \"nats://a:4222, nats://b:4222\"\n")
+            .unwrap()
+            .service
+            .cluster
+            .unwrap();
+        assert_eq!(c.role, crate::cluster::ShardRole::Matcher { shard: 1 });
+        assert_eq!(c.nats, ["nats://a:4222", "nats://b:4222"]);
+        assert_eq!(c.matcher_shards, 2);
+        assert!(ok("").unwrap().service.cluster.is_none(), "all: one process");
+        let problem = |extra: &str, field: &str, says: &str| {
+            let e = ok(extra).unwrap_err();
+            assert!(e.0.iter().any(|x| x.field == field && x.message.contains(says)), "{extra}: {e}");
+        };
+        problem("role = \"ingest\"\n", "nats_url", "required");
+        problem("nats_url = \"nats://a:4222\"\n", "nats_url", "only the shard roles");
+        problem("role = \"shard\"\n", "role", "none of");
+        problem("role = \"matcher\"\nshard = 2\nmatcher_shards = 2\nnats_url = \"nats://a:1\"\n", "shard", "below");
+        problem("role = \"ingest\"\nnats_url = \"nats://a:1\"\nsnapshot = \"/tmp/x.snap\"\n", "snapshot", "bus");
+        problem("role = \"api\"\nnats_url = \"nats://a:1\"\nsnapshot = \"/tmp/x.snap\"\n", "snapshot", "rebuilds");
+    }
+
+    #[test]
     fn every_problem_is_reported_with_its_layer() {
         let mut i = Inputs::default();
         i.file("listen = \"nowhere\"\nsnapshot_intervall_ms = 5\n");

@@ -527,6 +527,13 @@ pub fn check_files(cfg: &ShipperConfig) -> Vec<ConfigError> {
 mod tests {
     #[tokio::test]
     async fn a_dns_name_is_resolved_when_connecting_and_an_address_is_taken_as_is() {
+        // A list of ingest shards: each node picks one, always the same, and the nodes spread.
+        let list = "10.0.0.1:4433,10.0.0.2:4433,10.0.0.3:4433";
+        let picks: std::collections::BTreeSet<String> =
+            (0..64).map(|n| super::AggregatorAddr::pick(list, &format!("node-{n:02}")).unwrap().to_string()).collect();
+        assert_eq!(picks.len(), 3, "every shard gets nodes: {picks:?}");
+        assert_eq!(super::AggregatorAddr::pick(list, "node-07"), super::AggregatorAddr::pick(list, "node-07"));
+        assert_eq!(super::AggregatorAddr::pick("localhost:4433", "node-07").unwrap().to_string(), "localhost:4433");
         let a = super::AggregatorAddr::parse("localhost:4433").unwrap();
         assert_eq!(a.to_string(), "localhost:4433");
         assert_eq!(a.resolve(true).await.unwrap(), "127.0.0.1:4433".parse().unwrap());

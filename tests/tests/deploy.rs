@@ -629,6 +629,8 @@ fn check_configs(objs: &[Value], scratch: &Path) -> Vec<String> {
             let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
                 Some("spec.nodeName") => node.clone(),
                 Some("status.hostIP" | "status.podIP") => "127.0.0.1".into(),
+                // A StatefulSet pod's ordinal (the shard roles' index): the first pod's.
+                Some(f) if f.contains("apps.kubernetes.io/pod-index") => "0".into(),
                 Some(other) => format!("<{other}>"),
                 None => e["value"].as_str().unwrap_or("").to_owned(),
             };
@@ -681,9 +683,170 @@ fn all_problems(dir: &Path, scratch: &Path) -> Vec<String> {
     };
     let mut p = validate_core(&objs, scratch);
     p.extend(validate_custom(&objs));
-    if !ringwatch_containers(&objs).is_empty() {
-        p.extend(cross_references(&objs));
+    let containers = ringwatch_containers(&objs);
+    if !containers.is_empty() {
+        let scaled_out =
+            containers.iter().any(|c| c.3 == "aggregator" && flag(&c.2, "role").is_some_and(|r| r != "all"));
+        p.extend(if scaled_out { scale_out_references(&objs) } else { cross_references(&objs) });
         p.extend(check_configs(&objs, scratch));
+    }
+    p
+}
+
+/// `<pod>.<service>.<namespace>.svc:<port>` → the StatefulSet whose pod it names (its
+/// governing Service headless, the ordinal below its replicas) and the Service's port
+/// entry for `port`, or what is wrong.
+fn pod_address<'a>(objs: &'a [Value], addr: &str) -> Result<(&'a Value, &'a Value), String> {
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| format!("{addr}: no port"))?;
+    let port: u64 = port.parse().map_err(|_| format!("{addr}: bad port"))?;
+    let parts: Vec<&str> = host.split('.').collect();
+    let (pod, svc_name, ns) = match parts.as_slice() {
+        [pod, svc, ns, "svc", ..] => (*pod, *svc, *ns),
+        _ => return Err(format!("{addr}: not <pod>.<service>.<namespace>.svc:<port>")),
+    };
+    let (sts_name, ordinal) = pod.rsplit_once('-').ok_or_else(|| format!("{addr}: {pod} is no StatefulSet pod"))?;
+    let ordinal: u64 = ordinal.parse().map_err(|_| format!("{addr}: {pod} is no StatefulSet pod"))?;
+    let sts = find(objs, "StatefulSet", sts_name).ok_or_else(|| format!("{addr}: no StatefulSet {sts_name}"))?;
+    if sts["metadata"]["namespace"].as_str().unwrap_or("default") != ns {
+        return Err(format!("{addr}: StatefulSet {sts_name} is not in namespace {ns}"));
+    }
+    if ordinal >= sts["spec"]["replicas"].as_u64().unwrap_or(1) {
+        return Err(format!("{addr}: {sts_name} has no pod {ordinal}"));
+    }
+    if sts["spec"]["serviceName"] != svc_name {
+        return Err(format!("{addr}: {svc_name} is not {sts_name}'s governing Service"));
+    }
+    let svc = find(objs, "Service", svc_name).ok_or_else(|| format!("{addr}: no Service {svc_name}"))?;
+    if svc["spec"]["clusterIP"] != "None" {
+        return Err(format!("{addr}: Service {svc_name} is not headless (no per-pod names)"));
+    }
+    let sp = arr(&svc["spec"]["ports"])
+        .iter()
+        .find(|sp| sp["port"].as_u64() == Some(port))
+        .ok_or_else(|| format!("{addr}: Service {svc_name} has no port {port}"))?;
+    Ok((sts, sp))
+}
+
+/// The scale-out overlay's agreements: the roles each present once, on one NATS
+/// cluster, agreeing on the matcher shard count (= the matcher StatefulSet's replicas),
+/// their shard index from the pod's ordinal; the shippers list exactly the ingest pods,
+/// by names that reach their QUIC port; the scheduler's `aggregator` Service leads to
+/// the API role.
+fn scale_out_references(objs: &[Value]) -> Vec<String> {
+    let mut p = Vec::new();
+    let containers = ringwatch_containers(objs);
+    let sts_of = |workload: &str| workload.strip_prefix("StatefulSet/").and_then(|n| find(objs, "StatefulSet", n));
+    let mut roles: BTreeMap<String, Vec<(&String, &Value)>> = BTreeMap::new();
+    for (w, _, c, binary) in &containers {
+        if *binary == "aggregator" {
+            roles.entry(flag(c, "role").unwrap_or("all").to_owned()).or_default().push((w, c));
+        }
+    }
+    for role in ["ingest", "matcher", "api"] {
+        if roles.get(role).map_or(0, Vec::len) != 1 {
+            p.push(format!(
+                "want one {role} workload, got {:?}",
+                roles.get(role).map(|v| v.iter().map(|x| x.0).collect::<Vec<_>>())
+            ));
+        }
+    }
+    if roles.contains_key("all") {
+        p.push("an aggregator in role `all` beside shard roles".into());
+    }
+    let one = |role: &str| roles.get(role).and_then(|v| v.first()).copied();
+    let (Some(ingest), Some(matcher), Some(api)) = (one("ingest"), one("matcher"), one("api")) else { return p };
+    // One NATS cluster, every server a pod of it with its client port.
+    let urls: BTreeSet<&str> = [ingest, matcher, api].iter().filter_map(|(_, c)| flag(c, "nats-url")).collect();
+    if urls.len() != 1 {
+        p.push(format!("the roles name different NATS servers: {urls:?}"));
+    }
+    for u in urls.iter().flat_map(|u| u.split(',')) {
+        match u.strip_prefix("nats://").map(|a| pod_address(objs, a)) {
+            None => p.push(format!("{u}: not nats://host:port")),
+            Some(Err(e)) => p.push(format!("--nats-url: {e}")),
+            Some(Ok(_)) => {}
+        }
+    }
+    // The matcher shard count.
+    let matcher_replicas = sts_of(matcher.0).and_then(|s| s["spec"]["replicas"].as_u64());
+    for (w, c) in [ingest, matcher, api] {
+        let n = flag(c, "matcher-shards").and_then(|n| n.parse::<u64>().ok()).unwrap_or(1);
+        if Some(n) != matcher_replicas {
+            p.push(format!("{w}: --matcher-shards={n}, but {} has {matcher_replicas:?} replicas", matcher.0));
+        }
+    }
+    // Shard index from the pod's ordinal.
+    for (w, c) in [ingest, matcher] {
+        let from_ordinal = arr(&c["env"]).iter().any(|e| {
+            e["name"] == "RINGWATCH_AGGREGATOR_SHARD"
+                && e["valueFrom"]["fieldRef"]["fieldPath"]
+                    .as_str()
+                    .is_some_and(|f| f.contains("apps.kubernetes.io/pod-index"))
+        });
+        if !from_ordinal || flag(c, "shard").is_some() {
+            p.push(format!("{w}: the shard index must come from the pod's ordinal (RINGWATCH_AGGREGATOR_SHARD from apps.kubernetes.io/pod-index)"));
+        }
+    }
+    // Shippers list exactly the ingest pods, each reaching its QUIC port.
+    let ingest_sts = sts_of(ingest.0);
+    let ingest_replicas = ingest_sts.and_then(|s| s["spec"]["replicas"].as_u64()).unwrap_or(0);
+    let listen = flag(ingest.1, "listen").and_then(port_of).map(u64::from);
+    for (w, _, ship, binary) in &containers {
+        if *binary != "node-shipper" {
+            continue;
+        }
+        let Some(list) = flag(ship, "aggregator") else {
+            p.push(format!("{w}: no --aggregator"));
+            continue;
+        };
+        let mut pods = BTreeSet::new();
+        for a in list.split(',') {
+            match pod_address(objs, a) {
+                Err(e) => p.push(format!("{w}: --aggregator: {e}")),
+                Ok((sts, sp)) => {
+                    if sts != ingest_sts.unwrap_or(&Value::Null) {
+                        p.push(format!("{w}: --aggregator {a} is not an ingest shard"));
+                    }
+                    if sp["protocol"] != "UDP" {
+                        p.push(format!("{w}: --aggregator {a}: the Service port is not UDP"));
+                    }
+                    let target = if sp["targetPort"].is_null() { sp["port"].clone() } else { sp["targetPort"].clone() };
+                    if container_port(ingest.1, &target).map(|x| x.0) != listen {
+                        p.push(format!("{w}: --aggregator {a}: the port does not lead to the ingest shard's --listen"));
+                    }
+                    pods.insert(a.split('.').next().unwrap_or("").to_owned());
+                }
+            }
+        }
+        if pods.len() as u64 != ingest_replicas {
+            p.push(format!(
+                "{w}: --aggregator lists {} ingest pods, the StatefulSet has {ingest_replicas}",
+                pods.len()
+            ));
+        }
+    }
+    // The scheduler's Service leads to the API role only.
+    match find(objs, "Service", "aggregator") {
+        None => p.push("no `aggregator` Service for the scheduler".into()),
+        Some(svc) => {
+            for (w, _, _, _) in &containers {
+                let labels =
+                    sts_of(w).map(|s| s["spec"]["template"]["metadata"]["labels"].clone()).unwrap_or(Value::Null);
+                let selected = labels_match(&svc["spec"]["selector"], &labels);
+                if selected != (*w == *api.0) && sts_of(w).is_some() {
+                    p.push(format!(
+                        "the `aggregator` Service {} {w}",
+                        if selected { "selects" } else { "does not select" }
+                    ));
+                }
+            }
+        }
+    }
+    for sts in all(objs, "StatefulSet") {
+        let governing = sts["spec"]["serviceName"].as_str().and_then(|n| find(objs, "Service", n));
+        if !governing.is_some_and(|s| s["spec"]["clusterIP"] == "None") {
+            p.push(format!("{}: serviceName is not a headless Service in the render", name_of(sts)));
+        }
     }
     p
 }

@@ -287,6 +287,12 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
         assert_eq!(s.cluster.undecodable.load(Relaxed), 0);
     }
     assert_eq!(a_shared.cluster.undecodable.load(Relaxed), 0);
+    // An operator sees each role's bus traffic in /v1/ingest.
+    let ing: aggregator::api::dto::IngestDto =
+        aggregator::api::client::get_json(api.http_addr, "/v1/ingest").await.expect("/v1/ingest");
+    let c = ing.cluster.expect("the API role says what it is");
+    assert_eq!(c.role, "api");
+    assert!(c.events_applied > 0 && c.node_summaries_applied > 0 && c.health_applied > 0, "{c:?}");
     // Durability `jetstream`: every shipper kept its P0/P1 batches until their records
     // were on the bus, and was told so for them.
     for rep in r.reports.iter().filter(|x| x.node_name != "node-07") {

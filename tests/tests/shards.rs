@@ -24,6 +24,8 @@ type Timed = (u64, Record);
 
 /// A final verdict, without what depends on when it was decided.
 type Final = (Option<NodeId>, [u8; 16], String, Vec<String>);
+/// Every (op, rank)'s last final verdict.
+type Finals = BTreeMap<(OpRef, u32), Final>;
 
 struct Run {
     records: Vec<Timed>,
@@ -193,7 +195,7 @@ fn diff(a: &BTreeMap<(OpRef, u32), Final>, b: &BTreeMap<(OpRef, u32), Final>) ->
         .collect()
 }
 
-static MIXED: std::sync::LazyLock<(Run, BTreeMap<(OpRef, u32), Final>)> = std::sync::LazyLock::new(|| {
+static MIXED: std::sync::LazyLock<(Run, Finals)> = std::sync::LazyLock::new(|| {
     let run = run("mixed");
     let reference = reference(&run);
     (run, reference)

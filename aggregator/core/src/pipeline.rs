@@ -288,12 +288,18 @@ impl Core {
     pub fn map_sizes(&self) -> Vec<crate::MapSize> {
         let mut out = self.ingest.map_sizes();
         out.extend(self.matcher.map_sizes());
-        if matches!(self.role, Role::Ingest { .. }) {
-            out.push(crate::MapSize {
+        match self.role {
+            Role::Ingest { .. } => out.push(crate::MapSize {
                 name: "core.unpublished",
                 len: self.unpublished.len(),
                 cap: crate::shard::MAX_UNPUBLISHED,
-            });
+            }),
+            Role::Matcher { .. } => out.push(crate::MapSize {
+                name: "core.for_bus",
+                len: self.for_bus.len(),
+                cap: crate::shard::MAX_UNPUBLISHED_EVENTS,
+            }),
+            Role::All | Role::Api => {}
         }
         out
     }

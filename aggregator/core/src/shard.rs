@@ -110,6 +110,10 @@ pub struct RecordBatch {
 /// spools keep what they cannot send), so nothing is refused or lost for it.
 pub const MAX_UNPUBLISHED: usize = 1 << 20;
 
+/// Events a matcher shard holds not yet on the bus, at most: past it the shell applies
+/// no more records until they drain (the stream keeps them), so none is dropped.
+pub const MAX_UNPUBLISHED_EVENTS: usize = 1 << 20;
+
 /// One node's ingest state as an ingest shard has it, with the node's name and
 /// connections (the API role's registry).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -129,6 +133,16 @@ pub struct ShardHealth {
     pub at_ns: u64,
     pub nodes: Vec<(NodeId, Health)>,
     pub gpus: Vec<(NodeId, [u8; 16], Health)>,
+}
+
+/// A matcher shard's events, in order: `first` is the index of the first in the shard's
+/// event sequence since its start (`epoch`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct VerdictBatch {
+    pub shard: u32,
+    pub epoch: u64,
+    pub first: u64,
+    pub events: Vec<crate::verdict::MatcherEvent>,
 }
 
 /// Errors decoding a message from the bus.

@@ -207,6 +207,47 @@ pub struct IngestDto {
     /// The event stream's log.
     #[serde(default)]
     pub events: EventLogDto,
+    /// A scaled-out aggregator's shard role and its bus traffic (absent with role `all`).
+    #[serde(default)]
+    pub cluster: Option<ClusterDto>,
+}
+
+/// A shard role's bus traffic (`/v1/ingest` `cluster`; see the aggregator's `cluster`
+/// module for the streams).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ClusterDto {
+    /// `ingest-<i>`, `matcher-<m>` or `api`.
+    pub role: String,
+    /// The last publish was acked (false while JetStream is unreachable: publishes are
+    /// retried, batch streams wait once the unpublished records reach their cap).
+    pub connected: bool,
+    /// Ingest: records published, messages carrying them, records not yet published.
+    pub records_published: u64,
+    pub record_messages_published: u64,
+    pub records_unpublished: u64,
+    /// Publishes not acked (retried under the same message id) and retries JetStream
+    /// had already stored.
+    pub publish_failures: u64,
+    pub publish_duplicates: u64,
+    /// Times a batch stream (ingest) or the record consumer (matcher) waited for the bus.
+    pub backpressure_waits: u64,
+    pub node_summaries_published: u64,
+    /// Matcher: records applied, records of another shard's communicators (never
+    /// expected), events published and not yet published, the stream position applied.
+    pub records_applied: u64,
+    pub records_not_owned: u64,
+    pub events_published: u64,
+    pub events_unpublished: u64,
+    /// Matcher and API: the stream sequence of the last message applied.
+    pub applied_seq: u64,
+    /// Consumers: messages the stream dropped before they were read, and messages that
+    /// did not decode (skipped, logged).
+    pub messages_expired: u64,
+    pub undecodable: u64,
+    /// API: events, node summaries and shard health reports applied.
+    pub events_applied: u64,
+    pub node_summaries_applied: u64,
+    pub health_applied: u64,
 }
 
 /// The HTTP listener's counters (`/v1/ingest` `http`).

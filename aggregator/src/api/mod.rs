@@ -328,6 +328,40 @@ async fn ingest(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     }
 }
 
+/// `/v1/ingest` `cluster`: the shard role's bus traffic (none with role `all`).
+fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
+    use crate::cluster::ShardRole;
+    let role = s.cluster_role?;
+    let c = &s.cluster;
+    let (unpublished, for_bus) =
+        s.core().map_or((0, 0), |core| (core.unpublished().len() as u64, core.for_bus().len() as u64));
+    Some(dto::ClusterDto {
+        role: match role {
+            ShardRole::Ingest { shard } => format!("ingest-{shard}"),
+            ShardRole::Matcher { shard } => format!("matcher-{shard}"),
+            ShardRole::Api => "api".into(),
+        },
+        connected: c.connected.load(Relaxed),
+        records_published: c.records_published.load(Relaxed),
+        record_messages_published: c.record_messages_published.load(Relaxed),
+        records_unpublished: unpublished,
+        publish_failures: c.publish_failures.load(Relaxed),
+        publish_duplicates: c.publish_duplicates.load(Relaxed),
+        backpressure_waits: c.backpressure_waits.load(Relaxed),
+        node_summaries_published: c.node_summaries_published.load(Relaxed),
+        records_applied: c.records_applied.load(Relaxed),
+        records_not_owned: c.records_not_owned.load(Relaxed),
+        events_published: c.events_published.load(Relaxed),
+        events_unpublished: for_bus,
+        applied_seq: c.applied_seq.load(Relaxed),
+        messages_expired: c.messages_expired.load(Relaxed),
+        undecodable: c.undecodable.load(Relaxed),
+        events_applied: c.events_applied.load(Relaxed),
+        node_summaries_applied: c.node_summaries_applied.load(Relaxed),
+        health_applied: c.health_applied.load(Relaxed),
+    })
+}
+
 /// The body of `GET /v1/ingest` (also read by `/metrics`).
 pub(crate) fn ingest_dto(s: &Shared) -> Result<IngestDto, CoreFailed> {
     let c = &s.counters;
@@ -416,6 +450,7 @@ pub(crate) fn ingest_dto(s: &Shared) -> Result<IngestDto, CoreFailed> {
         durable_untracked: c.durable_untracked.load(Relaxed),
         connections_protocol_2: c.connections_protocol_2.load(Relaxed),
         protocol_refused: c.protocol_refused.load(Relaxed),
+        cluster: cluster_dto(s),
         events: {
             let log = s.events_log();
             dto::EventLogDto {

@@ -100,6 +100,9 @@ pub struct ClusterCounters {
     /// Connected to NATS and the streams exist.
     pub connected: std::sync::atomic::AtomicBool,
     pub records_published: std::sync::atomic::AtomicU64,
+    /// Records no matcher reads (bulk watermarks, loss intervals of bulk and P1 streams):
+    /// not published; the node summaries carry their accounting.
+    pub records_kept_local: std::sync::atomic::AtomicU64,
     pub record_messages_published: std::sync::atomic::AtomicU64,
     /// Publishes JetStream did not ack (each retried under the same message id).
     pub publish_failures: std::sync::atomic::AtomicU64,
@@ -108,6 +111,12 @@ pub struct ClusterCounters {
     /// Times a batch stream waited for the unpublished records to drain.
     pub backpressure_waits: std::sync::atomic::AtomicU64,
     pub node_summaries_published: std::sync::atomic::AtomicU64,
+    /// Node summaries JetStream did not take (too large for the server's payload cap,
+    /// or the bus unreachable); the next one follows half a second later.
+    pub node_summaries_failed: std::sync::atomic::AtomicU64,
+    /// Record batches routed for another number of matcher shards than this matcher's
+    /// (a misconfiguration: `/healthz` says so; the records are applied as routed).
+    pub shard_count_mismatches: std::sync::atomic::AtomicU64,
     pub records_applied: std::sync::atomic::AtomicU64,
     /// Records in a matcher shard's stream owned by another shard (never expected).
     pub records_not_owned: std::sync::atomic::AtomicU64,
@@ -143,6 +152,10 @@ impl ClusterCounters {
 }
 
 pub use ringwatch_core::shard::MAX_UNPUBLISHED_EVENTS;
+
+/// How long a records stream keeps records (a matcher shard without a snapshot replays
+/// this far back at start).
+pub const RECORDS_MAX_AGE: Duration = Duration::from_secs(86_400);
 
 /// Records per message, at most (NATS's default payload cap is 1 MiB).
 const RECORDS_PER_MESSAGE: usize = 1024;
@@ -202,7 +215,11 @@ pub async fn connect(cfg: &ClusterConfig, name: &str) -> Result<jetstream::Conte
                 name: records_stream(m),
                 subjects: vec![records_subject(m)],
                 max_bytes: cfg.stream_max_bytes,
-                discard: stream::DiscardPolicy::Old,
+                // Full: publishes fail and are retried, the ingest shards stop reading
+                // batches (backpressure), never a record acked durable thrown away. Kept
+                // a day: a matcher shard restarting without a snapshot replays that far.
+                discard: stream::DiscardPolicy::New,
+                max_age: RECORDS_MAX_AGE,
                 ..base.clone()
             },
         )
@@ -244,6 +261,7 @@ async fn ensure(js: &jetstream::Context, config: stream::Config) -> Result<(), S
 async fn publish_acked(s: &Shared, js: &jetstream::Context, subject: String, id: String, payload: Vec<u8>) -> u64 {
     let c = &s.cluster;
     let mut wait = Duration::from_millis(50);
+    let mut retry = false;
     loop {
         let msg = jetstream::message::PublishMessage::build().payload(payload.clone().into()).message_id(&id);
         let res = match js.send_publish(subject.clone(), msg).await {
@@ -254,6 +272,11 @@ async fn publish_acked(s: &Shared, js: &jetstream::Context, subject: String, id:
             Ok(ack) => {
                 if ack.duplicate {
                     c.publish_duplicates.fetch_add(1, Relaxed);
+                    if !retry {
+                        // Not a retry of ours: another process publishes under this id
+                        // (two shards given one index?). JetStream kept the first.
+                        tracing::error!(subject, id, "JetStream already held this message id on a first publish");
+                    }
                 }
                 c.connected.store(true, Relaxed);
                 return ack.sequence;
@@ -263,6 +286,7 @@ async fn publish_acked(s: &Shared, js: &jetstream::Context, subject: String, id:
                     tracing::warn!(subject, id, error = %e, "publish not acked: retrying under the same id");
                 }
                 c.connected.store(false, Relaxed);
+                retry = true;
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(2));
             }
@@ -272,59 +296,91 @@ async fn publish_acked(s: &Shared, js: &jetstream::Context, subject: String, id:
 
 /// Ingest shard: publishes the core's unpublished records (see the module docs).
 pub async fn publish_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
-    let ShardRole::Ingest { shard: me } = cfg.role else { return };
-    let shards = cfg.matcher_shards.max(1);
+    if !matches!(cfg.role, ShardRole::Ingest { .. }) {
+        return;
+    }
     let mut tick = tokio::time::interval(Duration::from_millis(5));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         s.progress(&s.tasks.cluster);
-        let taken: Vec<(u64, u64, ringwatch_core::records::Record)> = {
-            let Ok(core) = s.core() else { return };
-            core.unpublished().iter().take(RECORDS_PER_MESSAGE).copied().collect()
-        };
-        let Some(&(last, _, _)) = taken.last() else { continue };
-        let mut per: Vec<Vec<(u64, u64, ringwatch_core::records::Record)>> = vec![Vec::new(); shards as usize];
-        for r in &taken {
-            match shard::route(&r.2, shards) {
-                Some(m) => per.get_mut(m as usize).into_iter().for_each(|v| v.push(*r)),
-                None => per.iter_mut().for_each(|v| v.push(*r)),
-            }
+        if publish_round(&s, &cfg, &js).await.is_none() {
+            return;
         }
-        let sends = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(m, records)| {
-            let m = u32::try_from(m).unwrap_or(0);
-            let first = records.first().map_or(0, |r| r.0);
-            let batch = RecordBatch { ingest_shard: me, epoch: s.epoch, records };
-            let id = format!("i{me}.e{}.m{m}.r{first}", s.epoch);
-            let (s, js) = (Arc::clone(&s), js.clone());
-            async move {
-                match shard::encode(&batch) {
-                    Ok(payload) => {
-                        let seq = publish_acked(&s, &js, records_subject(m), id, payload).await;
-                        s.cluster.acked(m, seq);
-                    }
-                    Err(e) => tracing::error!(error = %e, "a record batch could not be encoded"),
-                }
-            }
-        });
-        futures_util::future::join_all(sends).await;
-        s.cluster.records_published.fetch_add(taken.len() as u64, Relaxed);
-        s.cluster.record_messages_published.fetch_add(1, Relaxed);
-        if let Ok(mut core) = s.core() {
-            core.mark_published(last);
-        }
-        // Batches whose records are all on the bus are durable: every record below index
-        // `last + 1` is (`durable_gen` = records published + 1; see ingest).
-        let upto = last.saturating_add(2);
-        s.durable_gen.send_if_modified(|d| {
-            let newer = upto > *d;
-            if newer {
-                *d = upto;
-            }
-            newer
-        });
-        s.publish_drained.notify_waiters();
     }
+}
+
+/// Ingest shard, at an orderly stop (after the QUIC endpoint closed, so nothing new is
+/// applied): publishes what is still unpublished, until `deadline`. Returns how many
+/// records are left (0: everything is on the bus).
+pub async fn flush_records(s: &Shared, cfg: &ClusterConfig, js: &jetstream::Context, deadline: Duration) -> usize {
+    let left = || s.core().map_or(0, |c| c.unpublished().len());
+    let _ = tokio::time::timeout(deadline, async {
+        while left() > 0 {
+            if publish_round(s, cfg, js).await.is_none() {
+                return;
+            }
+        }
+    })
+    .await;
+    left()
+}
+
+/// One round: up to [`RECORDS_PER_MESSAGE`] of the oldest unpublished records, one
+/// message per matcher shard they go to, each retried until acked; then dropped from the
+/// core and their batches made durable. How many records it took (`None`: the core
+/// failed).
+async fn publish_round(s: &Shared, cfg: &ClusterConfig, js: &jetstream::Context) -> Option<usize> {
+    let ShardRole::Ingest { shard: me } = cfg.role else { return Some(0) };
+    let shards = cfg.matcher_shards.max(1);
+    let taken: Vec<(u64, u64, ringwatch_core::records::Record)> = {
+        let core = s.core().ok()?;
+        core.unpublished().iter().take(RECORDS_PER_MESSAGE).copied().collect()
+    };
+    let Some(&(last, _, _)) = taken.last() else { return Some(0) };
+    let mut per: Vec<Vec<(u64, u64, ringwatch_core::records::Record)>> = vec![Vec::new(); shards as usize];
+    let mut local = 0u64;
+    for r in &taken {
+        match shard::route(&r.2, shards) {
+            shard::Route::One(m) => per.get_mut(m as usize).into_iter().for_each(|v| v.push(*r)),
+            shard::Route::All => per.iter_mut().for_each(|v| v.push(*r)),
+            shard::Route::Nowhere => local += 1,
+        }
+    }
+    let sends = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(m, records)| {
+        let m = u32::try_from(m).unwrap_or(0);
+        let first = records.first().map_or(0, |r| r.0);
+        let batch = RecordBatch { ingest_shard: me, epoch: s.epoch, matcher_shards: shards, records };
+        // The process's random instance in the id: a restarted shard numbers its records
+        // from 0 again and must not be taken for a retry of its predecessor's.
+        let id = format!("i{me}.{:016x}.m{m}.r{first}", s.instance);
+        async move {
+            match shard::encode(&batch) {
+                Ok(payload) => {
+                    let seq = publish_acked(s, js, records_subject(m), id, payload).await;
+                    s.cluster.acked(m, seq);
+                }
+                Err(e) => tracing::error!(error = %e, "a record batch could not be encoded"),
+            }
+        }
+    });
+    futures_util::future::join_all(sends).await;
+    s.cluster.records_published.fetch_add((taken.len() as u64).saturating_sub(local), Relaxed);
+    s.cluster.records_kept_local.fetch_add(local, Relaxed);
+    s.cluster.record_messages_published.fetch_add(1, Relaxed);
+    s.core().ok()?.mark_published(last);
+    // Batches whose records are all on the bus are durable: every record below index
+    // `last + 1` is (`durable_gen` = records published + 1; see ingest).
+    let upto = last.saturating_add(2);
+    s.durable_gen.send_if_modified(|d| {
+        let newer = upto > *d;
+        if newer {
+            *d = upto;
+        }
+        newer
+    });
+    s.publish_drained.notify_waiters();
+    Some(taken.len())
 }
 
 /// Ingest shard: whether batch streams must wait for the bus (see the module docs).
@@ -345,25 +401,35 @@ pub async fn publish_nodes(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Co
             core.node_ids()
                 .filter_map(|id| {
                     let state = core.node_state(id)?.clone();
+                    let (shipper, owners) = (state.shipper, state.owners.clone());
                     let (name, live, connections) = s
                         .nodes
                         .get(&id)
                         .map_or_else(|| (format!("{:016x}", id.0), 0, 0), |e| (e.name.clone(), e.live, e.connections));
-                    Some(NodeSummary { ingest_shard: me, node: id, name, live, connections, state })
+                    Some(NodeSummary { ingest_shard: me, node: id, name, live, connections, state, shipper, owners })
                 })
                 .collect()
         };
         for n in summaries {
             let subject = format!("ringwatch.nodes.{:016x}", n.node.0);
             match shard::encode(&n) {
-                Ok(payload) => match js.publish(subject, payload.into()).await {
-                    Ok(ack) => {
-                        if ack.await.is_ok() {
+                Ok(payload) => {
+                    let res = match js.publish(subject, payload.into()).await {
+                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match res {
+                        Ok(()) => {
                             s.cluster.node_summaries_published.fetch_add(1, Relaxed);
                         }
+                        Err(e) => {
+                            // The API keeps the node's previous state meanwhile.
+                            if s.cluster.node_summaries_failed.fetch_add(1, Relaxed).is_multiple_of(100) {
+                                tracing::warn!(node = %format!("{:016x}", n.node.0), error = %e, "node summary not published (the next one follows)");
+                            }
+                        }
                     }
-                    Err(e) => tracing::debug!(error = %e, "node summary not published (the next one follows)"),
-                },
+                }
                 Err(e) => tracing::error!(error = %e, "a node summary could not be encoded"),
             }
         }
@@ -446,6 +512,16 @@ pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
                 continue;
             }
         };
+        if batch.matcher_shards != cfg.matcher_shards
+            && s.cluster.shard_count_mismatches.fetch_add(1, Relaxed).is_multiple_of(1000)
+        {
+            tracing::error!(
+                ingest_shard = batch.ingest_shard,
+                theirs = batch.matcher_shards,
+                ours = cfg.matcher_shards,
+                "an ingest shard routes for another matcher shard count: fix matcher_shards"
+            );
+        }
         while s.unpublished_events() >= MAX_UNPUBLISHED_EVENTS {
             s.cluster.backpressure_waits.fetch_add(1, Relaxed);
             s.publish_drained.notified().await;
@@ -482,7 +558,7 @@ pub async fn publish_verdicts(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream:
         let batch = VerdictBatch { shard: me, epoch: s.epoch, first: next, events };
         match shard::encode(&batch) {
             Ok(payload) => {
-                let id = format!("m{me}.e{}.v{next}", s.epoch);
+                let id = format!("m{me}.{:016x}.v{next}", s.instance);
                 let seq = publish_acked(&s, &js, format!("ringwatch.verdicts.{me}"), id, payload).await;
                 s.cluster.acked(me, seq);
             }
@@ -586,15 +662,16 @@ pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
 
 fn apply_summary(s: &Shared, n: NodeSummary) {
     let id: NodeId = n.node;
+    let (name, live, connections) = (n.name.clone(), n.live, n.connections);
     let installed = match s.core() {
-        Ok(mut core) => core.install_node(id, n.state),
+        Ok(mut core) => core.install_node(id, n),
         Err(_) => return,
     };
     if installed {
         let mut e = s.nodes.entry(id).or_default();
-        e.name = n.name;
-        e.live = n.live;
-        e.connections = n.connections;
+        e.name = name;
+        e.live = live;
+        e.connections = connections;
         s.cluster.node_summaries_applied.fetch_add(1, Relaxed);
     }
 }

@@ -348,6 +348,12 @@ fn cluster_from(v: &mut Values) -> Option<crate::cluster::ClusterConfig> {
             "an ingest shard's durability is the bus (a batch is acked durable once its records are in JetStream); a snapshot restored after a crash would miss batches acked since",
         );
     }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    if int(v, "time_origin_unix_ms") > now_ms {
+        v.problem("time_origin_unix_ms", "in the future: the roles' clocks would all read 0 until then");
+    }
     if matches!(role, ShardRole::Api) && v.opt_text("snapshot").is_some() {
         v.problem("snapshot", "the API role rebuilds its state from the streams at every start: no snapshot");
     }
@@ -475,6 +481,11 @@ mod tests {
         problem("role = \"matcher\"\nshard = 2\nmatcher_shards = 2\nnats_url = \"nats://a:1\"\n", "shard", "below");
         problem("role = \"ingest\"\nnats_url = \"nats://a:1\"\nsnapshot = \"/tmp/x.snap\"\n", "snapshot", "bus");
         problem("role = \"api\"\nnats_url = \"nats://a:1\"\nsnapshot = \"/tmp/x.snap\"\n", "snapshot", "rebuilds");
+        problem(
+            "role = \"api\"\nnats_url = \"nats://a:1\"\ntime_origin_unix_ms = 4000000000000\n",
+            "time_origin_unix_ms",
+            "future",
+        );
     }
 
     #[test]

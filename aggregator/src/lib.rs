@@ -206,6 +206,8 @@ pub struct Aggregator {
     endpoint: quinn::Endpoint,
     tasks: Vec<JoinHandle<()>>,
     snapshot_path: Option<PathBuf>,
+    /// A shard role's bus (see [`cluster`]).
+    nats: Option<Box<(cluster::ClusterConfig, async_nats::jetstream::Context)>>,
 }
 
 impl Aggregator {
@@ -383,8 +385,8 @@ impl Aggregator {
             |s| &s.tasks.events,
             move || watch_nodes(Arc::clone(&sh)),
         ));
-        if let Some((c, js)) = nats {
-            tasks.extend(spawn_cluster_tasks(&shared, &c, &js));
+        if let Some((c, js)) = &nats {
+            tasks.extend(spawn_cluster_tasks(&shared, c, js));
         }
         if let Some(psi) = cfg.psi.clone() {
             let sh = Arc::clone(&shared);
@@ -421,7 +423,15 @@ impl Aggregator {
                 move || snapshot_loop(Arc::clone(&sh), path.clone(), interval),
             ));
         }
-        Ok(Self { quic_addr, http_addr, shared, endpoint, tasks, snapshot_path: cfg.snapshot_path })
+        Ok(Self {
+            quic_addr,
+            http_addr,
+            shared,
+            endpoint,
+            tasks,
+            snapshot_path: cfg.snapshot_path,
+            nats: nats.map(Box::new),
+        })
     }
 
     /// Resolves when the core fails (a panic while it was being updated, or its timer
@@ -445,8 +455,40 @@ impl Aggregator {
     /// forgets nothing that was acked. Returns whether a snapshot was written (never
     /// after the core failed).
     pub async fn shutdown_with_snapshot(&self) -> bool {
+        // An ingest shard first stops applying (new connections refused, batches left to
+        // their shippers), puts what it holds on the bus, and tells its shippers which
+        // batches that made durable — so the next instance is not sent them again.
+        if let Some((c, js)) = self.nats.as_deref()
+            && matches!(c.role, cluster::ShardRole::Ingest { .. })
+        {
+            self.shared.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+            self.endpoint.set_server_config(None);
+            let left = cluster::flush_records(&self.shared, c, js, Duration::from_secs(5)).await;
+            if left > 0 {
+                tracing::warn!(left, "records not on the bus at shutdown (JetStream unreachable)");
+            }
+            let started = std::time::Instant::now();
+            while self.shared.awaiting_durable.load(std::sync::atomic::Ordering::Relaxed) > 0
+                && started.elapsed() < Duration::from_secs(2)
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // The last acks are written; give them a moment on the wire before the close
+            // (which abandons what streams have not sent).
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            tracing::info!(left, "ingest shard drained");
+        }
         self.shutdown();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        // What the closes and the last timer turns produced (nodes disconnected) too.
+        if let Some((c, js)) = self.nats.as_deref()
+            && matches!(c.role, cluster::ShardRole::Ingest { .. })
+        {
+            let left = cluster::flush_records(&self.shared, c, js, Duration::from_secs(2)).await;
+            if left > 0 {
+                tracing::warn!(left, "records not on the bus at shutdown (JetStream unreachable)");
+            }
+        }
         let Some(path) = self.snapshot_path.clone() else { return false };
         let shared = Arc::clone(&self.shared);
         let sh = Arc::clone(&shared);

@@ -386,6 +386,12 @@ pub struct Shared {
     pub publish_drained: tokio::sync::Notify,
     /// A matcher shard keeps every event drained for the bus (in its core).
     events_for_bus: AtomicBool,
+    /// An ingest shard stopping in order: batches read from now on are not applied (their
+    /// shippers keep them and send them to the next instance).
+    pub draining: AtomicBool,
+    /// P0/P1 batches acked `applied` whose `ack durable` is not yet written, over every
+    /// connection (an orderly stop waits for them).
+    pub awaiting_durable: AtomicU64,
 }
 
 impl Shared {
@@ -430,6 +436,8 @@ impl Shared {
             cluster: crate::cluster::ClusterCounters::default(),
             publish_drained: tokio::sync::Notify::new(),
             events_for_bus: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            awaiting_durable: AtomicU64::new(0),
         }
     }
 

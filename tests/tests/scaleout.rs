@@ -7,7 +7,10 @@
 //! health) is the same and the truth's, every final verdict is right and, where both
 //! decided an op, the same; every stream is exact. Mid-run, matcher shard 1 stops with a
 //! snapshot and starts again from it, reading its stream on from the snapshot's
-//! position: nothing changes in the outcome.
+//! position, and ingest shard 0 stops in order (everything it holds put on the bus) and
+//! a fresh process takes its address (its message ids must not be taken for its
+//! predecessor's; its shippers resume, what the old one took is `prior_instance`):
+//! nothing changes in the outcome.
 //!
 //! Without `nats-server` the test skips with the reason; with `CI=true` it fails.
 
@@ -207,16 +210,19 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     // Settled when every role has drained: nothing unpublished at the ingest shards,
     // each matcher shard has applied its stream up to what every ingest shard had acked,
     // and the API role has applied the verdict stream up to what every matcher had acked.
-    let (i_shared, a_shared) =
-        (ingests.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(), Arc::clone(&api.shared));
+    let a_shared = Arc::clone(&api.shared);
+    let ingest_addrs: Vec<std::net::SocketAddr> = ingests.iter().map(|a| a.quic_addr).collect();
+    let i_live = Arc::new(std::sync::Mutex::new(ingests.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>()));
+    let ingests = Arc::new(tokio::sync::Mutex::new(ingests));
     let matchers = Arc::new(tokio::sync::Mutex::new(matchers));
     let m_live = Arc::new(std::sync::Mutex::new(
         matchers.lock().await.iter().map(|a| Arc::clone(&a.shared)).collect::<Vec<_>>(),
     ));
     let drained = {
-        let (i_shared, m_live, a_shared) = (i_shared.clone(), Arc::clone(&m_live), Arc::clone(&a_shared));
+        let (i_live, m_live, a_shared) = (Arc::clone(&i_live), Arc::clone(&m_live), Arc::clone(&a_shared));
         move || {
             let m_shared = m_live.lock().unwrap().clone();
+            let i_shared = i_live.lock().unwrap().clone();
             let unpublished = i_shared.iter().all(|s| s.core().is_ok_and(|c| c.unpublished().is_empty()));
             let records = m_shared.iter().enumerate().all(|(m, ms)| {
                 let want = i_shared
@@ -234,8 +240,8 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
         }
     };
     let external = External {
-        quic: ingests[0].quic_addr,
-        ingest_shards: ingests.iter().map(|a| a.quic_addr).collect(),
+        quic: ingest_addrs[0],
+        ingest_shards: ingest_addrs.clone(),
         http: api.http_addr,
         certs: dir.0.clone(),
         time_scale: TIME_SCALE,
@@ -263,7 +269,46 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
             position
         })
     };
+    // Ingest shard 0: an orderly stop, then a fresh process on the same address.
+    let ingest_restart = {
+        let (ingests, i_live) = (Arc::clone(&ingests), Arc::clone(&i_live));
+        let mut cfg = role_config(&set, &nats, ShardRole::Ingest { shard: 0 }, origin_ms);
+        cfg.listen = ingest_addrs[0];
+        tokio::spawn(async move {
+            let s = Arc::clone(&i_live.lock().unwrap()[0]);
+            let started = Instant::now();
+            while s.cluster.records_published.load(Relaxed) < 20_000 && started.elapsed() < ringwatch_tests::STATE_LIMIT
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let mut g = ingests.lock().await;
+            let old = g.remove(0);
+            old.shutdown_with_snapshot().await;
+            drop(old);
+            let left = s.core().map(|c| c.unpublished().len()).unwrap_or(usize::MAX);
+            assert_eq!(left, 0, "the stopped ingest shard put everything on the bus");
+            let published = s.cluster.records_published.load(Relaxed);
+            // Its UDP port is free once the old endpoint's driver has ended.
+            let again = loop {
+                match Aggregator::start(cfg.clone()).await {
+                    Ok(a) => break a,
+                    Err(e) if started.elapsed() < ringwatch_tests::STATE_LIMIT => {
+                        println!("ingest 0 not started yet: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(e) => panic!("ingest 0 did not start again: {e}"),
+                }
+            };
+            assert_ne!(again.shared.instance, s.instance);
+            i_live.lock().unwrap()[0] = Arc::clone(&again.shared);
+            g.insert(0, again);
+            published
+        })
+    };
     let r = cluster::run(spec(Some(external))).await.expect("scaled-out run");
+    let before = ingest_restart.await.expect("the ingest restart task");
+    println!("ingest 0 restarted after publishing {before} records");
+    let i_shared = i_live.lock().unwrap().clone();
     let position = restart.await.expect("the restart task");
     println!("matcher 1 restarted from its snapshot at stream sequence {position}");
     assert!(position > 0);
@@ -276,6 +321,7 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
         println!("ingest {i}: {nodes} nodes, {published} records published");
         assert!(nodes > 0 && published > 0, "ingest shard {i} took shippers");
         assert_eq!(s.cluster.publish_failures.load(Relaxed), 0, "ingest {i}: every publish acked first time");
+        assert_eq!(s.cluster.publish_duplicates.load(Relaxed), 0, "ingest {i}: no message taken for another's");
     }
     for (m, s) in m_shared.iter().enumerate() {
         let applied = s.cluster.records_applied.load(Relaxed);
@@ -329,7 +375,7 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     println!("final verdicts: single process {}, scaled out {}", a.len(), b.len());
     assert!(b.len() * 10 >= a.len() * 9, "scaled out decided {} of the single process's {}", b.len(), a.len());
 
-    for a in ingests.iter().chain(matchers.lock().await.iter()).chain(std::iter::once(&api)) {
+    for a in ingests.lock().await.iter().chain(matchers.lock().await.iter()).chain(std::iter::once(&api)) {
         a.shutdown();
     }
 }

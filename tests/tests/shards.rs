@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use loadgen_sim::builtin;
 use proptest::prelude::*;
 use ringwatch_core::records::{NodeId, Record};
-use ringwatch_core::shard::{Role, route};
+use ringwatch_core::shard::{Role, Route, route};
 use ringwatch_core::verdict::{MatcherEvent, OpRef, VerdictTag};
 use ringwatch_core::{Core, IngestConfig, MatcherConfig};
 use ringwatch_tests::pair::{Pair, PairConfig};
@@ -131,7 +131,7 @@ const MAX_SKEW_NS: u64 = 2_000_000_000;
 fn interleave<'a>(run: &'a Run, shard: u32, shards: u32, picks: &[bool]) -> Vec<&'a Timed> {
     let mut per: [Vec<&Timed>; 2] = [Vec::new(), Vec::new()];
     for rec in &run.records {
-        if route(&rec.1, shards).is_none_or(|s| s == shard) {
+        if ringwatch_core::shard::takes(&rec.1, shard, shards) {
             per[run.shard_of[&rec.1.node()] as usize].push(rec);
         }
     }
@@ -206,7 +206,14 @@ fn one_matcher_fed_every_record_in_order_decides_every_op() {
     let (run, reference) = &*MIXED;
     assert!(reference.len() > 100, "final verdicts: {}", reference.len());
     // Both matcher shards own some communicators.
-    let owners: std::collections::BTreeSet<u32> = run.records.iter().filter_map(|(_, r)| route(r, 2)).collect();
+    let owners: std::collections::BTreeSet<u32> = run
+        .records
+        .iter()
+        .filter_map(|(_, r)| match route(r, 2) {
+            Route::One(s) => Some(s),
+            _ => None,
+        })
+        .collect();
     assert_eq!(owners.len(), 2, "communicators on both shards");
 }
 

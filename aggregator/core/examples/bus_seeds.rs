@@ -89,6 +89,7 @@ fn main() {
     let batch = RecordBatch {
         ingest_shard: 0,
         epoch: 1,
+        matcher_shards: 2,
         records: records.into_iter().enumerate().map(|(i, r)| (i as u64, 1_000_000 * i as u64, r)).collect(),
     };
     let health = ShardHealth {

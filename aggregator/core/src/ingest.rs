@@ -221,7 +221,7 @@ pub const MAX_OWNERS_PER_NODE: usize = 4096;
 
 /// A rank process's owner, joined with the PROGRESS entries of the same heartbeat: one
 /// row per (GPU, communicator, rank, process).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GpuOwner {
     pub gpu_uuid: [u8; 16],
     pub comm_hash: u64,
@@ -234,7 +234,7 @@ pub struct GpuOwner {
 }
 
 /// A shipper's own state, from a heartbeat's `shipper_state` section.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ShipperState {
     pub spool_bytes: u64,
     pub spool_cap_bytes: u64,
@@ -388,6 +388,12 @@ pub struct Ingest {
     bulk: BulkScratch,
     #[rkyv(with = rkyv::with::Skip)]
     e2e: EndToEnd,
+    /// An ingest shard (`Core::set_role`): it says `Fresh` for every node it starts to
+    /// hear — a matcher shard may have heard the node go unreachable from another
+    /// instance (a restarted shard, or the node's previous shard) — and a resume above
+    /// what it saw is no knowledge gap: the matchers have what the earlier instance
+    /// published (every batch it acked durable). One process needs neither.
+    announce_new_nodes: bool,
 }
 
 /// The bulk path's per-batch buffers: a bulk batch's frames grouped by stream (streams
@@ -456,7 +462,13 @@ impl Ingest {
             dedup: BatchDedup::new(config.dedup),
             bulk: BulkScratch::default(),
             e2e: EndToEnd::default(),
+            announce_new_nodes: false,
         }
+    }
+
+    /// Records `Fresh` liveness for every node from now on first heard (an ingest shard).
+    pub fn announce_new_nodes(&mut self) {
+        self.announce_new_nodes = true;
     }
 
     /// Loss interval ids from here on start at `base` at least (an ingest shard's ids
@@ -465,10 +477,21 @@ impl Ingest {
         self.next_loss_id = self.next_loss_id.max(base);
     }
 
-    /// The API role: a node's state as its ingest shard published it. An older state
-    /// than the one held (by last-heard time) is ignored; a new node past `max_nodes`
-    /// is refused (counted in `nodes_refused_batches`). Whether it was installed.
-    pub fn install_node(&mut self, node: NodeId, state: NodeState) -> bool {
+    /// The API role: a node's state as its ingest shard published it, with what its
+    /// snapshots leave out (the shipper's state and the rank owners, carried apart). An
+    /// older state than the one held (by last-heard time) is ignored; a new node past
+    /// `max_nodes` is refused (counted in `nodes_refused_batches`). Whether it was
+    /// installed.
+    pub fn install_node(
+        &mut self,
+        node: NodeId,
+        mut state: NodeState,
+        shipper: Option<ShipperState>,
+        owners: Vec<GpuOwner>,
+    ) -> bool {
+        state.shipper = shipper;
+        state.owners = owners;
+        state.owners.truncate(MAX_OWNERS_PER_NODE);
         let full = self.nodes.len() >= self.config.max_nodes;
         match self.nodes.get_mut(&node) {
             Some(held) if held.last_heard_ns > state.last_heard_ns => false,
@@ -744,7 +767,7 @@ impl Ingest {
             }
         }
         self.stats.resume_windows.grow(windows);
-        if windows > 0 && !self.restored {
+        if windows > 0 && !self.restored && !self.announce_new_nodes {
             self.out.push(Record::KnowledgeGap(KnowledgeGap { node, from_ns: self.known_since_ns, to_ns: now }));
         }
         self.update_watermarks(now, node);
@@ -782,6 +805,14 @@ impl Ingest {
                 interfaces: crate::rates::InterfaceRates::default(),
             },
         );
+        if self.announce_new_nodes {
+            self.out.push(Record::Liveness(Liveness {
+                node,
+                state: LivenessState::Fresh,
+                at_ns: now,
+                last_heard_ns: now,
+            }));
+        }
         true
     }
 

@@ -100,6 +100,7 @@ impl Core {
     pub fn set_role(&mut self, role: Role) {
         if let Role::Ingest { shard } = role {
             self.ingest.reserve_loss_ids(crate::shard::loss_id_base(shard));
+            self.ingest.announce_new_nodes();
         }
         self.role = role;
     }
@@ -173,9 +174,10 @@ impl Core {
 
     /// API role: a node's ingest state as its ingest shard published it (replacing what
     /// was held; an older summary than the one held — by the node's last-heard time — is
-    /// ignored and `false` returned).
-    pub fn install_node(&mut self, node: NodeId, state: crate::ingest::NodeState) -> bool {
-        self.ingest.install_node(node, state)
+    /// ignored and `false` returned). Its bulk and interface rates are not carried: the
+    /// API role shows none.
+    pub fn install_node(&mut self, node: NodeId, summary: crate::shard::NodeSummary) -> bool {
+        self.ingest.install_node(node, summary.state, summary.shipper, summary.owners)
     }
 
     /// API role: events a matcher shard published, to be polled by [`Self::poll_event`].

@@ -7,8 +7,10 @@
 //! - [`matcher_shard`]: the matcher shard that owns a communicator — a hash range of the
 //!   communicator's hash, so every rank of one communicator meets in one shard.
 //! - [`route`]: where one record goes. Records about a communicator (lifecycle frames,
-//!   PROGRESS entries) go to its shard; records about a node (watermarks, loss
-//!   intervals, liveness, knowledge and shipper gaps, epochs) go to every shard. An
+//!   PROGRESS entries) go to its shard; records about a node (P0 watermarks and loss
+//!   intervals, liveness, knowledge and shipper gaps, epochs) go to every shard; bulk
+//!   watermarks and loss intervals of other classes go nowhere (no matcher reads them:
+//!   bulk stays on its ingest shard). An
 //!   ingest shard publishes a node's records in the order ingest produced them, each to
 //!   its subject, so a node's watermark reaches every matcher shard after the records it
 //!   covers — the one ordering the matcher needs (a watermark never overtakes its own
@@ -72,36 +74,60 @@ pub fn matcher_shard(comm_hash: u64, shards: u32) -> u32 {
     u32::try_from(s).unwrap_or(0)
 }
 
-/// Where a record goes: `Some(shard)` for one matcher shard, `None` for every one.
+/// Where a record goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// To the matcher shard owning its communicator.
+    One(u32),
+    /// To every matcher shard (it is about a node).
+    All,
+    /// Nowhere: no matcher uses it (bulk watermarks, loss intervals of bulk and P1
+    /// streams — bulk never leaves its ingest shard; its accounting reaches the API in
+    /// the node summaries).
+    Nowhere,
+}
+
+/// Where a record goes: lifecycle frames and PROGRESS entries to their communicator's
+/// shard; P0 watermarks, P0 loss intervals, liveness, knowledge gaps, shipper gaps and
+/// epochs to every shard; the rest nowhere.
 #[must_use]
-pub fn route(record: &Record, shards: u32) -> Option<u32> {
+pub fn route(record: &Record, shards: u32) -> Route {
     match record {
-        Record::Lifecycle(l) => Some(matcher_shard(l.comm.hash, shards)),
-        Record::Progress(p) => Some(matcher_shard(p.comm.hash, shards)),
+        Record::Lifecycle(l) => Route::One(matcher_shard(l.comm.hash, shards)),
+        Record::Progress(p) => Route::One(matcher_shard(p.comm.hash, shards)),
+        Record::Watermark(w) if w.class != 0 => Route::Nowhere,
+        Record::Loss(l) if l.stream.stream_id >> 24 != 0 => Route::Nowhere,
         Record::Loss(_)
         | Record::Watermark(_)
         | Record::Liveness(_)
         | Record::KnowledgeGap(_)
         | Record::ShipperGap(_)
-        | Record::Epoch(_) => None,
+        | Record::Epoch(_) => Route::All,
     }
 }
 
 /// Whether matcher shard `shard` of `shards` takes `record`.
 #[must_use]
 pub fn takes(record: &Record, shard: u32, shards: u32) -> bool {
-    route(record, shards).is_none_or(|s| s == shard)
+    match route(record, shards) {
+        Route::One(s) => s == shard,
+        Route::All => true,
+        Route::Nowhere => false,
+    }
 }
 
 /// An ingest shard's records for one matcher shard, in production order; each with its
 /// index in the ingest shard's record sequence (indices rise within a batch, and from
-/// one batch to the next of the same ingest shard and epoch) and the ingest shard's
+/// one batch to the next of the same ingest shard and process) and the ingest shard's
 /// aggregator time when it was produced.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct RecordBatch {
     pub ingest_shard: u32,
     /// The ingest shard's aggregator epoch (one per start).
     pub epoch: u64,
+    /// How many matcher shards the ingest shard routed for (a matcher that counts
+    /// otherwise is misconfigured: it says so).
+    pub matcher_shards: u32,
     pub records: Vec<(u64, u64, Record)>,
 }
 
@@ -124,6 +150,10 @@ pub struct NodeSummary {
     pub live: u32,
     pub connections: u64,
     pub state: NodeState,
+    /// What `state`'s archive leaves out: the shipper's last reported state and the
+    /// rank owners of its last heartbeat.
+    pub shipper: Option<crate::ingest::ShipperState>,
+    pub owners: Vec<crate::ingest::GpuOwner>,
 }
 
 /// A matcher shard's health of every node and GPU it knows, at its time `at_ns`.

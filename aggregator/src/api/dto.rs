@@ -223,6 +223,9 @@ pub struct ClusterDto {
     pub connected: bool,
     /// Ingest: records published, messages carrying them, records not yet published.
     pub records_published: u64,
+    /// Records no matcher reads (bulk watermarks, loss intervals of bulk and P1
+    /// streams), not published: their accounting reaches the API in the node summaries.
+    pub records_kept_local: u64,
     pub record_messages_published: u64,
     pub records_unpublished: u64,
     /// Publishes not acked (retried under the same message id) and retries JetStream
@@ -232,6 +235,11 @@ pub struct ClusterDto {
     /// Times a batch stream (ingest) or the record consumer (matcher) waited for the bus.
     pub backpressure_waits: u64,
     pub node_summaries_published: u64,
+    /// Node summaries JetStream did not take (the API keeps the node's previous state).
+    pub node_summaries_failed: u64,
+    /// Matcher: record batches routed for another matcher shard count (misconfigured
+    /// `matcher_shards`; `/healthz` is degraded while it is not 0).
+    pub shard_count_mismatches: u64,
     /// Matcher: records applied, records of another shard's communicators (never
     /// expected), events published and not yet published, the stream position applied.
     pub records_applied: u64,

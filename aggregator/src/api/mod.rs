@@ -252,6 +252,12 @@ async fn healthz(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if s.tls_reload_on.load(Relaxed) && !s.tasks.tls.alive.load(Relaxed) {
         reasons.push("task tls is not running: rotated certificates are not picked up".to_owned());
     }
+    let mismatches = s.cluster.shard_count_mismatches.load(Relaxed);
+    if mismatches > 0 {
+        reasons.push(format!(
+            "{mismatches} record batches were routed for another matcher shard count: every role must say the same matcher_shards"
+        ));
+    }
     if s.pressure.armed.load(Relaxed) && !s.tasks.pressure.alive.load(Relaxed) {
         reasons.push("task pressure is not running: memory pressure is no longer followed".to_owned());
     }
@@ -343,12 +349,15 @@ fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
         },
         connected: c.connected.load(Relaxed),
         records_published: c.records_published.load(Relaxed),
+        records_kept_local: c.records_kept_local.load(Relaxed),
         record_messages_published: c.record_messages_published.load(Relaxed),
         records_unpublished: unpublished,
         publish_failures: c.publish_failures.load(Relaxed),
         publish_duplicates: c.publish_duplicates.load(Relaxed),
         backpressure_waits: c.backpressure_waits.load(Relaxed),
         node_summaries_published: c.node_summaries_published.load(Relaxed),
+        node_summaries_failed: c.node_summaries_failed.load(Relaxed),
+        shard_count_mismatches: c.shard_count_mismatches.load(Relaxed),
         records_applied: c.records_applied.load(Relaxed),
         records_not_owned: c.records_not_owned.load(Relaxed),
         events_published: c.events_published.load(Relaxed),

@@ -273,6 +273,10 @@ async fn connection(conn: quinn::Connection, shared: Arc<Shared>) {
                         }
                     }
                 }
+                if shared.draining.load(Ordering::Relaxed) {
+                    // Stopping: the shipper keeps it for the next instance.
+                    return;
+                }
                 let rtt = shared.aggregator_ns(conn2.rtt());
                 // An ingest shard whose records wait for the bus reads nothing more
                 // until they drain: QUIC flow control holds the shipper back.
@@ -525,9 +529,11 @@ async fn control_writer(
             }
         }
         if !out.is_empty() && send.write_all(&out).await.is_err() {
+            shared.awaiting_durable.fetch_sub(awaiting.len() as u64, Ordering::Relaxed);
             return;
         }
     }
+    shared.awaiting_durable.fetch_sub(awaiting.len() as u64, Ordering::Relaxed);
     let _ = send.finish();
 }
 
@@ -547,6 +553,7 @@ fn encode_durable(out: &mut Vec<u8>, awaiting: &mut Vec<(u64, u64, u64)>, on_dis
         }
     });
     shared.counters.batches_durable.fetch_add(done.len() as u64, Ordering::Relaxed);
+    shared.awaiting_durable.fetch_sub(done.len() as u64, Ordering::Relaxed);
     encode_acks(out, &mut done);
 }
 
@@ -563,6 +570,7 @@ fn encode_answers(out: &mut Vec<u8>, pending: &mut [Answer], shared: &Shared, aw
                     if let Some(c) = capture {
                         if awaiting.len() < MAX_AWAITING_DURABLE {
                             awaiting.push((session, seq, c));
+                            shared.awaiting_durable.fetch_add(1, Ordering::Relaxed);
                         } else {
                             Counters::inc(&shared.counters.durable_untracked);
                         }

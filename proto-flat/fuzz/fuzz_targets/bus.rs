@@ -25,9 +25,11 @@ fuzz_target!(|data: &[u8]| {
         1 => {
             core.set_role(Role::Api);
             if let Ok(n) = shard::decode::<NodeSummary>(bytes, "node summary") {
-                core.install_node(n.node, n.state);
+                let node = n.node;
+                core.install_node(node, n);
+                core.handle_timeout(3_000_000_000);
                 let _ = core.node_health(2_000_000_000);
-                let _ = core.p0_loss(n.node);
+                let _ = core.p0_loss(node);
             }
         }
         2 => {

@@ -600,7 +600,8 @@ async fn net_a_core_panic_exits_nonzero_and_a_restart_from_the_snapshot_continue
         health
             .tasks
             .iter()
-            .filter(|t| !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp"))
+            // Optional, or the shard roles' (this is role `all`).
+            .filter(|t| !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp" | "cluster" | "cluster_state"))
             .all(|t| t.alive && t.panics == 0)
     );
     for r in &reports {

@@ -356,8 +356,9 @@ async fn net_overflow_inputs_from_a_certified_peer_are_nacked_while_verdicts_flo
     assert_eq!(health.status, "ok");
     assert_eq!(ready_status, 200);
     for t in &health.tasks {
-        // Snapshots and the pressure watcher are not configured here.
-        let must_run = !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp");
+        // Snapshots and the pressure watcher are not configured here; the cluster tasks
+        // run only in the shard roles.
+        let must_run = !matches!(t.name.as_str(), "snapshots" | "pressure" | "otlp" | "cluster" | "cluster_state");
         assert!(t.alive == must_run && t.panics == 0 && !t.stalled, "{t:?}");
     }
     assert_eq!((health.connection_panics, health.handler_panics), (0, 0));

@@ -368,12 +368,29 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     }
     assert_eq!(sc.conservation.len(), 8, "every node's streams");
 
-    // Where both decided an op, the same outcome; and about as many decided.
+    // The single process was right too; where both decided an op, the same answer (a
+    // completion seen or inferred around lost frames are one answer to the scorer: which
+    // one depends on what this machine delayed today, in one process as in shards); and
+    // whatever is not final is held back by the dead node alone (as the sweeps require:
+    // how many ops its presumed death has released when the run is read depends on the
+    // machine's speed, in one process as in shards).
+    let sc1 = score::score(
+        &single.truth,
+        &single.nodes,
+        &single.verdicts,
+        single.ended_at_ms,
+        cluster::reorder_sim_ms(TIME_SCALE),
+    );
+    assert_eq!(sc1.final_right, sc1.final_verdicts, "single process: {:?}", sc1.wrong_examples);
+    let same = |x: &str, y: &str| {
+        x == y || matches!((x, y), ("completed", "completed_inferred") | ("completed_inferred", "completed"))
+    };
     let (a, b) = (finals(&single.verdicts), finals(&r.verdicts));
-    let differ: Vec<_> = a.iter().filter(|(k, v)| b.get(*k).is_some_and(|w| w != *v)).take(10).collect();
+    let differ: Vec<_> =
+        a.iter().filter_map(|(k, v)| b.get(k).filter(|w| !same(v, w)).map(|w| (k, v, w))).take(10).collect();
     assert!(differ.is_empty(), "final outcomes differ: {differ:?}");
     println!("final verdicts: single process {}, scaled out {}", a.len(), b.len());
-    assert!(b.len() * 10 >= a.len() * 9, "scaled out decided {} of the single process's {}", b.len(), a.len());
+    assert_eq!(sc.non_final_old, sc.non_final_old_gated_by_silent, "not final, not gated: {:?}", sc.non_final_examples);
 
     for a in ingests.lock().await.iter().chain(matchers.lock().await.iter()).chain(std::iter::once(&api)) {
         a.shutdown();

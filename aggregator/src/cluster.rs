@@ -504,14 +504,7 @@ pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
         if let Ok(info) = m.info() {
             count_gap(&s, &mut last, info.stream_sequence);
         }
-        let batch: RecordBatch = match shard::decode(&m.payload, "record batch") {
-            Ok(b) => b,
-            Err(e) => {
-                s.cluster.undecodable.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, subject = %m.subject, "skipped");
-                continue;
-            }
-        };
+        let Some(batch) = decoded::<RecordBatch>(&s, &m, "record batch") else { continue };
         if batch.matcher_shards != cfg.matcher_shards
             && s.cluster.shard_count_mismatches.fetch_add(1, Relaxed).is_multiple_of(1000)
         {
@@ -604,14 +597,7 @@ pub async fn consume_verdicts(s: Arc<Shared>, js: jetstream::Context) {
         if let Ok(info) = m.info() {
             count_gap(&s, &mut last, info.stream_sequence);
         }
-        let batch: VerdictBatch = match shard::decode(&m.payload, "verdict batch") {
-            Ok(b) => b,
-            Err(e) => {
-                s.cluster.undecodable.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, subject = %m.subject, "skipped");
-                continue;
-            }
-        };
+        let Some(batch) = decoded::<VerdictBatch>(&s, &m, "verdict batch") else { continue };
         let n = batch.events.len() as u64;
         let Ok(mut core) = s.core() else { return };
         core.inject_events(batch.events);
@@ -630,12 +616,8 @@ pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
         while let Some(m) = msgs.next().await {
             s.progress(&s.tasks.cluster_state);
             let Ok(m) = m else { continue };
-            match shard::decode::<NodeSummary>(&m.payload, "node summary") {
-                Ok(n) => apply_summary(&s, n),
-                Err(e) => {
-                    s.cluster.undecodable.fetch_add(1, Relaxed);
-                    tracing::warn!(error = %e, "skipped");
-                }
+            if let Some(n) = decoded::<NodeSummary>(&s, &m, "node summary") {
+                apply_summary(&s, n);
             }
         }
     };
@@ -643,21 +625,32 @@ pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
         let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.health.*"), true, 1).await;
         while let Some(m) = msgs.next().await {
             let Ok(m) = m else { continue };
-            match shard::decode::<ShardHealth>(&m.payload, "shard health") {
-                Ok(h) => {
-                    if let Ok(mut core) = s.core() {
-                        core.set_shard_health(h);
-                    }
-                    s.cluster.health_applied.fetch_add(1, Relaxed);
+            if let Some(h) = decoded::<ShardHealth>(&s, &m, "shard health") {
+                if let Ok(mut core) = s.core() {
+                    core.set_shard_health(h);
                 }
-                Err(e) => {
-                    s.cluster.undecodable.fetch_add(1, Relaxed);
-                    tracing::warn!(error = %e, "skipped");
-                }
+                s.cluster.health_applied.fetch_add(1, Relaxed);
             }
         }
     };
     tokio::join!(nodes, health);
+}
+
+/// A bus message decoded (validated), or counted `undecodable`, logged and skipped.
+fn decoded<T>(s: &Shared, m: &jetstream::Message, what: &'static str) -> Option<T>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+{
+    match shard::decode::<T>(&m.payload, what) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            s.cluster.undecodable.fetch_add(1, Relaxed);
+            tracing::warn!(error = %e, subject = %m.subject, "skipped");
+            None
+        }
+    }
 }
 
 fn apply_summary(s: &Shared, n: NodeSummary) {

@@ -348,6 +348,7 @@ pub fn shipper_config(
     let scaled = |ms: f64| (ms / time_scale).max(1.0) as u64;
     ShipperConfig {
         aggregator: aggregator.into(),
+        fallbacks: Vec::new(),
         server_name: "localhost".into(),
         node_name: name,
         ca: set.ca.clone(),
@@ -483,8 +484,11 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
             shipper_config(&set, ship_to, &scenario.name, scenario.timers.heartbeat_ms, node, spec.time_scale);
         if let Some(x) = spec.external.as_ref().filter(|x| !x.ingest_shards.is_empty() && proxy.is_none()) {
             let list: Vec<String> = x.ingest_shards.iter().map(ToString::to_string).collect();
-            if let Some(a) = node_shipper::config::AggregatorAddr::pick(&list.join(","), &cfg.node_name) {
-                cfg.aggregator = a;
+            if let Some(mut order) = node_shipper::config::AggregatorAddr::ordered(&list.join(","), &cfg.node_name)
+                && !order.is_empty()
+            {
+                cfg.aggregator = order.remove(0);
+                cfg.fallbacks = order;
             }
         }
         let opts = RunOptions { frames_in: Some(Arc::clone(&live[node as usize])), ..RunOptions::default() };

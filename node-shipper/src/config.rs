@@ -21,7 +21,7 @@ const FIELDS: &[Field] = &[
         "aggregator",
         Kind::HostPort,
         None,
-        "aggregator address: ip:port, or dns-name:port resolved at every connection attempt; a comma-separated list of ingest shards: the one rendezvous hashing of node_name picks",
+        "aggregator address: ip:port, or dns-name:port resolved at every connection attempt; a comma-separated list of ingest shards: the one rendezvous hashing of node_name picks, then the next in that order while it cannot be reached",
     ),
     ("server_name", Kind::Text, Some("aggregator"), "name in the aggregator's certificate"),
     ("node_name", Kind::Text, None, "this node's name; must equal its client certificate's DNS SAN"),
@@ -221,8 +221,17 @@ impl AggregatorAddr {
     /// `node_name` goes to (rendezvous hashing; a list of one is that one).
     #[must_use]
     pub fn pick(list: &str, node_name: &str) -> Option<Self> {
+        Self::ordered(list, node_name)?.into_iter().next()
+    }
+
+    /// Every shard of a [`ringwatch_transport::config::host_ports`] list in `node_name`'s
+    /// rendezvous order: the first is [`Self::pick`]'s, the rest are where the shipper
+    /// fails over to, in turn, when the one before cannot be reached. `None` if any item
+    /// does not parse.
+    #[must_use]
+    pub fn ordered(list: &str, node_name: &str) -> Option<Vec<Self>> {
         let items: Vec<&str> = list.split(',').map(str::trim).collect();
-        Self::parse(ringwatch_transport::shard::rendezvous(node_name, &items)?)
+        ringwatch_transport::shard::rendezvous_order(node_name, &items).into_iter().map(|s| Self::parse(s)).collect()
     }
 
     /// The address to connect to now: a name is looked up (the first IPv4 answer
@@ -256,6 +265,10 @@ impl AggregatorAddr {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShipperConfig {
     pub aggregator: AggregatorAddr,
+    /// The other ingest shards of the `aggregator` list, in this node's rendezvous order:
+    /// where the shipper fails over to when the one it uses cannot be reached (empty: one
+    /// aggregator).
+    pub fallbacks: Vec<AggregatorAddr>,
     pub server_name: String,
     pub node_name: String,
     pub ca: PathBuf,
@@ -440,8 +453,14 @@ fn build(v: &mut Values) -> Option<ShipperConfig> {
     let path = |n: &str| PathBuf::from(v.text(n).unwrap_or_default());
     let string = |n: &str| v.text(n).unwrap_or_default().to_owned();
     let as_usize = |n: &str| usize::try_from(int(v, n)).unwrap_or(usize::MAX);
+    let mut order = AggregatorAddr::ordered(v.text("aggregator")?, v.text("node_name").unwrap_or_default())?;
+    if order.is_empty() {
+        return None;
+    }
+    let aggregator = order.remove(0);
     Some(ShipperConfig {
-        aggregator: AggregatorAddr::pick(v.text("aggregator")?, v.text("node_name").unwrap_or_default())?,
+        aggregator,
+        fallbacks: order,
         server_name: string("server_name"),
         node_name: string("node_name"),
         ca: path("ca"),

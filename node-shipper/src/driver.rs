@@ -80,6 +80,9 @@ pub struct Report {
     pub connect_attempts: u64,
     pub connections_refused: u64,
     pub last_refusal: Option<String>,
+    /// Times the shipper moved on to the next ingest shard of its list (rendezvous
+    /// order) because the one it used could not be reached.
+    pub failovers: u64,
     /// Ring frames read from the source.
     pub frames_in: u64,
     /// Frames acked, all lanes, and per lane (P1 holds the shipper's own frames).
@@ -228,10 +231,14 @@ struct NetCounters {
     attempts: AtomicU64,
     connections: AtomicU64,
     refused: AtomicU64,
+    /// Times the shipper moved on to the next ingest shard in its rendezvous order.
+    failovers: AtomicU64,
     protocol_errors: AtomicU64,
     /// The current connection got its `hello` (the session is established).
     established: AtomicBool,
     last_refusal: Mutex<Option<String>>,
+    /// The aggregator (ingest shard) the network loop tries or uses now.
+    target: Mutex<String>,
 }
 
 /// What the staged bytes between the reader and the core may reach before the reader
@@ -564,6 +571,7 @@ impl Shared {
         r.connect_attempts = self.net.attempts.load(Ordering::Relaxed);
         r.connections = self.net.connections.load(Ordering::Relaxed);
         r.connections_refused = self.net.refused.load(Ordering::Relaxed);
+        r.failovers = self.net.failovers.load(Ordering::Relaxed);
         r.pressure_level = self.pressure_level.load(Ordering::Relaxed);
         r.p3_sheds = self.p3.dto().sheds;
         r.ring = self.ring_metrics.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
@@ -1171,7 +1179,7 @@ pub async fn run_and_return_source(
     let (stop_net_tx, stop_net_rx) = watch::channel(false);
     let net = tokio::spawn(network(
         endpoint.clone(),
-        (cfg.aggregator.clone(), !v6),
+        (std::iter::once(cfg.aggregator.clone()).chain(cfg.fallbacks.iter().cloned()).collect(), !v6),
         cfg.server_name.clone(),
         Arc::clone(&shared),
         stop_net_rx,
@@ -1321,6 +1329,7 @@ pub async fn run_and_return_source(
         connect_attempts: shared.net.attempts.load(Ordering::Relaxed),
         connections_refused: shared.net.refused.load(Ordering::Relaxed),
         last_refusal: shared.net.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+        failovers: shared.net.failovers.load(Ordering::Relaxed),
         frames_in: stats.frames_in,
         frames_acked: stats.frames_acked,
         frames_acked_by_lane: stats.frames_acked_by_lane,
@@ -1623,7 +1632,7 @@ async fn pump(
 
 async fn network(
     endpoint: quinn::Endpoint,
-    (target, v4): (AggregatorAddr, bool),
+    (targets, v4): (Vec<AggregatorAddr>, bool),
     server_name: String,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
@@ -1635,8 +1644,15 @@ async fn network(
     // the one before, for the next attempt only, so an aggregator upgraded meanwhile gets
     // the newest again.
     let mut offer = shared.max_control_version;
+    // Which of `targets` (the ingest shards in this node's rendezvous order) to try: the
+    // first; the next after one could not be reached (no connection, or one that timed
+    // out: the shard went silent); the first again after a connection the aggregator
+    // closed (an orderly restart comes back where it was).
+    let mut at = 0usize;
     while !*stop.borrow() {
         shared.net.attempts.fetch_add(1, Ordering::Relaxed);
+        let Some(target) = targets.get(at).or(targets.first()) else { return };
+        *shared.net.target.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = target.to_string();
         let client = shared.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         // A name is looked up at every attempt: a restarted aggregator may have moved.
         let resolved = tokio::select! {
@@ -1658,6 +1674,7 @@ async fn network(
             },
             Err(e) => Err((None, e)),
         };
+        let mut unreachable = false;
         let refused = match conn {
             Ok(conn) => {
                 shared.net.connections.fetch_add(1, Ordering::Relaxed);
@@ -1686,6 +1703,7 @@ async fn network(
                 if refused.is_none() {
                     tracing::info!(%addr, reason = %why, "connection ended");
                 }
+                unreachable = matches!(conn.close_reason(), Some(quinn::ConnectionError::TimedOut));
                 let refused_protocol = matches!(
                     conn.close_reason(),
                     Some(quinn::ConnectionError::ApplicationClosed(ref c))
@@ -1703,10 +1721,25 @@ async fn network(
             Err((refused, e)) => {
                 if refused.is_none() {
                     tracing::warn!(aggregator = %target, error = %e, retry_step_ms = backoff.step_ms(), "connect failed");
+                    unreachable = true;
                 }
                 refused
             }
         };
+        let before = at;
+        at = if unreachable {
+            (at + 1) % targets.len().max(1)
+        } else if refused.is_none() {
+            0
+        } else {
+            at
+        };
+        if unreachable && at != before {
+            shared.net.failovers.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(from = %target, to = %targets.get(at).map(ToString::to_string).unwrap_or_default(), "ingest shard unreachable: failing over to the next in this node's rendezvous order");
+            // A different shard: no reason to wait out the backoff grown on this one.
+            backoff.reset();
+        }
         if refused.is_some() {
             backoff.to_cap();
         }
@@ -2011,6 +2044,9 @@ fn health_router(shared: Arc<Shared>, aggregator: String) -> axum::Router {
         connections: u64,
         connections_refused: u64,
         last_refusal: Option<String>,
+        /// The ingest shard in use (`aggregator` is the first of the list's order).
+        connected_to: String,
+        failovers: u64,
         spool_used_bytes: usize,
         frames_in: u64,
         frames_acked: u64,
@@ -2062,6 +2098,8 @@ fn health_router(shared: Arc<Shared>, aggregator: String) -> axum::Router {
             connections: s.net.connections.load(Ordering::Relaxed),
             connections_refused: s.net.refused.load(Ordering::Relaxed),
             last_refusal: s.net.last_refusal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+            connected_to: s.net.target.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone(),
+            failovers: s.net.failovers.load(Ordering::Relaxed),
             spool_used_bytes: s.spool_used.load(Ordering::Relaxed),
             frames_in,
             frames_acked,

@@ -177,6 +177,12 @@ pub const SPECS: &[Spec] = &[
         &[],
         "Attempts the aggregator refused (certificate, identity, abuse).",
     ),
+    Spec::counter(
+        "ringwatch_shipper_failovers_total",
+        "1",
+        &[],
+        "Moves to the next ingest shard of the aggregator list (rendezvous order): the one in use could not be reached.",
+    ),
     // Memory pressure.
     Spec::gauge(
         "ringwatch_shipper_memory_pressure_level",
@@ -208,6 +214,7 @@ pub struct Reading {
     pub connect_attempts: u64,
     pub connections: u64,
     pub connections_refused: u64,
+    pub failovers: u64,
     pub pressure_level: u8,
     pub p3_sheds: u64,
     /// The core's batch latency histograms.
@@ -297,6 +304,7 @@ pub fn fill(f: &mut Families, r: &Reading) {
     f.count("ringwatch_shipper_connect_attempts_total", &[], r.connect_attempts);
     f.count("ringwatch_shipper_connections_total", &[], r.connections);
     f.count("ringwatch_shipper_connections_refused_total", &[], r.connections_refused);
+    f.count("ringwatch_shipper_failovers_total", &[], r.failovers);
     f.level("ringwatch_shipper_memory_pressure_level", &[], u64::from(r.pressure_level));
     f.count("ringwatch_shipper_p3_sheds_total", &[], r.p3_sheds);
     if let Some(l) = &r.latency {

@@ -1,10 +1,13 @@
 //! Cross-crate end-to-end tests live in `tests/tests/`; this library holds their shared
 //! helpers (test-only crate, never published): temporary directories, an aggregator with
-//! a fresh certificate set, shipper configurations, a tiny HTTP/1.1 GET, and [`pair`]: the
-//! real shipper and aggregator state machines wired together in simulated time.
+//! a fresh certificate set, shipper configurations, a tiny HTTP/1.1 GET, [`pair`]: the
+//! real shipper and aggregator state machines wired together in simulated time, and
+//! [`scaleout`]: a NATS cluster and shard roles as processes. The binary `ringwatch-role`
+//! runs one shard role (the fault tests SIGKILL it).
 
 pub use ringwatch_faultproxy::cgroup;
 pub mod pair;
+pub mod scaleout;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

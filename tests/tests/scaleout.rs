@@ -14,93 +14,16 @@
 //!
 //! Without `nats-server` the test skips with the reason; with `CI=true` it fails.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use aggregator::cluster::{ClusterConfig, ShardRole};
+use aggregator::cluster::ShardRole;
 use aggregator::{Aggregator, certs};
 use loadgen::cluster::{self, External, RunSpec, SettledHook};
 use loadgen::{demo, score};
 use loadgen_sim::builtin;
-
-const TIME_SCALE: f64 = 4.0;
-
-/// `nats-server`, or the reason it is missing (a failure under `CI=true`).
-fn nats_server() -> Option<()> {
-    if Command::new("nats-server").arg("--version").output().is_ok_and(|o| o.status.success()) {
-        return Some(());
-    }
-    let why = "nats-server is not installed (Debian package nats-server)";
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "CI=true: {why}");
-    println!("skipped: {why}");
-    None
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
-}
-
-/// Three JetStream servers routed to each other; killed (by pid) and their stores
-/// removed when dropped.
-struct NatsCluster {
-    children: Vec<Child>,
-    urls: Vec<String>,
-    dir: ringwatch_tests::TempDir,
-}
-
-impl NatsCluster {
-    fn start() -> Self {
-        let dir = ringwatch_tests::TempDir::new("nats");
-        let client: Vec<u16> = (0..3).map(|_| free_port()).collect();
-        let routes: Vec<u16> = (0..3).map(|_| free_port()).collect();
-        let mut children = Vec::new();
-        for i in 0..3 {
-            let store = dir.0.join(format!("n{i}"));
-            let others: Vec<String> =
-                (0..3).filter(|&j| j != i).map(|j| format!("\"nats-route://127.0.0.1:{}\"", routes[j])).collect();
-            let conf = format!(
-                "server_name: n{i}\nlisten: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\ncluster {{ name: rw, listen: 127.0.0.1:{}, routes: [{}] }}\n",
-                client[i],
-                store.display(),
-                routes[i],
-                others.join(", ")
-            );
-            let path = dir.0.join(format!("n{i}.conf"));
-            std::fs::write(&path, conf).expect("write config");
-            let log = std::fs::File::create(dir.0.join(format!("n{i}.log"))).expect("log file");
-            children.push(
-                Command::new("nats-server")
-                    .arg("-c")
-                    .arg(&path)
-                    .stdout(Stdio::null())
-                    .stderr(log)
-                    .spawn()
-                    .expect("nats-server starts"),
-            );
-        }
-        let urls = client.iter().map(|p| format!("nats://127.0.0.1:{p}")).collect();
-        Self { children, urls, dir }
-    }
-
-    fn logs(&self) -> String {
-        (0..3)
-            .map(|i| std::fs::read_to_string(self.dir.0.join(format!("n{i}.log"))).unwrap_or_default())
-            .map(|l| l.lines().rev().take(15).collect::<Vec<_>>().join("\n"))
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    }
-}
-
-impl Drop for NatsCluster {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+use ringwatch_tests::scaleout::{NatsCluster, TIME_SCALE, nats_server, role_config};
 
 fn spec(external: Option<External>) -> RunSpec {
     RunSpec {
@@ -113,26 +36,6 @@ fn spec(external: Option<External>) -> RunSpec {
         external,
         demo_rows: false,
     }
-}
-
-fn role_config(
-    set: &certs::CertSet,
-    nats: &NatsCluster,
-    role: ShardRole,
-    origin_ms: u64,
-) -> aggregator::AggregatorConfig {
-    let s = builtin::builtin("demo").expect("built in").expect("valid");
-    let mut cfg = cluster::aggregator_config(set, &s, TIME_SCALE);
-    cfg.cluster = Some(ClusterConfig {
-        role,
-        nats: nats.urls.clone(),
-        matcher_shards: 2,
-        replicas: 3,
-        stream_max_bytes: 256 << 20,
-        verdict_max_age: Duration::from_secs(3600),
-        time_origin_unix_ms: origin_ms,
-    });
-    cfg
 }
 
 /// Starts a role, retrying while the JetStream cluster elects its meta leader.
@@ -193,10 +96,10 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     .expect("ms");
     let mut ingests = Vec::new();
     for shard in 0..2 {
-        ingests.push(start_role(role_config(&set, &nats, ShardRole::Ingest { shard }, origin_ms), &nats).await);
+        ingests.push(start_role(role_config(&set, &nats.urls, ShardRole::Ingest { shard }, origin_ms), &nats).await);
     }
     let matcher_cfg = |shard: u32| {
-        let mut c = role_config(&set, &nats, ShardRole::Matcher { shard }, origin_ms);
+        let mut c = role_config(&set, &nats.urls, ShardRole::Matcher { shard }, origin_ms);
         c.snapshot_path = Some(dir.0.join(format!("matcher-{shard}.snap")));
         c.snapshot_interval_ms = 500;
         c
@@ -205,7 +108,7 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     for shard in 0..2 {
         matchers.push(start_role(matcher_cfg(shard), &nats).await);
     }
-    let api = start_role(role_config(&set, &nats, ShardRole::Api, origin_ms), &nats).await;
+    let api = start_role(role_config(&set, &nats.urls, ShardRole::Api, origin_ms), &nats).await;
 
     // Settled when every role has drained: nothing unpublished at the ingest shards,
     // each matcher shard has applied its stream up to what every ingest shard had acked,
@@ -272,7 +175,7 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     // Ingest shard 0: an orderly stop, then a fresh process on the same address.
     let ingest_restart = {
         let (ingests, i_live) = (Arc::clone(&ingests), Arc::clone(&i_live));
-        let mut cfg = role_config(&set, &nats, ShardRole::Ingest { shard: 0 }, origin_ms);
+        let mut cfg = role_config(&set, &nats.urls, ShardRole::Ingest { shard: 0 }, origin_ms);
         cfg.listen = ingest_addrs[0];
         tokio::spawn(async move {
             let s = Arc::clone(&i_live.lock().unwrap()[0]);
@@ -370,7 +273,10 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
 
     // The single process was right too; where both decided an op, the same answer (a
     // completion seen or inferred around lost frames are one answer to the scorer: which
-    // one depends on what this machine delayed today, in one process as in shards); and
+    // one depends on what this machine delayed today, in one process as in shards; so are
+    // `unknown_silent` and what a rank of the node that dies did: how many of its last
+    // frames left it before it died is the machine's timing too — the scorer accepts
+    // `unknown_silent` only on a dead node, and both runs were scored above); and
     // whatever is not final is held back by the dead node alone (as the sweeps require:
     // how many ops its presumed death has released when the run is read depends on the
     // machine's speed, in one process as in shards).
@@ -383,7 +289,10 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     );
     assert_eq!(sc1.final_right, sc1.final_verdicts, "single process: {:?}", sc1.wrong_examples);
     let same = |x: &str, y: &str| {
-        x == y || matches!((x, y), ("completed", "completed_inferred") | ("completed_inferred", "completed"))
+        x == y
+            || matches!((x, y), ("completed", "completed_inferred") | ("completed_inferred", "completed"))
+            || x == "unknown_silent"
+            || y == "unknown_silent"
     };
     let (a, b) = (finals(&single.verdicts), finals(&r.verdicts));
     let differ: Vec<_> =

@@ -27,9 +27,33 @@ pub fn rendezvous<'a, S: AsRef<str>>(key: &str, candidates: &'a [S]) -> Option<&
     candidates.iter().enumerate().max_by_key(|(i, c)| (weight(key, c.as_ref()), std::cmp::Reverse(*i))).map(|(_, c)| c)
 }
 
+/// Every candidate, in `key`'s rendezvous order (highest weight first; ties: list
+/// order): the first is [`rendezvous`]'s pick, the next is where `key` goes when the
+/// first is gone, and so on — the same order the first pick has once a shard is removed.
+#[must_use]
+pub fn rendezvous_order<'a, S: AsRef<str>>(key: &str, candidates: &'a [S]) -> Vec<&'a S> {
+    let mut v: Vec<(usize, &S)> = candidates.iter().enumerate().collect();
+    v.sort_by_key(|(i, c)| (std::cmp::Reverse(weight(key, c.as_ref())), *i));
+    v.into_iter().map(|(_, c)| c).collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::rendezvous;
+    use super::{rendezvous, rendezvous_order};
+
+    #[test]
+    fn the_order_starts_with_the_pick_and_its_next_is_the_pick_without_the_first() {
+        let three = ["a:1", "b:1", "c:1"];
+        for n in 0..500 {
+            let node = format!("node-{n}");
+            let order = rendezvous_order(&node, &three);
+            assert_eq!(order.len(), 3);
+            assert_eq!(order[0], rendezvous(&node, &three).unwrap());
+            let without: Vec<&str> = three.iter().copied().filter(|c| c != order[0]).collect();
+            assert_eq!(*order[1], *rendezvous(&node, &without).unwrap(), "{node}");
+        }
+        assert!(rendezvous_order::<&str>("x", &[]).is_empty());
+    }
 
     #[test]
     fn nodes_spread_and_a_removed_shard_moves_only_its_own() {

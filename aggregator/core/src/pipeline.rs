@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use crate::matcher::{CollectiveMatcher, Health, MatcherConfig};
 use crate::plausible::Implausible;
-use crate::records::{NodeId, Record};
+use crate::records::{Liveness, LivenessState, NodeId, Record};
 use crate::shard::{Role, ShardHealth};
 use crate::verdict::MatcherEvent;
 
@@ -39,6 +39,39 @@ pub struct Core {
     /// (snapshotted with the state that produced them, so a restored shard sends them).
     bus_position: u64,
     for_bus: Vec<MatcherEvent>,
+    /// Matcher role: when each node was last spoken of on the bus.
+    bus_liveness: BusLiveness,
+}
+
+/// Matcher role: when each node was last spoken of on the bus, and what its ingest shard
+/// last said of its liveness. An ingest shard that dies without a word (SIGKILL, a lost
+/// machine) says nothing more of its nodes — neither that they went silent nor that
+/// they are unreachable. A live node's ingest shard speaks of it at every heartbeat (its
+/// P0 watermark goes to every matcher shard), so a node nothing is said of for the
+/// ingest's `silent_ns` (plus the reorder timeout, for the bus's own delay) is taken as
+/// silent here, and after `unreachable_ns` as unreachable — the timers one process
+/// applies to a node it hears nothing from. The first record about it again (from the
+/// ingest shard it failed over to, or the bus back after a stall) restores what its
+/// ingest shard last said. Bounded by the ingest's `max_nodes` (turned away counted).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+struct BusLiveness {
+    nodes: BTreeMap<NodeId, Heard>,
+    /// No node's timer is due before this (0: none kept).
+    next_due: u64,
+    turned_away: u64,
+    /// Liveness changes this core made for nodes nothing was said of, and restorations.
+    synthesized: u64,
+    restored: u64,
+}
+
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+struct Heard {
+    /// When a record about the node was last applied.
+    at_ns: u64,
+    /// What its ingest shard last said, and what this core says meanwhile (`None`:
+    /// the ingest shard's word stands).
+    stated: LivenessState,
+    own: Option<LivenessState>,
 }
 
 /// The API role's copy of what the matcher shards published: their events, not yet
@@ -91,6 +124,7 @@ impl Core {
             mirror: Mirror::default(),
             bus_position: 0,
             for_bus: Vec::new(),
+            bus_liveness: BusLiveness::default(),
         }
     }
 
@@ -133,9 +167,13 @@ impl Core {
             _ => (0, 1),
         };
         let (mut applied, mut skipped) = (0u64, 0u64);
+        let matcher_role = matches!(self.role, Role::Matcher { .. });
         for r in records {
             if crate::shard::takes(r, shard, shards) {
                 self.records = self.records.saturating_add(1);
+                if matcher_role {
+                    self.heard_on_bus(now, r);
+                }
                 self.matcher.handle_record(now, r);
                 applied = applied.saturating_add(1);
             } else {
@@ -143,6 +181,95 @@ impl Core {
             }
         }
         (applied, skipped)
+    }
+
+    /// Matcher role: a record about `r.node()` came off the bus (see [`BusLiveness`]).
+    fn heard_on_bus(&mut self, now: u64, r: &Record) {
+        let node = r.node();
+        let cap = self.ingest.config().max_nodes;
+        let due = now.saturating_add(self.ingest.config().silent_ns);
+        let b = &mut self.bus_liveness;
+        let len = b.nodes.len();
+        let h = match b.nodes.entry(node) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                if len >= cap {
+                    b.turned_away = b.turned_away.saturating_add(1);
+                    return;
+                }
+                v.insert(Heard { at_ns: now, stated: LivenessState::Fresh, own: None })
+            }
+        };
+        h.at_ns = now;
+        if b.next_due == 0 || due < b.next_due {
+            b.next_due = due;
+        }
+        match r {
+            Record::Liveness(l) => {
+                h.stated = l.state;
+                h.own = None;
+            }
+            _ => {
+                if h.own.take().is_some() {
+                    b.restored = b.restored.saturating_add(1);
+                    let back = Liveness { node, state: h.stated, at_ns: now, last_heard_ns: now };
+                    self.matcher.handle_record(now, &Record::Liveness(back));
+                }
+            }
+        }
+    }
+
+    /// Matcher role: nodes nothing was said of on the bus for the ingest's silent (then
+    /// unreachable) time are taken as silent (unreachable) — see [`BusLiveness`].
+    fn bus_silence(&mut self, now: u64) {
+        let b = &mut self.bus_liveness;
+        if b.next_due == 0 || now < b.next_due {
+            return;
+        }
+        let cfg = self.ingest.config();
+        let silent = cfg.silent_ns.saturating_add(cfg.reorder_timeout_ns);
+        let unreachable = cfg.unreachable_ns.max(silent);
+        let mut next = 0u64;
+        for (&node, h) in &mut b.nodes {
+            if h.stated == LivenessState::Unreachable {
+                continue;
+            }
+            let quiet = now.saturating_sub(h.at_ns);
+            let want = if quiet >= unreachable {
+                Some(LivenessState::Unreachable)
+            } else if quiet >= silent {
+                Some(LivenessState::Silent)
+            } else {
+                None
+            };
+            if let Some(w) = want
+                && w > h.stated
+                && h.own.is_none_or(|o| w > o)
+            {
+                h.own = Some(w);
+                b.synthesized = b.synthesized.saturating_add(1);
+                let rec = Liveness { node, state: w, at_ns: now, last_heard_ns: h.at_ns };
+                self.matcher.handle_record(now, &Record::Liveness(rec));
+            }
+            let due = match h.own.max(Some(h.stated)) {
+                Some(LivenessState::Unreachable) => continue,
+                Some(LivenessState::Silent) => h.at_ns.saturating_add(unreachable),
+                _ => h.at_ns.saturating_add(silent),
+            };
+            if next == 0 || due < next {
+                next = due;
+            }
+        }
+        b.next_due = next;
+    }
+
+    /// Matcher role: nodes taken as silent or unreachable because nothing was said of
+    /// them on the bus, restorations of what their ingest shard said, and nodes past the
+    /// cap (`synthesized`, `restored`, `turned_away`).
+    #[must_use]
+    pub fn bus_liveness_counts(&self) -> (u64, u64, u64) {
+        let b = &self.bus_liveness;
+        (b.synthesized, b.restored, b.turned_away)
     }
 
     /// Matcher role: the stream sequence of the last bus message applied (0: none).
@@ -412,16 +539,17 @@ impl Core {
     pub fn handle_timeout(&mut self, now: u64) {
         self.ingest.handle_timeout(now);
         self.pump(now);
+        if matches!(self.role, Role::Matcher { .. }) {
+            self.bus_silence(now);
+        }
         self.matcher.handle_timeout(now);
     }
 
     /// When to call `handle_timeout` next.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<u64> {
-        match (self.ingest.poll_timeout(), self.matcher.poll_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let bus = Some(self.bus_liveness.next_due).filter(|&d| d != 0 && matches!(self.role, Role::Matcher { .. }));
+        [self.ingest.poll_timeout(), self.matcher.poll_timeout(), bus].into_iter().flatten().min()
     }
 
     /// Frames of `node`'s P0 (lifecycle) streams lost by any cause, net of revivals, and

@@ -256,6 +256,16 @@ pub struct ClusterDto {
     pub events_applied: u64,
     pub node_summaries_applied: u64,
     pub health_applied: u64,
+    /// Matcher: nodes nothing was said of on the bus for the ingest's silent (then
+    /// unreachable) time — their ingest shard died without a word — taken as silent
+    /// (unreachable) here; restorations of what their ingest shard said once records
+    /// about them came again (from the shard they failed over to); nodes past the cap.
+    #[serde(default)]
+    pub bus_liveness_synthesized: u64,
+    #[serde(default)]
+    pub bus_liveness_restored: u64,
+    #[serde(default)]
+    pub bus_liveness_turned_away: u64,
 }
 
 /// The HTTP listener's counters (`/v1/ingest` `http`).

@@ -339,8 +339,9 @@ fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
     use crate::cluster::ShardRole;
     let role = s.cluster_role?;
     let c = &s.cluster;
-    let (unpublished, for_bus) =
-        s.core().map_or((0, 0), |core| (core.unpublished().len() as u64, core.for_bus().len() as u64));
+    let (unpublished, for_bus, (taken_silent, restored, turned_away)) = s.core().map_or((0, 0, (0, 0, 0)), |core| {
+        (core.unpublished().len() as u64, core.for_bus().len() as u64, core.bus_liveness_counts())
+    });
     Some(dto::ClusterDto {
         role: match role {
             ShardRole::Ingest { shard } => format!("ingest-{shard}"),
@@ -368,6 +369,9 @@ fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
         events_applied: c.events_applied.load(Relaxed),
         node_summaries_applied: c.node_summaries_applied.load(Relaxed),
         health_applied: c.health_applied.load(Relaxed),
+        bus_liveness_synthesized: taken_silent,
+        bus_liveness_restored: restored,
+        bus_liveness_turned_away: turned_away,
     })
 }
 

@@ -129,6 +129,8 @@ pub struct ClusterCounters {
     pub events_applied: std::sync::atomic::AtomicU64,
     pub node_summaries_applied: std::sync::atomic::AtomicU64,
     pub health_applied: std::sync::atomic::AtomicU64,
+    /// Consumers made again after they stalled or ended ([`Reader`]).
+    pub consumer_remakes: std::sync::atomic::AtomicU64,
     /// Per stream this role publishes to (records stream `m`, or the verdict stream's
     /// shard subject), the stream sequence of its last acked publish.
     pub acked_seq: std::sync::Mutex<std::collections::BTreeMap<u32, u64>>,
@@ -159,8 +161,11 @@ pub const RECORDS_MAX_AGE: Duration = Duration::from_secs(86_400);
 
 /// Records per message, at most (NATS's default payload cap is 1 MiB).
 const RECORDS_PER_MESSAGE: usize = 1024;
-/// Events per message, at most.
-const EVENTS_PER_MESSAGE: usize = 256;
+/// Events per message, at most, and the encoded size a message keeps under (NATS's
+/// default payload cap is 1 MiB: a message over it would be refused every time, and
+/// the events behind it would never go).
+const EVENTS_PER_MESSAGE: usize = 1024;
+const EVENT_MESSAGE_BYTES: usize = 768 << 10;
 
 /// The records stream of matcher shard `m`.
 #[must_use]
@@ -168,7 +173,9 @@ pub fn records_stream(m: u32) -> String {
     format!("RINGWATCH_RECORDS_{m}")
 }
 
-fn records_subject(m: u32) -> String {
+/// The subject matcher shard `m` reads its records from.
+#[must_use]
+pub fn records_subject(m: u32) -> String {
     format!("ringwatch.records.{m}")
 }
 
@@ -475,6 +482,85 @@ async fn ordered(
     }
 }
 
+/// How long a consumer may go without a message before the stream is asked whether it
+/// holds more (unfiltered), or the consumer is made again (filtered: their publishers
+/// write at least twice a second, so a quiet this long is a stall or no publisher).
+const STALL_CHECK: Duration = Duration::from_secs(1);
+const FILTERED_QUIET: Duration = Duration::from_secs(10);
+
+/// An ordered consumer that is made again when it ends or stalls. JetStream's ordered
+/// pull consumers can stop delivering with messages still in the stream and no error
+/// (nats.rs issues 860 and 1285; measured here: `loadgen scale`'s matcher stopped at 250
+/// of 426 messages and never moved again). Each remake reads on after the last stream
+/// sequence handed out (a filtered last-per-subject consumer reads the last of each
+/// subject again: its readers keep only what is newer) and is counted
+/// (`consumer_remakes`).
+struct Reader {
+    js: jetstream::Context,
+    stream: &'static str,
+    name: String,
+    filter: Option<&'static str>,
+    last_per_subject: bool,
+    msgs: consumer::pull::Ordered,
+    /// The last stream sequence handed out (0: none).
+    last: u64,
+}
+
+impl Reader {
+    async fn new(
+        js: &jetstream::Context,
+        stream: &'static str,
+        filter: Option<&'static str>,
+        last_per_subject: bool,
+        from: u64,
+    ) -> Self {
+        Self::named(js, stream, stream.to_owned(), filter, last_per_subject, from).await
+    }
+
+    async fn named(
+        js: &jetstream::Context,
+        stream: &'static str,
+        name: String,
+        filter: Option<&'static str>,
+        last_per_subject: bool,
+        from: u64,
+    ) -> Self {
+        let msgs = ordered(js, &name, filter, last_per_subject, from).await;
+        Self { js: js.clone(), stream, name, filter, last_per_subject, msgs, last: from.saturating_sub(1) }
+    }
+
+    /// The next message; `None` never (the loop runs until the task is aborted).
+    async fn next(&mut self, s: &Shared) -> jetstream::Message {
+        loop {
+            let quiet = if self.filter.is_some() { FILTERED_QUIET } else { STALL_CHECK };
+            let remake = match tokio::time::timeout(quiet, self.msgs.next()).await {
+                Ok(Some(Ok(m))) => {
+                    if let Ok(info) = m.info() {
+                        self.last = self.last.max(info.stream_sequence);
+                    }
+                    return m;
+                }
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(error = %e, stream = self.stream, "consumer");
+                    false
+                }
+                Ok(None) => true,
+                Err(_) if self.filter.is_some() => true,
+                Err(_) => match self.js.get_stream(&self.name).await {
+                    Ok(mut st) => st.info().await.is_ok_and(|i| i.state.last_sequence > self.last),
+                    Err(_) => false,
+                },
+            };
+            if remake {
+                s.cluster.consumer_remakes.fetch_add(1, Relaxed);
+                tracing::warn!(stream = %self.name, filter = ?self.filter, after = self.last, "the consumer stalled or ended: made again");
+                let from = if self.last_per_subject { 1 } else { self.last.saturating_add(1) };
+                self.msgs = ordered(&self.js, &self.name, self.filter, self.last_per_subject, from).await;
+            }
+        }
+    }
+}
+
 /// Counts stream sequences a consumer skipped (the stream dropped them past its limits).
 fn count_gap(s: &Shared, last: &mut u64, seq: u64) {
     if *last != 0 && seq > last.saturating_add(1) {
@@ -490,17 +576,11 @@ pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
     let ShardRole::Matcher { shard: me } = cfg.role else { return };
     // A restored shard reads on after the last message its snapshot applied.
     let from = s.core().map_or(0, |c| c.bus_position());
-    let mut msgs = ordered(&js, &records_stream(me), None, false, from.saturating_add(1)).await;
+    let mut reader = Reader::named(&js, "records", records_stream(me), None, false, from.saturating_add(1)).await;
     let mut last = from;
-    while let Some(m) = msgs.next().await {
+    loop {
+        let m = reader.next(&s).await;
         s.progress(&s.tasks.cluster);
-        let m = match m {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, "records consumer");
-                continue;
-            }
-        };
         if let Ok(info) = m.info() {
             count_gap(&s, &mut last, info.stream_sequence);
         }
@@ -537,19 +617,38 @@ pub async fn publish_verdicts(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream:
     let mut next = 0u64;
     let mut tick = tokio::time::interval(Duration::from_millis(5));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut backlog = false;
     loop {
-        tick.tick().await;
+        // A backlog goes out message after message; otherwise every 5 ms.
+        if !backlog {
+            tick.tick().await;
+        }
         s.progress(&s.tasks.cluster_state);
-        let events: Vec<MatcherEvent> = match s.core() {
-            Ok(core) => core.for_bus().iter().take(EVENTS_PER_MESSAGE).cloned().collect(),
+        let mut events: Vec<MatcherEvent> = match s.core() {
+            Ok(core) => {
+                backlog = core.for_bus().len() > EVENTS_PER_MESSAGE;
+                core.for_bus().iter().take(EVENTS_PER_MESSAGE).cloned().collect()
+            }
             Err(_) => return,
         };
         if events.is_empty() {
             continue;
         }
+        // Under the size bound: halve until it fits (one event alone always goes).
+        let encoded = loop {
+            let batch = VerdictBatch { shard: me, epoch: s.epoch, first: next, events };
+            let enc = shard::encode(&batch);
+            events = batch.events;
+            match enc {
+                Ok(p) if p.len() > EVENT_MESSAGE_BYTES && events.len() > 1 => {
+                    events.truncate(events.len() / 2);
+                    backlog = true;
+                }
+                other => break other,
+            }
+        };
         let n = events.len() as u64;
-        let batch = VerdictBatch { shard: me, epoch: s.epoch, first: next, events };
-        match shard::encode(&batch) {
+        match encoded {
             Ok(payload) => {
                 let id = format!("m{me}.{:016x}.v{next}", s.instance);
                 let seq = publish_acked(&s, &js, format!("ringwatch.verdicts.{me}"), id, payload).await;
@@ -589,11 +688,11 @@ pub async fn publish_health(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::C
 /// API role: the verdict stream into the core's mirror (and so into the store and the
 /// event log).
 pub async fn consume_verdicts(s: Arc<Shared>, js: jetstream::Context) {
-    let mut msgs = ordered(&js, VERDICTS_STREAM, None, false, 1).await;
+    let mut reader = Reader::new(&js, VERDICTS_STREAM, None, false, 1).await;
     let mut last = 0u64;
-    while let Some(m) = msgs.next().await {
+    loop {
+        let m = reader.next(&s).await;
         s.progress(&s.tasks.cluster);
-        let Ok(m) = m else { continue };
         if let Ok(info) = m.info() {
             count_gap(&s, &mut last, info.stream_sequence);
         }
@@ -612,19 +711,19 @@ pub async fn consume_verdicts(s: Arc<Shared>, js: jetstream::Context) {
 /// (two consumers: NATS 2.9 delivers the last message per subject only under a filter).
 pub async fn consume_state(s: Arc<Shared>, js: jetstream::Context) {
     let nodes = async {
-        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.nodes.*"), true, 1).await;
-        while let Some(m) = msgs.next().await {
+        let mut reader = Reader::new(&js, STATE_STREAM, Some("ringwatch.nodes.*"), true, 1).await;
+        loop {
+            let m = reader.next(&s).await;
             s.progress(&s.tasks.cluster_state);
-            let Ok(m) = m else { continue };
             if let Some(n) = decoded::<NodeSummary>(&s, &m, "node summary") {
                 apply_summary(&s, n);
             }
         }
     };
     let health = async {
-        let mut msgs = ordered(&js, STATE_STREAM, Some("ringwatch.health.*"), true, 1).await;
-        while let Some(m) = msgs.next().await {
-            let Ok(m) = m else { continue };
+        let mut reader = Reader::new(&js, STATE_STREAM, Some("ringwatch.health.*"), true, 1).await;
+        loop {
+            let m = reader.next(&s).await;
             if let Some(h) = decoded::<ShardHealth>(&s, &m, "shard health") {
                 if let Ok(mut core) = s.core() {
                     core.set_shard_health(h);

@@ -14,6 +14,7 @@ pub mod bench;
 pub mod cluster;
 pub mod demo;
 pub mod progress;
+pub mod scale;
 pub mod score;
 pub mod size;
 pub mod soak;

@@ -149,6 +149,15 @@ fn command() -> Command {
                 ),
         )
         .subcommand(
+            Command::new("scale")
+                .about("the scale-out roles on this machine: matcher records/s and ingest frames/s through 1 and 2 shards over a local JetStream, and a 1,000-node run (use --profile perf; needs nats-server)")
+                .arg(Arg::new("nodes").long("nodes").default_value("64").value_parser(value_parser!(u32).range(1..=4096)).help("nodes of the matcher measurement"))
+                .arg(Arg::new("rounds").long("rounds").default_value("400").value_parser(value_parser!(u64).range(1..=1_000_000)).help("all-reduce rounds of the matcher measurement"))
+                .arg(Arg::new("ingest-batches").long("ingest-batches").default_value("4096").value_parser(value_parser!(u32).range(8..=1_000_000)).help("pre-built batches per ingest shard"))
+                .arg(Arg::new("big-nodes").long("big-nodes").default_value("1000").value_parser(value_parser!(u32).range(1..=4096)).help("nodes of the large run"))
+                .arg(Arg::new("big-rounds").long("big-rounds").default_value("400").value_parser(value_parser!(u64).range(1..=1_000_000)).help("rounds of the large run")),
+        )
+        .subcommand(
             Command::new("bench")
                 .about("per-component figures: shipper core, aggregator ingest, end to end over QUIC, raw quinn, protobuf (use --profile perf)")
                 .arg(
@@ -406,6 +415,26 @@ fn main() -> ExitCode {
     };
     if let Some(("soak", sub)) = m.subcommand() {
         return rt.block_on(soak_cmd(sub));
+    }
+    if let Some(("scale", sub)) = m.subcommand() {
+        let d = loadgen::scale::ScaleSpec::default();
+        let spec = loadgen::scale::ScaleSpec {
+            nodes: sub.get_one::<u32>("nodes").copied().unwrap_or(d.nodes),
+            rounds: sub.get_one::<u64>("rounds").copied().unwrap_or(d.rounds),
+            ingest_batches: sub.get_one::<u32>("ingest-batches").map_or(d.ingest_batches, |&n| n as usize),
+            big_nodes: sub.get_one::<u32>("big-nodes").copied().unwrap_or(d.big_nodes),
+            big_rounds: sub.get_one::<u64>("big-rounds").copied().unwrap_or(d.big_rounds),
+        };
+        return match rt.block_on(loadgen::scale::run(spec)) {
+            Ok(table) => {
+                print!("{table}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("loadgen scale: {e}");
+                ExitCode::from(1)
+            }
+        };
     }
     let (result, check) = match m.subcommand() {
         Some(("run", sub)) => (rt.block_on(run_cmd(sub)), sub.get_flag("check")),

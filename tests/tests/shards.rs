@@ -215,6 +215,25 @@ fn one_matcher_fed_every_record_in_order_decides_every_op() {
         })
         .collect();
     assert_eq!(owners.len(), 2, "communicators on both shards");
+    // What a matcher shard is sent, per node-second of this run (ARCHITECTURE.md's
+    // scaling estimate: node records go to every shard, lifecycle to one).
+    let (mut one, mut all, mut local) = (0u64, 0u64, 0u64);
+    for (_, r) in &run.records {
+        match route(r, 2) {
+            Route::One(_) => one += 1,
+            Route::All => all += 1,
+            Route::Nowhere => local += 1,
+        }
+    }
+    let nodes = run.shard_of.len() as f64;
+    #[allow(clippy::cast_precision_loss, reason = "a printed rate")]
+    let per = |n: u64| n as f64 / nodes / (run.end_ns as f64 / 1e9);
+    println!(
+        "records per node-second: {:.0} to one matcher shard (lifecycle, PROGRESS), {:.0} to every shard (watermarks, liveness, loss, gaps), {:.0} kept local",
+        per(one),
+        per(all),
+        per(local)
+    );
 }
 
 #[test]

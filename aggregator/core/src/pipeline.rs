@@ -423,11 +423,18 @@ impl Core {
                 len: self.unpublished.len(),
                 cap: crate::shard::MAX_UNPUBLISHED,
             }),
-            Role::Matcher { .. } => out.push(crate::MapSize {
-                name: "core.for_bus",
-                len: self.for_bus.len(),
-                cap: crate::shard::MAX_UNPUBLISHED_EVENTS,
-            }),
+            Role::Matcher { .. } => {
+                out.push(crate::MapSize {
+                    name: "core.for_bus",
+                    len: self.for_bus.len(),
+                    cap: crate::shard::MAX_UNPUBLISHED_EVENTS,
+                });
+                out.push(crate::MapSize {
+                    name: "core.bus_liveness",
+                    len: self.bus_liveness.nodes.len(),
+                    cap: self.ingest.config().max_nodes,
+                });
+            }
             Role::All | Role::Api => {}
         }
         out

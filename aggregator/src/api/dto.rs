@@ -266,6 +266,10 @@ pub struct ClusterDto {
     pub bus_liveness_restored: u64,
     #[serde(default)]
     pub bus_liveness_turned_away: u64,
+    /// Consumers (matcher, API) made again after they stalled with messages left in the
+    /// stream, or ended.
+    #[serde(default)]
+    pub consumer_remakes: u64,
 }
 
 /// The HTTP listener's counters (`/v1/ingest` `http`).

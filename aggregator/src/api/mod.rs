@@ -372,6 +372,7 @@ fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
         bus_liveness_synthesized: taken_silent,
         bus_liveness_restored: restored,
         bus_liveness_turned_away: turned_away,
+        consumer_remakes: c.consumer_remakes.load(Relaxed),
     })
 }
 

@@ -575,7 +575,12 @@ fn count_gap(s: &Shared, last: &mut u64, seq: u64) {
 pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
     let ShardRole::Matcher { shard: me } = cfg.role else { return };
     // A restored shard reads on after the last message its snapshot applied.
-    let from = s.core().map_or(0, |c| c.bus_position());
+    // A restored shard reads on after the last message its snapshot applied; its
+    // nodes' silence is timed from now, not from before it stopped.
+    let from = s.core().map_or(0, |mut c| {
+        c.restart_bus_clock(s.now());
+        c.bus_position()
+    });
     let mut reader = Reader::named(&js, "records", records_stream(me), None, false, from.saturating_add(1)).await;
     let mut last = from;
     loop {

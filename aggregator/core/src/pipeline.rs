@@ -263,6 +263,20 @@ impl Core {
         b.next_due = next;
     }
 
+    /// Matcher role: this core starts reading the bus at `now` (a restored snapshot's
+    /// nodes were last spoken of before the process stopped): every node's silence is
+    /// timed from here — what the matcher did not read while it was down says nothing of
+    /// the nodes. What it already took as silent stays so until a record about the node.
+    pub fn restart_bus_clock(&mut self, now: u64) {
+        let b = &mut self.bus_liveness;
+        for h in b.nodes.values_mut() {
+            h.at_ns = h.at_ns.max(now);
+        }
+        if !b.nodes.is_empty() {
+            b.next_due = now.saturating_add(self.ingest.config().silent_ns);
+        }
+    }
+
     /// Matcher role: nodes taken as silent or unreachable because nothing was said of
     /// them on the bus, restorations of what their ingest shard said, and nodes past the
     /// cap (`synthesized`, `restored`, `turned_away`).

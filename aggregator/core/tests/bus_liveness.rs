@@ -70,3 +70,25 @@ fn another_role_keeps_no_bus_timers() {
     core.handle_timeout(u64::MAX / 2);
     assert_eq!(core.bus_liveness_counts(), (0, 0, 0));
 }
+
+#[test]
+fn a_restarted_matcher_times_silence_from_its_restart() {
+    let ingest = IngestConfig {
+        silent_ns: 1000 * MS,
+        unreachable_ns: 5000 * MS,
+        reorder_timeout_ns: 100 * MS,
+        ..IngestConfig::default()
+    };
+    let mut core = Core::new(ingest, MatcherConfig::default(), 0);
+    core.set_role(Role::Matcher { shard: 0, shards: 1 });
+    let a = NodeId(1);
+    core.apply_records(0, &[watermark(a, 0)]);
+    // Down for 10 s (past unreachable): back, it has heard nothing yet, and the node's
+    // silence starts now.
+    let back = 10_000 * MS;
+    core.restart_bus_clock(back);
+    core.handle_timeout(back);
+    assert_eq!(health(&core, back, a), Health::Healthy);
+    core.handle_timeout(back + 1200 * MS);
+    assert_eq!(health(&core, back + 1200 * MS, a), Health::Silent, "then its own timers run");
+}

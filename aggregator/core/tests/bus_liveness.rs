@@ -17,8 +17,8 @@ fn health(core: &Core, now: u64, node: NodeId) -> Health {
     core.node_health(now).get(&node).copied().expect("the node is known")
 }
 
-#[test]
-fn a_node_nothing_is_said_of_goes_silent_then_unreachable_and_comes_back_with_its_next_record() {
+/// A matcher-role core whose ingest timers are silent 1 s, unreachable 5 s.
+fn matcher_core() -> Core {
     let ingest = IngestConfig {
         silent_ns: 1000 * MS,
         unreachable_ns: 5000 * MS,
@@ -27,6 +27,12 @@ fn a_node_nothing_is_said_of_goes_silent_then_unreachable_and_comes_back_with_it
     };
     let mut core = Core::new(ingest, MatcherConfig::default(), 0);
     core.set_role(Role::Matcher { shard: 0, shards: 1 });
+    core
+}
+
+#[test]
+fn a_node_nothing_is_said_of_goes_silent_then_unreachable_and_comes_back_with_its_next_record() {
+    let mut core = matcher_core();
     let (a, b) = (NodeId(1), NodeId(2));
     let fresh = |node| Record::Liveness(Liveness { node, state: LivenessState::Fresh, at_ns: 0, last_heard_ns: 0 });
     core.apply_records(0, &[fresh(a), fresh(b)]);
@@ -73,14 +79,7 @@ fn another_role_keeps_no_bus_timers() {
 
 #[test]
 fn a_restarted_matcher_times_silence_from_its_restart() {
-    let ingest = IngestConfig {
-        silent_ns: 1000 * MS,
-        unreachable_ns: 5000 * MS,
-        reorder_timeout_ns: 100 * MS,
-        ..IngestConfig::default()
-    };
-    let mut core = Core::new(ingest, MatcherConfig::default(), 0);
-    core.set_role(Role::Matcher { shard: 0, shards: 1 });
+    let mut core = matcher_core();
     let a = NodeId(1);
     core.apply_records(0, &[watermark(a, 0)]);
     // Down for 10 s (past unreachable): back, it has heard nothing yet, and the node's

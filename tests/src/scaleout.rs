@@ -133,6 +133,47 @@ pub fn role_config(set: &CertSet, nats: &[String], role: ShardRole, origin_ms: u
     cfg
 }
 
+/// The demo run (seed 2026) the scale-out tests drive, through `external` (none: one
+/// in-process aggregator).
+///
+/// # Panics
+/// When the built-in demo scenario does not load.
+#[must_use]
+pub fn demo_spec(external: Option<loadgen::cluster::External>) -> loadgen::cluster::RunSpec {
+    loadgen::cluster::RunSpec {
+        scenario: loadgen_sim::builtin::builtin("demo").expect("built in").expect("valid"),
+        seed: Some(2026),
+        scale: 1e-4,
+        time_scale: TIME_SCALE,
+        progress: false,
+        net_faults: None,
+        external,
+        demo_rows: false,
+    }
+}
+
+/// Scores a scaled-out run against its truth, prints the table, and asserts every final
+/// verdict right, none falsely degraded and every stream exact. Returns the score.
+///
+/// # Panics
+/// When one of those does not hold.
+pub fn assert_scored_right(r: &loadgen::cluster::RunResult) -> loadgen::score::Score {
+    let sc = loadgen::score::score(
+        &r.truth,
+        &r.nodes,
+        &r.verdicts,
+        r.ended_at_ms,
+        loadgen::cluster::reorder_sim_ms(TIME_SCALE),
+    );
+    println!("{}", sc.table());
+    assert_eq!(sc.final_right, sc.final_verdicts, "wrong final verdicts: {:?}", sc.wrong_examples);
+    assert_eq!(sc.false_degraded, 0);
+    for c in &sc.conservation {
+        assert_eq!(c.exact, c.streams, "{} not exact: {c:?}", c.node);
+    }
+    sc
+}
+
 /// Unix ms now (every role's time origin in a test).
 ///
 /// # Panics

@@ -20,23 +20,9 @@ use std::time::{Duration, Instant};
 
 use aggregator::cluster::ShardRole;
 use aggregator::{Aggregator, certs};
-use loadgen::cluster::{self, External, RunSpec, SettledHook};
+use loadgen::cluster::{self, External, SettledHook};
 use loadgen::{demo, score};
-use loadgen_sim::builtin;
-use ringwatch_tests::scaleout::{NatsCluster, TIME_SCALE, nats_server, role_config};
-
-fn spec(external: Option<External>) -> RunSpec {
-    RunSpec {
-        scenario: builtin::builtin("demo").expect("built in").expect("valid"),
-        seed: Some(2026),
-        scale: 1e-4,
-        time_scale: TIME_SCALE,
-        progress: false,
-        net_faults: None,
-        external,
-        demo_rows: false,
-    }
-}
+use ringwatch_tests::scaleout::{NatsCluster, TIME_SCALE, demo_spec as spec, nats_server, role_config};
 
 /// Starts a role, retrying while the JetStream cluster elects its meta leader.
 async fn start_role(cfg: aggregator::AggregatorConfig, nats: &NatsCluster) -> Aggregator {
@@ -262,13 +248,7 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     assert_eq!(key(&rows), key(&single_rows), "the single process's table");
 
     // Every final verdict right, none falsely degraded, every stream exact.
-    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(TIME_SCALE));
-    println!("{}", sc.table());
-    assert_eq!(sc.final_right, sc.final_verdicts, "wrong final verdicts: {:?}", sc.wrong_examples);
-    assert_eq!(sc.false_degraded, 0);
-    for c in &sc.conservation {
-        assert_eq!(c.exact, c.streams, "{} not exact: {c:?}", c.node);
-    }
+    let sc = ringwatch_tests::scaleout::assert_scored_right(&r);
     assert_eq!(sc.conservation.len(), 8, "every node's streams");
 
     // The single process was right too; where both decided an op, the same answer (a

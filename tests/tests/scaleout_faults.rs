@@ -23,10 +23,11 @@ use std::time::{Duration, Instant};
 
 use aggregator::certs;
 use aggregator::cluster::{ClusterConfig, ShardRole};
-use loadgen::cluster::{self, External, RunSpec, SettledHook};
-use loadgen::{demo, score};
-use loadgen_sim::builtin;
-use ringwatch_tests::scaleout::{MATCHER_SHARDS, NatsCluster, RoleArgs, RoleProcess, TIME_SCALE, nats_server, unix_ms};
+use loadgen::cluster::{self, External, SettledHook};
+use loadgen::demo;
+use ringwatch_tests::scaleout::{
+    MATCHER_SHARDS, NatsCluster, RoleArgs, RoleProcess, TIME_SCALE, demo_spec, nats_server, unix_ms,
+};
 use tokio::sync::Mutex;
 
 const ROLE: &str = env!("CARGO_BIN_EXE_ringwatch-role");
@@ -209,16 +210,7 @@ async fn ext_sigkill_a_nats_server_an_ingest_shard_and_a_matcher_shard_during_th
         })
     };
 
-    let spec = RunSpec {
-        scenario: builtin::builtin("demo").expect("built in").expect("valid"),
-        seed: Some(2026),
-        scale: 1e-4,
-        time_scale: TIME_SCALE,
-        progress: false,
-        net_faults: None,
-        external: Some(external),
-        demo_rows: false,
-    };
+    let spec = demo_spec(Some(external));
     let r = cluster::run(spec).await.expect("scaled-out run");
     let done = fault_task.await.expect("the fault task");
     watcher.abort();
@@ -315,12 +307,6 @@ async fn ext_sigkill_a_nats_server_an_ingest_shard_and_a_matcher_shard_during_th
     print!("{}", demo::table(&rows));
     let bad: Vec<_> = rows.iter().filter(|x| !x.matches()).collect();
     assert!(bad.is_empty(), "rows not the truth's: {bad:#?}");
-    let sc = score::score(&r.truth, &r.nodes, &r.verdicts, r.ended_at_ms, cluster::reorder_sim_ms(TIME_SCALE));
-    println!("{}", sc.table());
-    assert_eq!(sc.final_right, sc.final_verdicts, "wrong final verdicts: {:?}", sc.wrong_examples);
-    assert_eq!(sc.false_degraded, 0);
-    for c in &sc.conservation {
-        assert_eq!(c.exact, c.streams, "{} not exact: {c:?}", c.node);
-    }
+    let sc = ringwatch_tests::scaleout::assert_scored_right(&r);
     assert_eq!(sc.non_final_old, sc.non_final_old_gated_by_silent, "not final, not gated: {:?}", sc.non_final_examples);
 }

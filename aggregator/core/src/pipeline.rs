@@ -48,9 +48,9 @@ pub struct Core {
 /// machine) says nothing more of its nodes — neither that they went silent nor that
 /// they are unreachable. A live node's ingest shard speaks of it at every heartbeat (its
 /// P0 watermark goes to every matcher shard), so a node nothing is said of for the
-/// ingest's `silent_ns` (plus the reorder timeout, for the bus's own delay) is taken as
-/// silent here, and after `unreachable_ns` as unreachable — the timers one process
-/// applies to a node it hears nothing from. The first record about it again (from the
+/// ingest's `unreachable_ns` is taken as unreachable here — the timer one process
+/// applies to a node it hears nothing from (never as merely silent: a bus stall longer
+/// than `silent_ns` is no sign of the node). The first record about it again (from the
 /// ingest shard it failed over to, or the bus back after a stall) restores what its
 /// ingest shard last said. Bounded by the ingest's `max_nodes` (turned away counted).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
@@ -235,13 +235,10 @@ impl Core {
                 continue;
             }
             let quiet = now.saturating_sub(h.at_ns);
-            let want = if quiet >= unreachable {
-                Some(LivenessState::Unreachable)
-            } else if quiet >= silent {
-                Some(LivenessState::Silent)
-            } else {
-                None
-            };
+            // Unreachable only: a node taken silent here lets the matcher judge its ranks
+            // `unknown_silent`, and a bus stall longer than `silent_ns` (seconds on a
+            // loaded machine) is no sign of the node — that gave wrong final verdicts.
+            let want = (quiet >= unreachable).then_some(LivenessState::Unreachable);
             if let Some(w) = want
                 && w > h.stated
                 && h.own.is_none_or(|o| w > o)
@@ -253,8 +250,7 @@ impl Core {
             }
             let due = match h.own.max(Some(h.stated)) {
                 Some(LivenessState::Unreachable) => continue,
-                Some(LivenessState::Silent) => h.at_ns.saturating_add(unreachable),
-                _ => h.at_ns.saturating_add(silent),
+                _ => h.at_ns.saturating_add(unreachable),
             };
             if next == 0 || due < next {
                 next = due;

@@ -18,6 +18,37 @@ pub const TIME_SCALE: f64 = 4.0;
 /// Matcher shards in these tests.
 pub const MATCHER_SHARDS: u32 = 2;
 
+/// Loopback addresses for `shards` ingest shards, each the first choice (the shippers'
+/// rendezvous order over the address list) of at least `min_each` of `names`. The
+/// split depends on the ports, and with free ports chosen by the kernel one shard
+/// could get no node (1 in 128 for 8 nodes over 2) or too few for a test's faults to
+/// mean anything; these ports are held while the split is checked, then let go for the
+/// ingest shards to bind.
+///
+/// # Panics
+/// When no such ports turn up in 1,000 tries, or loopback UDP cannot be bound.
+#[must_use]
+pub fn ingest_listen_addrs(names: &[String], shards: usize, min_each: usize) -> Vec<SocketAddr> {
+    for _ in 0..1_000 {
+        let socks: Vec<std::net::UdpSocket> =
+            (0..shards).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("loopback UDP")).collect();
+        let addrs: Vec<SocketAddr> = socks.iter().map(|s| s.local_addr().expect("bound")).collect();
+        let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+        let mut first = vec![0usize; shards];
+        for n in names {
+            if let Some(pick) = ringwatch_transport::shard::rendezvous_order(n, &list).first()
+                && let Some(i) = list.iter().position(|x| x == *pick)
+            {
+                first[i] += 1;
+            }
+        }
+        if first.iter().all(|&c| c >= min_each) {
+            return addrs;
+        }
+    }
+    panic!("no {shards} loopback ports split {} nodes at least {min_each} each", names.len());
+}
+
 /// `nats-server`, or the reason it is missing (a failure under `CI=true`).
 #[must_use]
 pub fn nats_server() -> Option<()> {

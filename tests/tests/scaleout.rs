@@ -80,9 +80,20 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis(),
     )
     .expect("ms");
+    // Each ingest shard the first choice of at least 3 nodes (the restart below means
+    // something), and of known how many (when to restart it).
+    let listen = ringwatch_tests::scaleout::ingest_listen_addrs(&names, 2, 3);
+    let first_of = |shard: usize| {
+        let list: Vec<String> = listen.iter().map(ToString::to_string).collect();
+        let mine = list[shard].clone();
+        names.iter().filter(|n| ringwatch_transport::shard::rendezvous_order(n, &list)[0] == &mine).count()
+    };
+    let ingest0_nodes = u64::try_from(first_of(0)).expect("small");
     let mut ingests = Vec::new();
     for shard in 0..2 {
-        ingests.push(start_role(role_config(&set, &nats.urls, ShardRole::Ingest { shard }, origin_ms), &nats).await);
+        let mut c = role_config(&set, &nats.urls, ShardRole::Ingest { shard }, origin_ms);
+        c.listen = listen[usize::try_from(shard).expect("small")];
+        ingests.push(start_role(c, &nats).await);
     }
     let matcher_cfg = |shard: u32| {
         let mut c = role_config(&set, &nats.urls, ShardRole::Matcher { shard }, origin_ms);
@@ -166,10 +177,13 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
         tokio::spawn(async move {
             let s = Arc::clone(&i_live.lock().unwrap()[0]);
             let started = Instant::now();
-            while s.cluster.records_published.load(Relaxed) < 20_000 && started.elapsed() < ringwatch_tests::STATE_LIMIT
-            {
+            // About a third of the way through its nodes' records (the demo gives a node
+            // some 7,000 on the bus).
+            let mark = 2_500 * ingest0_nodes;
+            while s.cluster.records_published.load(Relaxed) < mark && started.elapsed() < ringwatch_tests::STATE_LIMIT {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            let started = Instant::now();
             let mut g = ingests.lock().await;
             let old = g.remove(0);
             old.shutdown_with_snapshot().await;

@@ -86,10 +86,14 @@ async fn ext_sigkill_a_nats_server_an_ingest_shard_and_a_matcher_shard_during_th
     };
     let log = |tag: &str| dir.0.join(format!("{tag}.log"));
     let exe = Path::new(ROLE);
+    // The killed ingest shard the first choice of at least 3 nodes: failover has work.
+    let listen = ringwatch_tests::scaleout::ingest_listen_addrs(&names, 2, 3);
     let mut ingests = Vec::new();
     for shard in 0..2 {
         let tag = format!("ingest-{shard}");
-        ingests.push(Some(RoleProcess::start(exe, &args(ShardRole::Ingest { shard }, &tag), &log(&tag)).await));
+        let mut a = args(ShardRole::Ingest { shard }, &tag);
+        a.listen = Some(listen[usize::try_from(shard).expect("small")]);
+        ingests.push(Some(RoleProcess::start(exe, &a, &log(&tag)).await));
     }
     let matcher_args = |shard: u32| {
         let mut a = args(ShardRole::Matcher { shard }, &format!("matcher-{shard}"));

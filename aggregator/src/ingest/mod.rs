@@ -321,7 +321,12 @@ fn closed(shared: &Shared, node: NodeId) {
         e.live = e.live.saturating_sub(1);
         e.live == 0
     });
-    if !last {
+    // An ingest shard stopping in order closes every connection itself: its nodes are
+    // moving to the next instance (or another shard), not dying. Saying `unreachable` on
+    // the bus would start the matchers' presumed-dead clock for live nodes, and a slow
+    // handover then made their ranks final `unknown_silent` (wrong). A node that does not
+    // come back is taken unreachable by the matchers' bus liveness timer.
+    if !last || shared.draining.load(Ordering::Relaxed) {
         return;
     }
     let now = shared.now();

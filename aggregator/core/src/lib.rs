@@ -41,6 +41,6 @@ pub use dedup::{Admit, BatchDedup, DedupConfig};
 pub use ingest::{Ingest, IngestConfig, IngestStats};
 pub use loss::SeqTracker;
 pub use matcher::{CollectiveMatcher, Health, MatcherConfig};
-pub use pipeline::{Core, Receipt, Resumed};
+pub use pipeline::{BusLivenessCounts, Core, Receipt, Resumed};
 pub use records::{NodeId, Record, StreamKey};
 pub use store::{Cursor, OpPage, Page, PageItem, StoreConfig, StoreStats, StoreTally, Stored, VerdictStore};

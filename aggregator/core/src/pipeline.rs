@@ -52,7 +52,10 @@ pub struct Core {
 /// applies to a node it hears nothing from (never as merely silent: a bus stall longer
 /// than `silent_ns` is no sign of the node). The first record about it again (from the
 /// ingest shard it failed over to, or the bus back after a stall) restores what its
-/// ingest shard last said. Bounded by the ingest's `max_nodes` (turned away counted).
+/// ingest shard last said. A `silent` or `unreachable` statement from a shard that has
+/// not heard the node since another shard said it was fresh is stale and ignored
+/// (counted): the node failed over, and its old shard's connection timed out after.
+/// Bounded by the ingest's `max_nodes` (turned away counted).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
 struct BusLiveness {
     nodes: BTreeMap<NodeId, Heard>,
@@ -62,6 +65,23 @@ struct BusLiveness {
     /// Liveness changes this core made for nodes nothing was said of, and restorations.
     synthesized: u64,
     restored: u64,
+    /// `silent` / `unreachable` statements ignored as stale: the ingest shard that made
+    /// them had not heard the node since another said it was fresh (it failed over).
+    stale_ignored: u64,
+}
+
+/// [`Core::bus_liveness_counts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BusLivenessCounts {
+    /// Nodes nothing was said of for the ingest's unreachable time, taken unreachable.
+    pub synthesized: u64,
+    /// What their ingest shard said, restored by the next record about them.
+    pub restored: u64,
+    /// Nodes past the ingest's `max_nodes` (not tracked).
+    pub turned_away: u64,
+    /// `silent` / `unreachable` statements from an ingest shard that had not heard the
+    /// node since another said it was fresh: ignored.
+    pub stale_ignored: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
@@ -72,6 +92,8 @@ struct Heard {
     /// the ingest shard's word stands).
     stated: LivenessState,
     own: Option<LivenessState>,
+    /// The latest `at_ns` of a `fresh` statement about the node (from any ingest shard).
+    fresh_at_ns: u64,
 }
 
 /// The API role's copy of what the matcher shards published: their events, not yet
@@ -171,10 +193,9 @@ impl Core {
         for r in records {
             if crate::shard::takes(r, shard, shards) {
                 self.records = self.records.saturating_add(1);
-                if matcher_role {
-                    self.heard_on_bus(now, r);
+                if !matcher_role || self.heard_on_bus(now, r) {
+                    self.matcher.handle_record(now, r);
                 }
-                self.matcher.handle_record(now, r);
                 applied = applied.saturating_add(1);
             } else {
                 skipped = skipped.saturating_add(1);
@@ -184,8 +205,23 @@ impl Core {
     }
 
     /// Matcher role: a record about `r.node()` came off the bus (see [`BusLiveness`]).
-    fn heard_on_bus(&mut self, now: u64, r: &Record) {
+    /// Returns whether to apply it: a `silent` or `unreachable` statement from an ingest
+    /// shard that has not heard the node since another shard said it was fresh is stale
+    /// (the node failed over, and its old shard's connection timed out later): applied,
+    /// it would make a live node unreachable, then presumed dead, and its ranks final
+    /// `unknown_silent`. Within one ingest shard such a statement's `last_heard_ns` is
+    /// never before its own `fresh` statement's `at_ns` (both are its clock). Across
+    /// shards the clocks differ by their skew: a statement misjudged stale for that only
+    /// waits for this core's own timer below.
+    fn heard_on_bus(&mut self, now: u64, r: &Record) -> bool {
         let node = r.node();
+        if let Record::Liveness(l) = r
+            && l.state != LivenessState::Fresh
+            && self.bus_liveness.nodes.get(&node).is_some_and(|h| l.last_heard_ns < h.fresh_at_ns)
+        {
+            self.bus_liveness.stale_ignored = self.bus_liveness.stale_ignored.saturating_add(1);
+            return false;
+        }
         let cap = self.ingest.config().max_nodes;
         let due = now.saturating_add(self.ingest.config().silent_ns);
         let b = &mut self.bus_liveness;
@@ -195,9 +231,9 @@ impl Core {
             std::collections::btree_map::Entry::Vacant(v) => {
                 if len >= cap {
                     b.turned_away = b.turned_away.saturating_add(1);
-                    return;
+                    return true;
                 }
-                v.insert(Heard { at_ns: now, stated: LivenessState::Fresh, own: None })
+                v.insert(Heard { at_ns: now, stated: LivenessState::Fresh, own: None, fresh_at_ns: 0 })
             }
         };
         h.at_ns = now;
@@ -208,6 +244,9 @@ impl Core {
             Record::Liveness(l) => {
                 h.stated = l.state;
                 h.own = None;
+                if l.state == LivenessState::Fresh {
+                    h.fresh_at_ns = h.fresh_at_ns.max(l.at_ns);
+                }
             }
             _ => {
                 if h.own.take().is_some() {
@@ -217,6 +256,7 @@ impl Core {
                 }
             }
         }
+        true
     }
 
     /// Matcher role: nodes nothing was said of on the bus for the ingest's silent (then
@@ -273,13 +313,18 @@ impl Core {
         }
     }
 
-    /// Matcher role: nodes taken as silent or unreachable because nothing was said of
-    /// them on the bus, restorations of what their ingest shard said, and nodes past the
-    /// cap (`synthesized`, `restored`, `turned_away`).
+    /// Matcher role: nodes taken as unreachable because nothing was said of them on the
+    /// bus, restorations of what their ingest shard said, nodes past the cap, and stale
+    /// statements ignored (see [`BusLiveness`]).
     #[must_use]
-    pub fn bus_liveness_counts(&self) -> (u64, u64, u64) {
+    pub fn bus_liveness_counts(&self) -> BusLivenessCounts {
         let b = &self.bus_liveness;
-        (b.synthesized, b.restored, b.turned_away)
+        BusLivenessCounts {
+            synthesized: b.synthesized,
+            restored: b.restored,
+            turned_away: b.turned_away,
+            stale_ignored: b.stale_ignored,
+        }
     }
 
     /// Matcher role: the stream sequence of the last bus message applied (0: none).

@@ -256,16 +256,20 @@ pub struct ClusterDto {
     pub events_applied: u64,
     pub node_summaries_applied: u64,
     pub health_applied: u64,
-    /// Matcher: nodes nothing was said of on the bus for the ingest's silent (then
-    /// unreachable) time — their ingest shard died without a word — taken as silent
-    /// (unreachable) here; restorations of what their ingest shard said once records
-    /// about them came again (from the shard they failed over to); nodes past the cap.
+    /// Matcher: nodes nothing was said of on the bus for the ingest's unreachable time
+    /// — their ingest shard died without a word — taken as unreachable here;
+    /// restorations of what their ingest shard said once records about them came again
+    /// (from the shard they failed over to); nodes past the cap; `silent` /
+    /// `unreachable` statements ignored as stale (from an ingest shard that had not heard
+    /// the node since another said it was fresh: the node failed over).
     #[serde(default)]
     pub bus_liveness_synthesized: u64,
     #[serde(default)]
     pub bus_liveness_restored: u64,
     #[serde(default)]
     pub bus_liveness_turned_away: u64,
+    #[serde(default)]
+    pub bus_liveness_stale_ignored: u64,
     /// Consumers (matcher, API) made again after they stalled with messages left in the
     /// stream, or ended.
     #[serde(default)]

@@ -339,7 +339,7 @@ fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
     use crate::cluster::ShardRole;
     let role = s.cluster_role?;
     let c = &s.cluster;
-    let (unpublished, for_bus, (taken_silent, restored, turned_away)) = s.core().map_or((0, 0, (0, 0, 0)), |core| {
+    let (unpublished, for_bus, bus) = s.core().map_or((0, 0, ringwatch_core::BusLivenessCounts::default()), |core| {
         (core.unpublished().len() as u64, core.for_bus().len() as u64, core.bus_liveness_counts())
     });
     Some(dto::ClusterDto {
@@ -369,9 +369,10 @@ fn cluster_dto(s: &Shared) -> Option<dto::ClusterDto> {
         events_applied: c.events_applied.load(Relaxed),
         node_summaries_applied: c.node_summaries_applied.load(Relaxed),
         health_applied: c.health_applied.load(Relaxed),
-        bus_liveness_synthesized: taken_silent,
-        bus_liveness_restored: restored,
-        bus_liveness_turned_away: turned_away,
+        bus_liveness_synthesized: bus.synthesized,
+        bus_liveness_restored: bus.restored,
+        bus_liveness_turned_away: bus.turned_away,
+        bus_liveness_stale_ignored: bus.stale_ignored,
         consumer_remakes: c.consumer_remakes.load(Relaxed),
     })
 }

@@ -84,6 +84,30 @@ typedef int (*stop_fn)(void *);
 typedef int (*record_fn)(void *, int, void *);
 typedef int (*finalize_fn)(void *);
 
+/* A zeroed descriptor of event `type`: a uint64_t at 0 in v5, a uint8_t in v4. */
+static void descr_type(unsigned char *d, size_t n, int v, uint64_t type)
+{
+	memset(d, 0, n);
+	if (v == 5)
+		put64(d, 0, type);
+	else
+		d[0] = (unsigned char)type;
+}
+
+/* A one-channel collective named `func` of type `dtype`, written at the documented
+ * offsets (func 32, datatype 72, nChannels 80), started and stopped. */
+static void one_channel_collective(void **p, void *ctx, int v, const char *func, const char *dtype)
+{
+	unsigned char d[128];
+	descr_type(d, sizeof(d), v, TYPE_COLL);
+	putp(d, 32, func);
+	putp(d, 72, dtype);
+	d[80] = 1;
+	void *coll = NULL;
+	((start_fn)p[2])(ctx, &coll, d);
+	((stop_fn)p[3])(coll);
+}
+
 static void check_version(void *lib, int v)
 {
 	char sym[32];
@@ -117,11 +141,7 @@ static void check_version(void *lib, int v)
 	/* A collective: type, parentObj 8, rank 16, coll.seqNumber 24, func 32, sendBuff 40,
 	 * recvBuff 48, count 56, root 64, datatype 72, nChannels 80, nWarps 81, algo 88,
 	 * proto 96 (v5: parentGroup 104). */
-	memset(d, 0, sizeof(d));
-	if (v == 5)
-		put64(d, 0, TYPE_COLL);
-	else
-		d[0] = TYPE_COLL;
+	descr_type(d, sizeof(d), v, TYPE_COLL);
 	put32(d, 16, 3);
 	put64(d, 24, 41);
 	putp(d, 32, "AllReduce");
@@ -148,11 +168,7 @@ static void check_version(void *lib, int v)
 	 * args union's kernelCh.pTimer at 0. */
 	void *ch[3];
 	for (int c = 0; c < 3; c++) {
-		memset(d, 0, sizeof(d));
-		if (v == 5)
-			put64(d, 0, TYPE_KERNEL_CH);
-		else
-			d[0] = TYPE_KERNEL_CH;
+		descr_type(d, sizeof(d), v, TYPE_KERNEL_CH);
 		putp(d, 8, coll);
 		d[24] = (unsigned char)c;
 		put64(d, 32, 1700000000000000000ull);
@@ -172,11 +188,7 @@ static void check_version(void *lib, int v)
 	      "%s: kernel_end only after the last channel", sym);
 
 	/* A P2P send: p2p.func 24, buff 32, datatype 40, count 48, peer 56, nChannels 60. */
-	memset(d, 0, sizeof(d));
-	if (v == 5)
-		put64(d, 0, TYPE_P2P);
-	else
-		d[0] = TYPE_P2P;
+	descr_type(d, sizeof(d), v, TYPE_P2P);
 	put32(d, 16, 3);
 	putp(d, 24, "Send");
 	putp(d, 40, "ncclFloat16");
@@ -195,18 +207,18 @@ static void check_version(void *lib, int v)
 		      (unsigned long long)f->count, (unsigned long long)f->p2p_seq);
 	}
 	/* A second collective on the same communicator: comm_op_seq 2 (P2P did not advance it). */
-	memset(d, 0, sizeof(d));
-	if (v == 5)
-		put64(d, 0, TYPE_COLL);
-	else
-		d[0] = TYPE_COLL;
-	putp(d, 32, "AllGather");
-	d[80] = 1;
-	void *coll2 = NULL;
-	((start_fn)p[2])(ctx, &coll2, d);
-	((stop_fn)p[3])(coll2);
+	one_channel_collective(p, ctx, v, "AllGather", NULL);
 	CHECK(g_ncoll == 6 && g_coll[4].comm_op_seq == 2 && g_coll[4].op == RW_OP_ALL_GATHER,
 	      "%s: comm_op_seq counts collectives only", sym);
+	/* NCCL's own names: all-to-all is "AlltoAll"; a uint8 collective's type is "Unknown"
+	 * (NCCL's lookup has no case for it): unknown, counted, never a wrong type. */
+	_Atomic unsigned long *unknown = dlsym(lib, "rw_shim_unknown_names");
+	unsigned long unknown_before = unknown ? *unknown : 0;
+	one_channel_collective(p, ctx, v, "AlltoAll", "Unknown");
+	CHECK(g_ncoll == 8 && g_coll[6].op == RW_OP_ALL_TO_ALL && g_coll[6].dtype == RW_DTYPE_UNKNOWN,
+	      "%s: \"AlltoAll\" is all_to_all, type \"Unknown\" stays unknown (op %u, dtype %u)", sym,
+	      g_ncoll > 6 ? g_coll[6].op : 0, g_ncoll > 6 ? g_coll[6].dtype : 0);
+	CHECK(unknown && *unknown == unknown_before + 1, "%s: the unknown name is counted (rw_shim_unknown_names)", sym);
 	CHECK(((finalize_fn)p[5])(ctx) == 0, "%s finalize", sym);
 }
 

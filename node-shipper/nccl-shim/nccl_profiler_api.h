@@ -195,9 +195,6 @@ typedef union {
 	struct {
 		uint64_t pTimer;
 	} kernelCh;
-	struct {
-		uint64_t pTimer;
-	} kernelStep;
 } ncclProfilerEventStateArgs_v5_t;
 
 typedef struct {

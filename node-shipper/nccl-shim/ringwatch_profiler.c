@@ -3,8 +3,9 @@
  * libnccl-profiler-ringwatch.so: ringwatch's NCCL profiler plugin.
  *
  * Use: NCCL_PROFILER_PLUGIN=/full/path/to/libnccl-profiler-ringwatch.so (a full path:
- * NCCL dlopens the name as given). Exports ncclProfiler_v5 and ncclProfiler_v4 (NCCL 2.26
- * and later look for these; later NCCL versions fall back to v5).
+ * NCCL dlopens the name as given). Exports ncclProfiler_v5 and ncclProfiler_v4: NCCL 2.27
+ * loads v4, 2.28 v5, 2.29.2 and later fall back to v5; 2.23-2.26 look only for v1-v3 and
+ * run without it (README.md has the table).
  *
  * What it does, and nothing more: keeps the per-communicator counters ringwatch's keys need
  * and calls tiny probe functions (rw_probe_*) with a filled frame. The functions start
@@ -232,33 +233,46 @@ static void release(struct event *e)
 	}
 }
 
+/* Function and type names this shim does not know: the frame says RW_OP_UNKNOWN /
+ * RW_DTYPE_UNKNOWN (never a guess), and each is counted here. */
+RW_EXPORT _Atomic unsigned long rw_shim_unknown_names;
+
 static uint8_t op_code(const char *func)
 {
+	/* NCCL's names (ncclFuncToString): all-to-all is "AlltoAll". */
 	static const struct {
 		const char *name;
 		uint8_t code;
 	} t[] = {
 		{ "AllReduce", RW_OP_ALL_REDUCE }, { "AllGather", RW_OP_ALL_GATHER },
 		{ "ReduceScatter", RW_OP_REDUCE_SCATTER }, { "Reduce", RW_OP_REDUCE },
-		{ "Broadcast", RW_OP_BROADCAST }, { "AllToAll", RW_OP_ALL_TO_ALL },
+		{ "Broadcast", RW_OP_BROADCAST }, { "AlltoAll", RW_OP_ALL_TO_ALL },
 		{ "Gather", RW_OP_GATHER }, { "Scatter", RW_OP_SCATTER },
 		{ "Send", RW_OP_SEND }, { "Recv", RW_OP_RECV },
 	};
-	for (size_t i = 0; func && i < sizeof(t) / sizeof(t[0]); i++)
+	if (!func)
+		return 0;
+	for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
 		if (strcmp(func, t[i].name) == 0)
 			return t[i].code;
-	return 0;
+	atomic_fetch_add(&rw_shim_unknown_names, 1);
+	return RW_OP_UNKNOWN;
 }
 
 static uint8_t dtype_code(const char *d)
 {
+	/* NCCL's names (ncclDatatypeToString), in ncclDataType_t order; its lookup has no
+	 * case for ncclUint8 and passes "Unknown", which stays unknown here. */
 	static const char *names[] = { "ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64",
 				       "ncclUint64", "ncclFloat16", "ncclFloat32", "ncclFloat64", "ncclBfloat16",
 				       "ncclFloat8e4m3", "ncclFloat8e5m2" };
-	for (size_t i = 0; d && i < sizeof(names) / sizeof(names[0]); i++)
+	if (!d)
+		return 0;
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
 		if (strcmp(d, names[i]) == 0)
 			return (uint8_t)(i + 1);
-	return 0;
+	atomic_fetch_add(&rw_shim_unknown_names, 1);
+	return RW_DTYPE_UNKNOWN;
 }
 
 /* Emits one phase of an op: a copy of its frame with the phase and time set (NCCL's user

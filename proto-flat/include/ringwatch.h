@@ -64,6 +64,7 @@ enum rw_op {
 	RW_OP_ALL_TO_ALLV = 10,
 	RW_OP_SEND = 11,
 	RW_OP_RECV = 12,
+	RW_OP_UNKNOWN = 255, /* a function name the shim does not know (counted) */
 };
 
 enum rw_dtype { /* ncclDataType_t + 1 */
@@ -79,6 +80,7 @@ enum rw_dtype { /* ncclDataType_t + 1 */
 	RW_DTYPE_BFLOAT16 = 10,
 	RW_DTYPE_FLOAT8_E4M3 = 11,
 	RW_DTYPE_FLOAT8_E5M2 = 12,
+	RW_DTYPE_UNKNOWN = 255, /* a type name the shim does not know (counted): NCCL says "Unknown" for uint8 */
 };
 
 enum rw_phase {

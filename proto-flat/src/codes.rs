@@ -163,6 +163,8 @@ wire_enum! {
         Send = 11 => "send",
         /// P2P frames only.
         Recv = 12 => "recv",
+        /// A function name the NCCL shim does not know (counted there): never guessed.
+        Unknown = 255 => "unknown",
     }
 }
 
@@ -181,6 +183,9 @@ wire_enum! {
         Bfloat16 = 10 => "bfloat16",
         Float8E4m3 = 11 => "float8_e4m3",
         Float8E5m2 = 12 => "float8_e5m2",
+        /// A type name the NCCL shim does not know (counted there; NCCL's own name lookup
+        /// says "Unknown" for uint8): never guessed.
+        Unknown = 255 => "unknown",
     }
 }
 
@@ -193,7 +198,7 @@ impl DType {
             DType::Float16 | DType::Bfloat16 => Some(2),
             DType::Int32 | DType::Uint32 | DType::Float32 => Some(4),
             DType::Int64 | DType::Uint64 | DType::Float64 => Some(8),
-            DType::Unrecognized(_) => None,
+            DType::Unknown | DType::Unrecognized(_) => None,
         }
     }
 }

@@ -23,7 +23,8 @@ pub fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// A directory removed when dropped.
+/// A directory removed when dropped — kept (and named on stderr) when the test
+/// panicked and `RINGWATCH_KEEP_FAILED` is set, for its logs.
 #[derive(Debug)]
 pub struct TempDir(pub PathBuf);
 
@@ -46,6 +47,10 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        if std::thread::panicking() && std::env::var_os("RINGWATCH_KEEP_FAILED").is_some() {
+            eprintln!("kept for its logs: {}", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

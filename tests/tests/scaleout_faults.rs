@@ -63,12 +63,15 @@ async fn published_at_least(roles: &Mutex<Roles>, n: u64) {
 }
 
 // Not in CI while issue 29 is open: it fails in about half of its runs on this machine.
-// After the matcher shard's SIGKILL, its new instance replays the bus from its last
-// periodic snapshot at today's time, not the records' own; what it re-derives can differ
-// from what the killed instance had already published (verdicts stay as first published,
-// its GPU health replaces the killed instance's at the API role: a `degraded` GPU read
-// `healthy`, a lossy node `healthy`), and an op can be left not final. `.ci/long` runs it.
-#[ignore = "issue 29: fails in about half of its runs (matcher replay at today's time); .ci/long runs it"]
+// Seen: every final verdict right, but at the API role a GPU's `degraded` or a node's
+// lossy health gone (both nodes had failed over from the killed ingest shard); an op of
+// a node on the surviving shard left `completed_inferred` and not final; once
+// `unknown_silent` for a live node after the restarted matcher took 7 nodes unreachable
+// while it caught up. Suspected, not proven: the restarted matcher replays the bus at
+// today's time, not the records' own, and can re-derive other than what the killed
+// instance published; the API role keeps only a node's newest ingest summary, so a node
+// that failed over loses the P0 loss its first shard counted. `.ci/long` runs it.
+#[ignore = "issue 29: fails in about half of its runs (see above); .ci/long runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_sigkill_a_nats_server_an_ingest_shard_and_a_matcher_shard_during_the_demo() {
     if nats_server().is_none() {

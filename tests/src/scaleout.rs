@@ -33,20 +33,27 @@ pub fn ingest_listen_addrs(names: &[String], shards: usize, min_each: usize) -> 
         let socks: Vec<std::net::UdpSocket> =
             (0..shards).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("loopback UDP")).collect();
         let addrs: Vec<SocketAddr> = socks.iter().map(|s| s.local_addr().expect("bound")).collect();
-        let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
-        let mut first = vec![0usize; shards];
-        for n in names {
-            if let Some(pick) = ringwatch_transport::shard::rendezvous_order(n, &list).first()
-                && let Some(i) = list.iter().position(|x| x == *pick)
-            {
-                first[i] += 1;
-            }
-        }
-        if first.iter().all(|&c| c >= min_each) {
+        if first_choice_counts(names, &addrs).iter().all(|&c| c >= min_each) {
             return addrs;
         }
     }
     panic!("no {shards} loopback ports split {} nodes at least {min_each} each", names.len());
+}
+
+/// How many of `names` have each of `addrs` first in their rendezvous order (the shard
+/// a shipper given that list connects to first).
+#[must_use]
+pub fn first_choice_counts(names: &[String], addrs: &[SocketAddr]) -> Vec<usize> {
+    let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+    let mut first = vec![0usize; addrs.len()];
+    for n in names {
+        if let Some(pick) = ringwatch_transport::shard::rendezvous_order(n, &list).first()
+            && let Some(i) = list.iter().position(|x| x == *pick)
+        {
+            first[i] += 1;
+        }
+    }
+    first
 }
 
 /// `nats-server`, or the reason it is missing (a failure under `CI=true`).

@@ -83,12 +83,8 @@ async fn ext_demo_through_two_ingest_two_matcher_shards_and_an_api_role_over_jet
     // Each ingest shard the first choice of at least 3 nodes (the restart below means
     // something), and of known how many (when to restart it).
     let listen = ringwatch_tests::scaleout::ingest_listen_addrs(&names, 2, 3);
-    let first_of = |shard: usize| {
-        let list: Vec<String> = listen.iter().map(ToString::to_string).collect();
-        let mine = list[shard].clone();
-        names.iter().filter(|n| ringwatch_transport::shard::rendezvous_order(n, &list)[0] == &mine).count()
-    };
-    let ingest0_nodes = u64::try_from(first_of(0)).expect("small");
+    let ingest0_nodes =
+        u64::try_from(ringwatch_tests::scaleout::first_choice_counts(&names, &listen)[0]).expect("small");
     let mut ingests = Vec::new();
     for shard in 0..2 {
         let mut c = role_config(&set, &nats.urls, ShardRole::Ingest { shard }, origin_ms);

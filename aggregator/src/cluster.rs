@@ -574,13 +574,9 @@ fn count_gap(s: &Shared, last: &mut u64, seq: u64) {
 /// Matcher shard: applies its records stream (see the module docs).
 pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::Context) {
     let ShardRole::Matcher { shard: me } = cfg.role else { return };
-    // A restored shard reads on after the last message its snapshot applied.
-    // A restored shard reads on after the last message its snapshot applied; its
-    // nodes' silence is timed from now, not from before it stopped.
-    let from = s.core().map_or(0, |mut c| {
-        c.restart_bus_clock(s.now());
-        c.bus_position()
-    });
+    // A restored shard reads on after the last message its snapshot applied (its nodes'
+    // silence is timed by the records' own production times: `Core::apply_bus_records`).
+    let from = s.core().map_or(0, |c| c.bus_position());
     let mut reader = Reader::named(&js, "records", records_stream(me), None, false, from.saturating_add(1)).await;
     let mut last = from;
     loop {
@@ -606,7 +602,7 @@ pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
         }
         let now = s.now();
         let Ok(mut core) = s.core() else { return };
-        let (applied, skipped) = core.apply_records(now, batch.records.iter().map(|r| &r.2));
+        let (applied, skipped) = core.apply_bus_records(now, &batch.records);
         core.set_bus_position(last);
         s.drain_events(&mut core);
         drop(core);

@@ -294,6 +294,7 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
         // dead nodes (or a connection that closed for a moment and comes back in
         // seconds), presumed dead after the stuck deadline instead of the default 300 s,
         // which would hold every dead-node scenario's finality for 300 s of its time.
+        // (Ingest shards a node can fail over between need longer: `failover_ns`.)
         dead_after_ns: s.timers.stuck_deadline_ms.saturating_mul(1_000_000),
         ..MatcherConfig::default()
     };
@@ -391,6 +392,22 @@ pub const REORDER_REAL_MS: u64 = 500;
 #[must_use]
 pub fn reorder_real_ms(time_scale: f64) -> u64 {
     if time_scale > 1.0 { 3 * REORDER_REAL_MS } else { REORDER_REAL_MS }
+}
+
+/// How long, in real time, a shipper takes at most to fail over from an ingest shard
+/// that died without a word (SIGKILL) on a loaded machine: the QUIC idle timeout (10 s)
+/// before it gives the connection up, then a handshake and its resume on the next shard.
+/// Until then its node is unreachable, and must not be presumed dead: a scaled-out run's
+/// `dead_after_ns` is at least this. (In a run compressed 4× the stuck deadline — 60 s
+/// of aggregator time — is 15 s real, and a failover that took 18 s real had its ranks'
+/// `unknown_silent` made final before their completions came.)
+pub const FAILOVER_REAL_MS: u64 = 30_000;
+
+/// [`FAILOVER_REAL_MS`] in aggregator ns at this time scale.
+#[must_use]
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ns")]
+pub fn failover_ns(time_scale: f64) -> u64 {
+    (FAILOVER_REAL_MS as f64 * 1e6 * time_scale.max(1.0)) as u64
 }
 
 /// The aggregator's reorder timeout in simulated ms at this time scale (what the
@@ -582,7 +599,12 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     let mut beyond_ns = reorder_ns.saturating_add(scenario.timers.heartbeat_ms.saturating_mul(3_000_000));
     // An unreachable dead node gates finality until it is presumed dead.
     if truth.nodes.iter().any(|t| t.dead_at_ms.is_some()) {
-        beyond_ns = beyond_ns.saturating_add(agg_config.matcher.dead_after_ns);
+        let mut dead_after = agg_config.matcher.dead_after_ns;
+        if spec.external.as_ref().is_some_and(|x| x.ingest_shards.len() > 1) {
+            // Scaled-out matchers presume a node dead no sooner than a failover takes.
+            dead_after = dead_after.max(failover_ns(spec.time_scale));
+        }
+        beyond_ns = beyond_ns.saturating_add(dead_after);
     }
     let mut targets: Option<Vec<(String, u64)>> = None;
     loop {

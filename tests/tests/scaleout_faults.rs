@@ -62,16 +62,6 @@ async fn published_at_least(roles: &Mutex<Roles>, n: u64) {
     }
 }
 
-// Not in CI while issue 29 is open: it fails in about half of its runs on this machine.
-// Seen: every final verdict right, but at the API role a GPU's `degraded` or a node's
-// lossy health gone (both nodes had failed over from the killed ingest shard); an op of
-// a node on the surviving shard left `completed_inferred` and not final; once
-// `unknown_silent` for a live node after the restarted matcher took 7 nodes unreachable
-// while it caught up. Suspected, not proven: the restarted matcher replays the bus at
-// today's time, not the records' own, and can re-derive other than what the killed
-// instance published; the API role keeps only a node's newest ingest summary, so a node
-// that failed over loses the P0 loss its first shard counted. `.ci/long` runs it.
-#[ignore = "issue 29: fails in about half of its runs (see above); .ci/long runs it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_sigkill_a_nats_server_an_ingest_shard_and_a_matcher_shard_during_the_demo() {
     if nats_server().is_none() {
@@ -281,13 +271,15 @@ async fn ext_sigkill_a_nats_server_an_ingest_shard_and_a_matcher_shard_during_th
         assert_eq!(rep.released_undurable, 0, "{}: no batch released before it was durable", rep.node_name);
         if faults.iter().any(|f| f == "ingest") && first == list[killed_ingest] {
             assert!(rep.failovers >= 1, "{}: failed over", rep.node_name);
-            // One that had a session on the killed shard (a node may have failed over
-            // before it had one: its first handshake not done in time on a loaded
-            // machine) resumed it on the next: what the dead shard took is another
-            // instance's there.
-            if rep.connections >= 2 {
-                let n = r.nodes.nodes.iter().find(|n| n.name == rep.node_name).expect("node");
-                assert!(n.streams.iter().any(|s| s.prior_instance > 0), "{}: resumed where the dead shard was", n.name);
+            // One that had a session on the killed shard resumed it on the next: what
+            // the dead shard took is another instance's there. Not every node with two
+            // connections had one: its first handshake may not have been done in time on
+            // a loaded machine (the shard still waiting for JetStream), or the shard may
+            // have applied none of its batches before the kill (then the next shard got
+            // them all). A node that had batches applied there and did not resume would
+            // show as `unknown` loss below.
+            let n = r.nodes.nodes.iter().find(|n| n.name == rep.node_name).expect("node");
+            if rep.connections >= 2 && n.streams.iter().any(|s| s.prior_instance > 0) {
                 resumed += 1;
             }
         }

@@ -47,10 +47,22 @@ pub struct Core {
 /// last said of its liveness. An ingest shard that dies without a word (SIGKILL, a lost
 /// machine) says nothing more of its nodes — neither that they went silent nor that
 /// they are unreachable. A live node's ingest shard speaks of it at every heartbeat (its
-/// P0 watermark goes to every matcher shard), so a node nothing is said of for the
-/// ingest's `unreachable_ns` is taken as unreachable here — the timer one process
-/// applies to a node it hears nothing from (never as merely silent: a bus stall longer
-/// than `silent_ns` is no sign of the node). The first record about it again (from the
+/// P0 watermark goes to every matcher shard), so a node nothing is said of while the bus
+/// carried the ingest's `unreachable_ns` of records about others is taken as unreachable
+/// here — the timer one process applies to a node it hears nothing from (never as
+/// merely silent: a bus stall longer than `silent_ns` is no sign of the node). The time
+/// is the records': each carries the aggregator time its ingest shard produced it at
+/// (shards share the cluster clock), a node was last spoken of at its latest record's
+/// time and the bus stands at the latest time applied — never this process's clock. So
+/// a bus that carries nothing (a JetStream server lost and its streams electing a
+/// leader, a consumer stalled) says nothing of any node, and a matcher reading a backlog
+/// (restored from a snapshot, or behind after a stall) judges each node's silence as it
+/// was when the records were made, not by how long it took to read them. (Timed by the
+/// clock, a matcher that applied nothing for a minute of aggregator time — a JetStream
+/// server killed, then its consumer stalled — took every node unreachable and made an op
+/// final `completed_inferred` whose completion was the next message; a matcher restarted
+/// after SIGKILL took live nodes unreachable while it read its backlog, likewise.)
+/// The first record about it again (from the
 /// ingest shard it failed over to, or the bus back after a stall) restores what its
 /// ingest shard last said. A `silent` or `unreachable` statement from a shard that has
 /// not heard the node since another shard said it was fresh is stale and ignored
@@ -59,6 +71,8 @@ pub struct Core {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
 struct BusLiveness {
     nodes: BTreeMap<NodeId, Heard>,
+    /// The bus's time: the latest production time of a record applied.
+    bus_ns: u64,
     /// No node's timer is due before this (0: none kept).
     next_due: u64,
     turned_away: u64,
@@ -180,26 +194,44 @@ impl Core {
         self.unpublished.drain(..n);
     }
 
-    /// Matcher role: records from the bus, in the order the shard's stream holds them.
+    /// Matcher role: records from the bus, in the order the shard's stream holds them,
+    /// each taken as produced `now` (see [`Self::apply_bus_records`] for a bus batch).
     /// Records this shard does not own (another shard's communicators) are skipped and
     /// counted in the second number; the first is how many were applied.
     pub fn apply_records<'a>(&mut self, now: u64, records: impl IntoIterator<Item = &'a Record>) -> (u64, u64) {
+        self.apply_timed(now, records.into_iter().map(|r| (now, r)))
+    }
+
+    /// Matcher role: a bus batch's records, `(index, production time, record)` as the
+    /// ingest shard published them — the production time is the bus's time for each
+    /// node's silence (see [`BusLiveness`]); one later than `now` (another machine's
+    /// clock ahead, a corrupt message) counts as `now`. Returns what
+    /// [`Self::apply_records`] does.
+    pub fn apply_bus_records(&mut self, now: u64, records: &[(u64, u64, Record)]) -> (u64, u64) {
+        self.apply_timed(now, records.iter().map(|(_, at, r)| ((*at).min(now), r)))
+    }
+
+    fn apply_timed<'a>(&mut self, now: u64, records: impl IntoIterator<Item = (u64, &'a Record)>) -> (u64, u64) {
         let (shard, shards) = match self.role {
             Role::Matcher { shard, shards } => (shard, shards),
             _ => (0, 1),
         };
         let (mut applied, mut skipped) = (0u64, 0u64);
         let matcher_role = matches!(self.role, Role::Matcher { .. });
-        for r in records {
+        for (at, r) in records {
             if crate::shard::takes(r, shard, shards) {
                 self.records = self.records.saturating_add(1);
-                if !matcher_role || self.heard_on_bus(now, r) {
+                if !matcher_role || self.heard_on_bus(now, at, r) {
                     self.matcher.handle_record(now, r);
                 }
                 applied = applied.saturating_add(1);
             } else {
                 skipped = skipped.saturating_add(1);
             }
+        }
+        if matcher_role {
+            // The bus's time moved: a node it said nothing of may be due.
+            self.bus_silence(now);
         }
         (applied, skipped)
     }
@@ -212,9 +244,10 @@ impl Core {
     /// `unknown_silent`. Within one ingest shard such a statement's `last_heard_ns` is
     /// never before its own `fresh` statement's `at_ns` (both are its clock). Across
     /// shards the clocks differ by their skew: a statement misjudged stale for that only
-    /// waits for this core's own timer below.
-    fn heard_on_bus(&mut self, now: u64, r: &Record) -> bool {
+    /// waits for this core's own timer below. `at`: when the ingest shard produced it.
+    fn heard_on_bus(&mut self, now: u64, at: u64, r: &Record) -> bool {
         let node = r.node();
+        self.bus_liveness.bus_ns = self.bus_liveness.bus_ns.max(at);
         if let Record::Liveness(l) = r
             && l.state != LivenessState::Fresh
             && self.bus_liveness.nodes.get(&node).is_some_and(|h| l.last_heard_ns < h.fresh_at_ns)
@@ -223,7 +256,7 @@ impl Core {
             return false;
         }
         let cap = self.ingest.config().max_nodes;
-        let due = now.saturating_add(self.ingest.config().silent_ns);
+        let due = at.saturating_add(self.ingest.config().silent_ns);
         let b = &mut self.bus_liveness;
         let len = b.nodes.len();
         let h = match b.nodes.entry(node) {
@@ -233,10 +266,11 @@ impl Core {
                     b.turned_away = b.turned_away.saturating_add(1);
                     return true;
                 }
-                v.insert(Heard { at_ns: now, stated: LivenessState::Fresh, own: None, fresh_at_ns: 0 })
+                v.insert(Heard { at_ns: at, stated: LivenessState::Fresh, own: None, fresh_at_ns: 0 })
             }
         };
-        h.at_ns = now;
+        // A node failed over: its old shard's last records may come after the new one's.
+        h.at_ns = h.at_ns.max(at);
         if b.next_due == 0 || due < b.next_due {
             b.next_due = due;
         }
@@ -251,7 +285,7 @@ impl Core {
             _ => {
                 if h.own.take().is_some() {
                     b.restored = b.restored.saturating_add(1);
-                    let back = Liveness { node, state: h.stated, at_ns: now, last_heard_ns: now };
+                    let back = Liveness { node, state: h.stated, at_ns: at, last_heard_ns: at };
                     self.matcher.handle_record(now, &Record::Liveness(back));
                 }
             }
@@ -259,11 +293,12 @@ impl Core {
         true
     }
 
-    /// Matcher role: nodes nothing was said of on the bus for the ingest's silent (then
-    /// unreachable) time are taken as silent (unreachable) — see [`BusLiveness`].
+    /// Matcher role: nodes nothing was said of while the bus carried the ingest's
+    /// unreachable time of records are taken as unreachable — see [`BusLiveness`]. Due
+    /// only once the bus's time (records applied) has moved that far.
     fn bus_silence(&mut self, now: u64) {
         let b = &mut self.bus_liveness;
-        if b.next_due == 0 || now < b.next_due {
+        if b.next_due == 0 || b.bus_ns < b.next_due {
             return;
         }
         let cfg = self.ingest.config();
@@ -274,7 +309,7 @@ impl Core {
             if h.stated == LivenessState::Unreachable {
                 continue;
             }
-            let quiet = now.saturating_sub(h.at_ns);
+            let quiet = b.bus_ns.saturating_sub(h.at_ns);
             // Unreachable only: a node taken silent here lets the matcher judge its ranks
             // `unknown_silent`, and a bus stall longer than `silent_ns` (seconds on a
             // loaded machine) is no sign of the node — that gave wrong final verdicts.
@@ -285,7 +320,7 @@ impl Core {
             {
                 h.own = Some(w);
                 b.synthesized = b.synthesized.saturating_add(1);
-                let rec = Liveness { node, state: w, at_ns: now, last_heard_ns: h.at_ns };
+                let rec = Liveness { node, state: w, at_ns: b.bus_ns, last_heard_ns: h.at_ns };
                 self.matcher.handle_record(now, &Record::Liveness(rec));
             }
             let due = match h.own.max(Some(h.stated)) {
@@ -297,20 +332,6 @@ impl Core {
             }
         }
         b.next_due = next;
-    }
-
-    /// Matcher role: this core starts reading the bus at `now` (a restored snapshot's
-    /// nodes were last spoken of before the process stopped): every node's silence is
-    /// timed from here — what the matcher did not read while it was down says nothing of
-    /// the nodes. What it already took as silent stays so until a record about the node.
-    pub fn restart_bus_clock(&mut self, now: u64) {
-        let b = &mut self.bus_liveness;
-        for h in b.nodes.values_mut() {
-            h.at_ns = h.at_ns.max(now);
-        }
-        if !b.nodes.is_empty() {
-            b.next_due = now.saturating_add(self.ingest.config().silent_ns);
-        }
     }
 
     /// Matcher role: nodes taken as unreachable because nothing was said of them on the
@@ -607,11 +628,11 @@ impl Core {
         self.matcher.handle_timeout(now);
     }
 
-    /// When to call `handle_timeout` next.
+    /// When to call `handle_timeout` next. (A matcher's bus liveness keeps no timer: the
+    /// bus's time moves only as records are applied.)
     #[must_use]
     pub fn poll_timeout(&self) -> Option<u64> {
-        let bus = Some(self.bus_liveness.next_due).filter(|&d| d != 0 && matches!(self.role, Role::Matcher { .. }));
-        [self.ingest.poll_timeout(), self.matcher.poll_timeout(), bus].into_iter().flatten().min()
+        [self.ingest.poll_timeout(), self.matcher.poll_timeout()].into_iter().flatten().min()
     }
 
     /// Frames of `node`'s P0 (lifecycle) streams lost by any cause, net of revivals, and

@@ -12,7 +12,7 @@ use crate::pipeline::Core;
 /// First bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"RWSNAP\0\0";
 /// Snapshot format version.
-pub const SNAPSHOT_VERSION: u32 = 16; // 2: batch dedup; 3: comm seq gaps; 4: ingest knows it was restored; 5: dedup holes + resume, prior_instance; 6: clock freshness floor, frozen decision times; 7: expected_nodes; 8: PROGRESS recency; 9: recovery of every unfinished rank; 10: implausible batch/resume counts, homes dense + sparse; 11: bounded matcher maps (communicator and process retirement, one deadline per op), retired epochs' trackers, degraded_clear in the matcher's config; 12: aggregator_crash (a ninth loss cause), resume floors of a restored core; 13: owners_turned_away; 14: the core's role, unpublished records, the API mirror; 15: the matcher role's bus liveness; 16: stale bus liveness statements ignored
+pub const SNAPSHOT_VERSION: u32 = 17; // 2: batch dedup; 3: comm seq gaps; 4: ingest knows it was restored; 5: dedup holes + resume, prior_instance; 6: clock freshness floor, frozen decision times; 7: expected_nodes; 8: PROGRESS recency; 9: recovery of every unfinished rank; 10: implausible batch/resume counts, homes dense + sparse; 11: bounded matcher maps (communicator and process retirement, one deadline per op), retired epochs' trackers, degraded_clear in the matcher's config; 12: aggregator_crash (a ninth loss cause), resume floors of a restored core; 13: owners_turned_away; 14: the core's role, unpublished records, the API mirror; 15: the matcher role's bus liveness; 16: stale bus liveness statements ignored; 17: bus liveness timed by the records' production time
 
 /// Why a snapshot could not be written or read.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
         0 => {
             core.set_role(Role::Matcher { shard: 0, shards: 2 });
             if let Ok(b) = shard::decode::<RecordBatch>(bytes, "record batch") {
-                core.apply_records(2_000_000_000, b.records.iter().map(|r| &r.2));
+                core.apply_bus_records(2_000_000_000, &b.records);
                 core.handle_timeout(3_000_000_000);
                 while core.poll_event().is_some() {}
                 let _ = core.shard_health(0, 4_000_000_000);

@@ -294,7 +294,7 @@ pub fn aggregator_config(set: &CertSet, s: &Scenario, time_scale: f64) -> Aggreg
         // dead nodes (or a connection that closed for a moment and comes back in
         // seconds), presumed dead after the stuck deadline instead of the default 300 s,
         // which would hold every dead-node scenario's finality for 300 s of its time.
-        // (Ingest shards a node can fail over between need longer: `failover_ns`.)
+        // (Ingest shards a node can fail over between need longer: `scaled_out_dead_after_ns`.)
         dead_after_ns: s.timers.stuck_deadline_ms.saturating_mul(1_000_000),
         ..MatcherConfig::default()
     };
@@ -403,11 +403,12 @@ pub fn reorder_real_ms(time_scale: f64) -> u64 {
 /// `unknown_silent` made final before their completions came.)
 pub const FAILOVER_REAL_MS: u64 = 30_000;
 
-/// [`FAILOVER_REAL_MS`] in aggregator ns at this time scale.
+/// A scaled-out run's `dead_after_ns`: `dead_after_ns` (what [`aggregator_config`] set),
+/// but no less than [`FAILOVER_REAL_MS`] in aggregator ns at this time scale.
 #[must_use]
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "ns")]
-pub fn failover_ns(time_scale: f64) -> u64 {
-    (FAILOVER_REAL_MS as f64 * 1e6 * time_scale.max(1.0)) as u64
+pub fn scaled_out_dead_after_ns(dead_after_ns: u64, time_scale: f64) -> u64 {
+    dead_after_ns.max((FAILOVER_REAL_MS as f64 * 1e6 * time_scale.max(1.0)) as u64)
 }
 
 /// The aggregator's reorder timeout in simulated ms at this time scale (what the
@@ -601,8 +602,7 @@ pub async fn run(spec: RunSpec) -> Result<RunResult, RunError> {
     if truth.nodes.iter().any(|t| t.dead_at_ms.is_some()) {
         let mut dead_after = agg_config.matcher.dead_after_ns;
         if spec.external.as_ref().is_some_and(|x| x.ingest_shards.len() > 1) {
-            // Scaled-out matchers presume a node dead no sooner than a failover takes.
-            dead_after = dead_after.max(failover_ns(spec.time_scale));
+            dead_after = scaled_out_dead_after_ns(dead_after, spec.time_scale);
         }
         beyond_ns = beyond_ns.saturating_add(dead_after);
     }

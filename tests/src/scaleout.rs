@@ -160,7 +160,7 @@ pub fn role_config(set: &CertSet, nats: &[String], role: ShardRole, origin_ms: u
     let s = loadgen_sim::builtin::builtin("demo").expect("built in").expect("valid");
     let mut cfg = loadgen::cluster::aggregator_config(set, &s, TIME_SCALE);
     // A node failing over between ingest shards is unreachable meanwhile, for real time.
-    cfg.matcher.dead_after_ns = cfg.matcher.dead_after_ns.max(loadgen::cluster::failover_ns(TIME_SCALE));
+    cfg.matcher.dead_after_ns = loadgen::cluster::scaled_out_dead_after_ns(cfg.matcher.dead_after_ns, TIME_SCALE);
     cfg.cluster = Some(ClusterConfig {
         role,
         nats: nats.to_vec(),

@@ -622,9 +622,6 @@ impl Core {
     pub fn handle_timeout(&mut self, now: u64) {
         self.ingest.handle_timeout(now);
         self.pump(now);
-        if matches!(self.role, Role::Matcher { .. }) {
-            self.bus_silence(now);
-        }
         self.matcher.handle_timeout(now);
     }
 

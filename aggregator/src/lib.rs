@@ -480,6 +480,13 @@ impl Aggregator {
         }
         self.shutdown();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        // An aborted task stops at its next await: one mid-apply on another worker thread
+        // (a matcher applying a bus message) finishes that apply first. The snapshot waits
+        // for it (bounded), so it holds everything the core applied and its bus position.
+        let started = std::time::Instant::now();
+        while !self.tasks.iter().all(JoinHandle::is_finished) && started.elapsed() < Duration::from_secs(2) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         // What the closes and the last timer turns produced (nodes disconnected) too.
         if let Some((c, js)) = self.nats.as_deref()
             && matches!(c.role, cluster::ShardRole::Ingest { .. })

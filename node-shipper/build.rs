@@ -18,7 +18,9 @@ const PROGRAMS: &[&str] = &["ringwatch"];
 fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
     let dir = manifest.join("nccl-shim");
-    for f in ["ringwatch_profiler.c", "workload.c", "check_layout.c", "nccl_profiler_api.h"] {
+    for f in
+        ["ringwatch_profiler.c", "workload.c", "check_layout.c", "nccl_profiler_api.h", "fake_cuda.c", "fake_cuda.h"]
+    {
         println!("cargo::rerun-if-changed={}", dir.join(f).display());
     }
     let include = manifest.join("../proto-flat/include");
@@ -59,11 +61,25 @@ fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
         .arg("-ldl")
         .output()
         .is_ok_and(|o| o.status.success());
+    // The workload's stand-in CUDA driver (copy-engine collectives): soname libcuda.so.1,
+    // in a directory of its own so nothing else finds it by that name.
+    let fake_dir = out.join("fake-cuda");
+    let fake_cuda = fake_dir.join("libcuda.so.1");
+    let fake_ok = std::fs::create_dir_all(&fake_dir).is_ok()
+        && Command::new(&cc)
+            .args(common)
+            .args(["-fPIC", "-shared", "-fvisibility=hidden", "-Wl,-soname,libcuda.so.1"])
+            .arg(dir.join("fake_cuda.c"))
+            .arg("-o")
+            .arg(&fake_cuda)
+            .output()
+            .is_ok_and(|o| o.status.success());
     match (shim_ok, workload_ok) {
-        (Ok(a), Ok(b)) if a.status.success() && b.status.success() && checker_ok => {
+        (Ok(a), Ok(b)) if a.status.success() && b.status.success() && checker_ok && fake_ok => {
             println!("cargo::rustc-env=RINGWATCH_NCCL_SHIM={}", shim.display());
             println!("cargo::rustc-env=RINGWATCH_NCCL_WORKLOAD={}", workload.display());
             println!("cargo::rustc-env=RINGWATCH_NCCL_CHECK_LAYOUT={}", checker.display());
+            println!("cargo::rustc-env=RINGWATCH_NCCL_FAKE_CUDA={}", fake_cuda.display());
         }
         other => {
             let why = match other {
@@ -78,6 +94,7 @@ fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
             println!("cargo::rustc-env=RINGWATCH_NCCL_SHIM=");
             println!("cargo::rustc-env=RINGWATCH_NCCL_WORKLOAD=");
             println!("cargo::rustc-env=RINGWATCH_NCCL_CHECK_LAYOUT=");
+            println!("cargo::rustc-env=RINGWATCH_NCCL_FAKE_CUDA=");
         }
     }
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * check-layout SHIM.so: loads the shim as NCCL would and checks, from outside, every
- * exported ncclProfiler_v* against NCCL's documented interface (LP64) — without the
+ * check-layout SHIM.so [CUDA_LIB]: loads the shim as NCCL would and checks, from outside,
+ * every exported ncclProfiler_v* against NCCL's documented interface (LP64) — without the
  * shim's own header: the descriptors are written byte by byte at the documented offsets,
  * and the frames the shim emits are caught by interposing its probe functions (this
  * program exports rw_probe_*; build with -rdynamic).
@@ -11,16 +11,22 @@
  * asks for kernel-channel events; a collective, a P2P send and their kernel channels,
  * written at the documented offsets, come out as frames with the right fields: comm_op_seq
  * and p2p_seq from 1, NCCL's seqNumber, count, op, dtype, channel count, peer, rank,
- * nranks; the rank-level kernel_end only after the last channel. Prints one line per check;
- * exit 0 when all hold, 1 otherwise, 2 when the shim does not load.
+ * nranks; the rank-level kernel_end only after the last channel. v6 without a CUDA driver
+ * does not ask for copy-engine events; with CUDA_LIB (the workload's stand-in driver,
+ * loaded first as CUDA is) it does, and a copy-engine collective written at the ceColl
+ * offsets comes out as enqueue_start/enqueue_end at once and kernel_start/kernel_end only
+ * as its stream completes the events the shim recorded. Prints one line per check; exit 0
+ * when all hold, 1 otherwise, 2 when the shim does not load.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <elf.h>
 #include <link.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "ringwatch.h"
 
@@ -42,8 +48,12 @@ static int g_np2p;
 
 __attribute__((visibility("default"))) void rw_probe_collective(const struct rw_collective_frame *f)
 {
-	if (g_ncoll < 16)
-		g_coll[g_ncoll++] = *f;
+	/* The copy-engine poller thread emits too: publish the count after the frame. */
+	int n = __atomic_load_n(&g_ncoll, __ATOMIC_ACQUIRE);
+	if (n < 16) {
+		g_coll[n] = *f;
+		__atomic_store_n(&g_ncoll, n + 1, __ATOMIC_RELEASE);
+	}
 }
 
 __attribute__((visibility("default"))) void rw_probe_p2p(const struct rw_p2p_frame *f)
@@ -57,10 +67,19 @@ __attribute__((visibility("default"))) void rw_probe_comm_init(const struct rw_p
 	(void)e;
 }
 
+/* The stand-in driver's stream (fake_cuda.h's layout: events recorded, events done). */
+struct fake_stream {
+	_Atomic uint64_t recorded, done;
+};
+static int g_have_cuda;
+
 /* NCCL's documented event types, state and offsets (LP64). */
 #define TYPE_COLL 2
 #define TYPE_P2P 4
 #define TYPE_KERNEL_CH 64
+#define TYPE_CE_COLL (1 << 12)
+#define TYPE_CE_SYNC (1 << 13)
+#define TYPE_CE_BATCH (1 << 14)
 #define STATE_KERNEL_CH_STOP 22
 #define PROFILER_STRUCT_SIZE 48
 
@@ -84,11 +103,11 @@ typedef int (*stop_fn)(void *);
 typedef int (*record_fn)(void *, int, void *);
 typedef int (*finalize_fn)(void *);
 
-/* A zeroed descriptor of event `type`: a uint64_t at 0 in v5, a uint8_t in v4. */
+/* A zeroed descriptor of event `type`: a uint64_t at 0 from v5, a uint8_t in v4. */
 static void descr_type(unsigned char *d, size_t n, int v, uint64_t type)
 {
 	memset(d, 0, n);
-	if (v == 5)
+	if (v >= 5)
 		put64(d, 0, type);
 	else
 		d[0] = (unsigned char)type;
@@ -132,10 +151,16 @@ static void check_version(void *lib, int v)
 	void *ctx = NULL;
 	int mask = 0;
 	uint64_t comm = 0x1234567800000000ull + (uint64_t)v;
-	int rc = v == 5 ? ((init_v5_fn)p[1])(&ctx, comm, &mask, "layout", 1, 8, 3, NULL)
+	int rc = v >= 5 ? ((init_v5_fn)p[1])(&ctx, comm, &mask, "layout", 1, 8, 3, NULL)
 			: ((init_v4_fn)p[1])(&ctx, &mask, "layout", comm, 1, 8, 3, NULL);
 	CHECK(rc == 0 && ctx, "%s init succeeds with the documented argument order", sym);
 	CHECK(mask & TYPE_KERNEL_CH, "%s asks for kernel-channel events (the completion source): mask %#x", sym, mask);
+	if (v == 6)
+		CHECK(!!(mask & TYPE_CE_COLL) == g_have_cuda,
+		      "%s asks for copy-engine collectives exactly when a CUDA driver is loaded (driver %s, mask %#x)", sym,
+		      g_have_cuda ? "loaded" : "absent", mask);
+	else
+		CHECK(!(mask & (TYPE_CE_COLL | TYPE_CE_SYNC | TYPE_CE_BATCH)), "%s asks for no copy-engine events", sym);
 
 	unsigned char d[128];
 	/* A collective: type, parentObj 8, rank 16, coll.seqNumber 24, func 32, sendBuff 40,
@@ -222,11 +247,95 @@ static void check_version(void *lib, int v)
 	CHECK(((finalize_fn)p[5])(ctx) == 0, "%s finalize", sym);
 }
 
+/* Waits (up to 10 s: the shim's poller runs every 200 us) until `n` collective frames came. */
+static int wait_frames(int n)
+{
+	for (int i = 0; i < 100000 && __atomic_load_n(&g_ncoll, __ATOMIC_ACQUIRE) < n; i++) {
+		struct timespec ts = { 0, 100000 };
+		nanosleep(&ts, NULL);
+	}
+	return __atomic_load_n(&g_ncoll, __ATOMIC_ACQUIRE) >= n;
+}
+
+/* v6's copy-engine collective, written at the ceColl offsets: seqNumber 24, func 32,
+ * sendBuff 40, recvBuff 48, count 56, root 64, datatype 72, syncStrategy 80,
+ * intraBatchSync 88, batchSize 92, numBatches 96, ceSeqNum 100, stream 104; its CeSync
+ * (isComplete 24, nRanks 28) and CeBatch (numOps 24, totalBytes 32, useIntraSync 40). */
+static void check_copy_engine(void *lib)
+{
+	void **p = dlsym(lib, "ncclProfiler_v6");
+	if (!p)
+		return;
+	g_ncoll = g_np2p = 0;
+	void *ctx = NULL;
+	int mask = 0;
+	uint64_t comm = 0x1234567800000060ull;
+	((init_v5_fn)p[1])(&ctx, comm, &mask, "layout-ce", 1, 8, 3, NULL);
+	struct fake_stream stream = { 0, 0 };
+	unsigned char d[128];
+	descr_type(d, sizeof(d), 6, TYPE_CE_COLL);
+	put32(d, 16, 3);
+	put64(d, 24, 7);
+	putp(d, 32, "AllGather");
+	put64(d, 56, 4096);
+	put32(d, 64, -1);
+	putp(d, 72, "ncclFloat16");
+	putp(d, 80, "UC");
+	putp(d, 104, &stream);
+	void *ce = NULL;
+	((start_fn)p[2])(ctx, &ce, d);
+	for (int child = 0; child < 3; child++) {
+		descr_type(d, sizeof(d), 6, child == 1 ? TYPE_CE_BATCH : TYPE_CE_SYNC);
+		putp(d, 8, ce);
+		put32(d, 16, 3);
+		if (child == 1) {
+			put32(d, 24, 8);
+			put64(d, 32, 8 * 4096 * 2);
+		} else {
+			put32(d, 28, 8);
+		}
+		void *h = NULL;
+		((start_fn)p[2])(ctx, &h, d);
+		((stop_fn)p[3])(h);
+	}
+	((stop_fn)p[3])(ce);
+	CHECK(g_ncoll == 2 && g_coll[0].phase == RW_PHASE_ENQUEUE_START && g_coll[1].phase == RW_PHASE_ENQUEUE_END,
+	      "ncclProfiler_v6: a copy-engine collective's start and stop give enqueue_start and enqueue_end, its "
+	      "CeSync/CeBatch children nothing (%d frames)",
+	      g_ncoll);
+	if (g_ncoll >= 1) {
+		const struct rw_collective_frame *f = &g_coll[0];
+		CHECK(f->comm_hash == comm && f->comm_op_seq == 1 && f->nccl_seq == 7 && f->count == 4096 &&
+			      f->op == RW_OP_ALL_GATHER && f->dtype == RW_DTYPE_FLOAT16 && f->n_channels == 1 &&
+			      f->rank == 3 && f->nranks == 8,
+		      "ncclProfiler_v6: copy-engine fields read at the ceColl offsets (nccl %llu, count %llu, op %u, dtype "
+		      "%u, channels %u)",
+		      (unsigned long long)f->nccl_seq, (unsigned long long)f->count, f->op, f->dtype, f->n_channels);
+	}
+	CHECK(atomic_load(&stream.recorded) == 2, "ncclProfiler_v6: the shim recorded 2 events on the op's stream (%llu)",
+	      (unsigned long long)atomic_load(&stream.recorded));
+	atomic_store(&stream.done, 1);
+	CHECK(wait_frames(3) && g_coll[2].phase == RW_PHASE_KERNEL_START,
+	      "ncclProfiler_v6: kernel_start once the stream reached the start event");
+	CHECK(g_ncoll == 3, "ncclProfiler_v6: no kernel_end while the stop event is pending");
+	atomic_store(&stream.done, 2);
+	CHECK(wait_frames(4) && g_coll[3].phase == RW_PHASE_KERNEL_END && g_coll[3].comm_op_seq == 1,
+	      "ncclProfiler_v6: kernel_end once the stream completed the stop event (after the final barrier)");
+	CHECK(((finalize_fn)p[5])(ctx) == 0, "ncclProfiler_v6 finalize");
+}
+
 int main(int argc, char **argv)
 {
-	if (argc != 2) {
-		fprintf(stderr, "usage: check-layout /full/path/libnccl-profiler-ringwatch.so\n");
+	if (argc != 2 && argc != 3) {
+		fprintf(stderr, "usage: check-layout /full/path/libnccl-profiler-ringwatch.so [/full/path/fake/libcuda.so.1]\n");
 		return 2;
+	}
+	if (argc == 3) {
+		if (!dlopen(argv[2], RTLD_NOW | RTLD_GLOBAL)) {
+			fprintf(stderr, "dlopen %s: %s\n", argv[2], dlerror());
+			return 2;
+		}
+		g_have_cuda = 1;
 	}
 	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
 	if (!lib) {
@@ -242,9 +351,12 @@ int main(int argc, char **argv)
 			found++;
 		}
 	}
-	CHECK(found >= 2, "the shim exports %d profiler versions", found);
+	CHECK(found >= 3, "the shim exports %d profiler versions", found);
+	check_version(lib, 6);
 	check_version(lib, 5);
 	check_version(lib, 4);
+	if (g_have_cuda)
+		check_copy_engine(lib);
 	printf("%s\n", g_failed ? "LAYOUT CHECK FAILED" : "all layout checks hold");
 	return g_failed ? 1 : 0;
 }

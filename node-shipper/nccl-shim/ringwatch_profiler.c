@@ -30,6 +30,15 @@
  *    (CLOCK_REALTIME, CLOCK_MONOTONIC) read refreshed every second: the GPU's global timer
  *    runs in Unix-epoch nanoseconds (the driver keeps it on host real time).
  *
+ *  - copy-engine collectives (v6): NCCL reports only host-side enqueue events for them
+ *    (CeColl start, then its stop once the copies and the final barrier are enqueued).
+ *    The shim records a CUDA event on the collective's stream at each (driver API,
+ *    through the already loaded libcuda), and a poller thread turns the start event's
+ *    completion into kernel_start and the stop event's — everything enqueued before it,
+ *    the final barrier included, done on the GPU — into kernel_end, at the poll's host
+ *    time (every RINGWATCH_CE_POLL_US, default 200 us). Without the driver's event API
+ *    the shim does not ask NCCL for CE events at all (counted in rw_shim_ce_unavailable).
+ *
  * Thread safety: NCCL calls from its user threads and its proxy thread; all counters are
  * under one mutex per communicator (events are short).
  */
@@ -209,7 +218,12 @@ struct event {
 	enum ev_kind kind;
 	struct comm *comm;
 	struct event *parent; /* kernel channel: its op */
-	_Atomic int refs;     /* op: NCCL's handle + one per channel it announced */
+	_Atomic int refs;     /* op: NCCL's handle + one per channel it announced (CE: the poller's) */
+	/* A copy-engine collective: its CUDA events and context, the stream they go on, and the
+	 * poller's list link. */
+	void *ce_stream, *ce_ctx, *ce_start, *ce_stop;
+	struct event *ce_next;
+	int ce, ce_tracked, ce_started;
 	union {
 		struct rw_collective_frame coll;
 		struct rw_p2p_frame p2p;
@@ -294,8 +308,11 @@ static void emit(struct event *op, uint8_t phase, uint64_t ts)
 
 /* ---- the plugin ---- */
 
+static int ce_available(void);
+RW_EXPORT _Atomic unsigned long rw_shim_ce_unavailable;
+
 static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_t hash, int n_nodes, int nranks,
-			    int rank)
+			    int rank, int version)
 {
 	struct comm *c = calloc(1, sizeof(*c));
 	if (!c)
@@ -316,8 +333,16 @@ static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_
 	c->p2p_recv = calloc((size_t)(nranks > 0 ? nranks : 1), sizeof(uint64_t));
 	gpu_uuid(c->uuid);
 	refresh_pair();
-	/* Collectives, P2P and kernel channels: kernel channels are the completion source. */
+	/* Collectives, P2P and kernel channels: kernel channels are the completion source. From
+	 * v6, copy-engine collectives too (their completion source: CUDA events on their
+	 * stream), when the driver's event API is there. */
 	*mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh;
+	if (version >= 6) {
+		if (ce_available())
+			*mask |= ncclProfileCeColl;
+		else
+			atomic_fetch_add(&rw_shim_ce_unavailable, 1);
+	}
 
 	struct rw_progress_entry p;
 	memset(&p, 0, sizeof(p));
@@ -339,14 +364,21 @@ static ncclResult_t rw_init_v5(void **context, uint64_t comm_id, int *mask, cons
 			       int rank, ncclDebugLogger_t logfn)
 {
 	(void)logfn;
-	return rw_init(context, mask, name, comm_id, n_nodes, nranks, rank);
+	return rw_init(context, mask, name, comm_id, n_nodes, nranks, rank, 5);
+}
+
+static ncclResult_t rw_init_v6(void **context, uint64_t comm_id, int *mask, const char *name, int n_nodes, int nranks,
+			       int rank, ncclDebugLogger_t logfn)
+{
+	(void)logfn;
+	return rw_init(context, mask, name, comm_id, n_nodes, nranks, rank, 6);
 }
 
 static ncclResult_t rw_init_v4(void **context, int *mask, const char *name, uint64_t hash, int n_nodes, int nranks,
 			       int rank, ncclDebugLogger_t logfn)
 {
 	(void)logfn;
-	return rw_init(context, mask, name, hash, n_nodes, nranks, rank);
+	return rw_init(context, mask, name, hash, n_nodes, nranks, rank, 4);
 }
 
 /* Ops waiting for their channels, process-wide: past this many, a new op is freed at its
@@ -380,6 +412,175 @@ static void expect_channels(struct event *e, uint16_t n)
 	atomic_fetch_add(&e->refs, n);
 }
 
+/* ---- copy-engine collectives: CUDA events on the collective's stream ---- */
+
+/* The CUDA driver's event API, resolved from the libcuda the process already loaded. */
+typedef int (*cu_event_create_fn)(void **event, unsigned flags);
+typedef int (*cu_event_record_fn)(void *event, void *stream);
+typedef int (*cu_event_query_fn)(void *event);
+typedef int (*cu_event_destroy_fn)(void *event);
+typedef int (*cu_ctx_get_fn)(void **ctx);
+typedef int (*cu_ctx_set_fn)(void *ctx);
+#define RW_CU_SUCCESS 0
+#define RW_CU_NOT_READY 600
+#define RW_CU_EVENT_DISABLE_TIMING 0x2
+
+static struct {
+	pthread_once_t once;
+	int ok;
+	cu_event_create_fn create;
+	cu_event_record_fn record;
+	cu_event_query_fn query;
+	cu_event_destroy_fn destroy;
+	cu_ctx_get_fn ctx_get;
+	cu_ctx_set_fn ctx_set;
+	/* The poller: ops whose stop event was recorded, oldest first. */
+	pthread_mutex_t lock;
+	pthread_cond_t wake;
+	struct event *head, *tail;
+	int thread_started;
+	unsigned poll_us;
+} g_ce = { .once = PTHREAD_ONCE_INIT, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER };
+
+/* Communicators whose init found no CUDA event API (so CE events were not asked for), and CE
+ * collectives whose events could not be created or recorded (their enqueue phases go out,
+ * their completion cannot: the op is left without kernel phases, as an untracked op). */
+RW_EXPORT _Atomic unsigned long rw_shim_ce_untracked;
+
+static void ce_resolve(void)
+{
+	void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+	if (!cuda)
+		return;
+	g_ce.create = (cu_event_create_fn)dlsym(cuda, "cuEventCreate");
+	g_ce.record = (cu_event_record_fn)dlsym(cuda, "cuEventRecord");
+	g_ce.query = (cu_event_query_fn)dlsym(cuda, "cuEventQuery");
+	g_ce.destroy = (cu_event_destroy_fn)dlsym(cuda, "cuEventDestroy_v2");
+	if (!g_ce.destroy)
+		g_ce.destroy = (cu_event_destroy_fn)dlsym(cuda, "cuEventDestroy");
+	g_ce.ctx_get = (cu_ctx_get_fn)dlsym(cuda, "cuCtxGetCurrent");
+	g_ce.ctx_set = (cu_ctx_set_fn)dlsym(cuda, "cuCtxSetCurrent");
+	g_ce.ok = g_ce.create && g_ce.record && g_ce.query && g_ce.destroy && g_ce.ctx_get && g_ce.ctx_set;
+	const char *poll = getenv("RINGWATCH_CE_POLL_US");
+	long us = poll ? strtol(poll, NULL, 10) : 200;
+	g_ce.poll_us = (unsigned)(us < 20 ? 20 : us > 100000 ? 100000 : us);
+	/* The library stays loaded (NOLOAD took a reference): the process loaded it already. */
+}
+
+static int ce_available(void)
+{
+	pthread_once(&g_ce.once, ce_resolve);
+	return g_ce.ok;
+}
+
+static void ce_destroy_events(struct event *e)
+{
+	if (e->ce_start)
+		g_ce.destroy(e->ce_start);
+	if (e->ce_stop)
+		g_ce.destroy(e->ce_stop);
+	e->ce_start = e->ce_stop = NULL;
+}
+
+static void *ce_poller(void *arg)
+{
+	(void)arg;
+	void *current = NULL;
+	pthread_mutex_lock(&g_ce.lock);
+	for (;;) {
+		while (!g_ce.head)
+			pthread_cond_wait(&g_ce.wake, &g_ce.lock);
+		/* Every pending op (ranks' and communicators' streams complete independently). */
+		struct event **at = &g_ce.head;
+		struct event *prev = NULL;
+		while (*at) {
+			struct event *e = *at;
+			if (e->ce_ctx != current && g_ce.ctx_set(e->ce_ctx) == RW_CU_SUCCESS)
+				current = e->ce_ctx;
+			if (!e->ce_started && g_ce.query(e->ce_start) == RW_CU_SUCCESS) {
+				e->ce_started = 1;
+				emit(e, RW_PHASE_KERNEL_START, clock_ns(CLOCK_MONOTONIC));
+			}
+			if (e->ce_started && g_ce.query(e->ce_stop) == RW_CU_SUCCESS) {
+				emit(e, RW_PHASE_KERNEL_END, clock_ns(CLOCK_MONOTONIC));
+				*at = e->ce_next;
+				if (g_ce.tail == e)
+					g_ce.tail = prev;
+				ce_destroy_events(e);
+				release(e);
+				continue;
+			}
+			prev = e;
+			at = &e->ce_next;
+		}
+		if (g_ce.head) {
+			pthread_mutex_unlock(&g_ce.lock);
+			usleep(g_ce.poll_us);
+			pthread_mutex_lock(&g_ce.lock);
+		}
+	}
+	return NULL;
+}
+
+/* At the CE collective's start: its start event on its stream (the poller's reference is
+ * taken here; dropped when the stop event completed). 0 when the op cannot be tracked. */
+static int ce_track_start(struct event *e, void *stream)
+{
+	if (!ce_available())
+		return 0;
+	if (atomic_load(&g_live_ops) > RW_MAX_LIVE_OPS) {
+		atomic_fetch_add(&rw_shim_untracked_ops, 1);
+		return 0;
+	}
+	e->ce_stream = stream;
+	if (g_ce.ctx_get(&e->ce_ctx) != RW_CU_SUCCESS ||
+	    g_ce.create(&e->ce_start, RW_CU_EVENT_DISABLE_TIMING) != RW_CU_SUCCESS ||
+	    g_ce.create(&e->ce_stop, RW_CU_EVENT_DISABLE_TIMING) != RW_CU_SUCCESS ||
+	    g_ce.record(e->ce_start, stream) != RW_CU_SUCCESS) {
+		ce_destroy_events(e);
+		atomic_fetch_add(&rw_shim_ce_untracked, 1);
+		return 0;
+	}
+	atomic_fetch_add(&e->refs, 1);
+	return 1;
+}
+
+/* At the CE collective's stop (everything enqueued, the final barrier included): its stop
+ * event on the stream, and the op handed to the poller. */
+static void ce_track_stop(struct event *e)
+{
+	if (g_ce.record(e->ce_stop, e->ce_stream) != RW_CU_SUCCESS) {
+		atomic_fetch_add(&rw_shim_ce_untracked, 1);
+		ce_destroy_events(e);
+		release(e); /* the poller's reference */
+		return;
+	}
+	pthread_mutex_lock(&g_ce.lock);
+	if (!g_ce.thread_started) {
+		pthread_t t;
+		pthread_attr_t a;
+		pthread_attr_init(&a);
+		pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+		g_ce.thread_started = pthread_create(&t, &a, ce_poller, NULL) == 0;
+		pthread_attr_destroy(&a);
+	}
+	if (!g_ce.thread_started) {
+		pthread_mutex_unlock(&g_ce.lock);
+		atomic_fetch_add(&rw_shim_ce_untracked, 1);
+		ce_destroy_events(e);
+		release(e);
+		return;
+	}
+	e->ce_next = NULL;
+	if (g_ce.tail)
+		g_ce.tail->ce_next = e;
+	else
+		g_ce.head = e;
+	g_ce.tail = e;
+	pthread_cond_signal(&g_ce.wake);
+	pthread_mutex_unlock(&g_ce.lock);
+}
+
 /* One start for either version: the fields both descriptors share, already extracted. */
 struct start {
 	uint64_t type;
@@ -392,6 +593,7 @@ struct start {
 	uint8_t n_channels;
 	int peer;
 	uint64_t ptimer; /* kernel channel: its GPU timer at start */
+	void *stream;    /* copy-engine collective: its stream */
 };
 
 static ncclResult_t rw_start(void *context, void **handle, const struct start *s)
@@ -403,10 +605,11 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 	uint64_t now = clock_ns(CLOCK_MONOTONIC);
 	if (s->type == ncclProfileGroup) {
 		*handle = &g_group_event;
-	} else if (s->type == ncclProfileColl) {
+	} else if (s->type == ncclProfileColl || s->type == ncclProfileCeColl) {
 		struct event *e = new_op(c, EV_COLL);
 		if (!e)
 			return RW_NCCL_SUCCESS;
+		e->ce = s->type == ncclProfileCeColl;
 		struct rw_collective_frame *f = &e->coll;
 		f->hdr.version = RW_WIRE_VERSION;
 		f->hdr.kind = RW_FRAME_KIND_COLLECTIVE;
@@ -427,7 +630,13 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 		f->n_channels = s->n_channels ? s->n_channels : 1;
 		f->op = op_code(s->func);
 		f->dtype = dtype_code(s->datatype);
-		expect_channels(e, f->n_channels);
+		if (e->ce) {
+			/* One completion for the whole op: the stop event on its stream. */
+			f->n_channels = 1;
+			e->ce_tracked = ce_track_start(e, s->stream);
+		} else {
+			expect_channels(e, f->n_channels);
+		}
 		emit(e, RW_PHASE_ENQUEUE_START, now);
 		*handle = e;
 	} else if (s->type == ncclProfileP2p) {
@@ -508,6 +717,27 @@ static ncclResult_t rw_start_v5(void *context, void **handle, ncclProfilerEventD
 	return rw_start(context, handle, &s);
 }
 
+/* v6: v5's arms, and the copy-engine collective (its CeSync and CeBatch children are not
+ * needed: the collective's own start and stop bracket them on its stream). */
+static ncclResult_t rw_start_v6(void *context, void **handle, ncclProfilerEventDescr_v6_t *d)
+{
+	struct start s = { 0 };
+	if (d->type == ncclProfileCeColl) {
+		s.type = d->type;
+		s.parent = d->parentObj;
+		s.nccl_seq = d->ceColl.seqNumber;
+		s.func = d->ceColl.func;
+		s.count = d->ceColl.count;
+		s.root = d->ceColl.root;
+		s.datatype = d->ceColl.datatype;
+		s.n_channels = 1;
+		s.stream = d->ceColl.stream;
+	} else {
+		RW_START_FROM(d, s);
+	}
+	return rw_start(context, handle, &s);
+}
+
 static ncclResult_t rw_start_v4(void *context, void **handle, ncclProfilerEventDescr_v4_t *d)
 {
 	struct start s = { 0 };
@@ -536,6 +766,8 @@ static ncclResult_t rw_stop(void *handle)
 		return RW_NCCL_SUCCESS;
 	if (e->kind == EV_COLL || e->kind == EV_P2P) {
 		emit(e, RW_PHASE_ENQUEUE_END, clock_ns(CLOCK_MONOTONIC));
+		if (e->ce_tracked)
+			ce_track_stop(e);
 		release(e);
 	} else if (e->kind == EV_KERNEL_CH) {
 		channel_ended(e, 0);
@@ -557,6 +789,11 @@ static ncclResult_t rw_record_v5(void *handle, ncclProfilerEventState_t state, n
 	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
 }
 
+static ncclResult_t rw_record_v6(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v6_t *a)
+{
+	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
+}
+
 static ncclResult_t rw_record_v4(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v4_t *a)
 {
 	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
@@ -573,6 +810,15 @@ static ncclResult_t rw_finalize(void *context)
 	}
 	return RW_NCCL_SUCCESS;
 }
+
+RW_EXPORT const ncclProfiler_v6_t ncclProfiler_v6 = {
+	.name = "ringwatch",
+	.init = rw_init_v6,
+	.startEvent = rw_start_v6,
+	.stopEvent = rw_stop,
+	.recordEventState = rw_record_v6,
+	.finalize = rw_finalize,
+};
 
 RW_EXPORT const ncclProfiler_v5_t ncclProfiler_v5 = {
 	.name = "ringwatch",

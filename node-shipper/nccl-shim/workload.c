@@ -1,13 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
  * rw-nccl-workload: a stand-in for NCCL on machines without GPUs. It loads the profiler
- * plugin the way NCCL does (dlopen of $NCCL_PROFILER_PLUGIN, dlsym of ncclProfiler_v5, else
- * ncclProfiler_v4) and drives its entry points as NCCL would, for N rank processes:
+ * plugin the way NCCL does (dlopen of $NCCL_PROFILER_PLUGIN, dlsym of ncclProfiler_v6, else
+ * v5, else v4 — or only the one --version N names) and drives its entry points as NCCL
+ * would, for N rank processes:
  *
  *   init per communicator ("world": all ranks; with --p2p also "pipeline"), then per op k:
  *   startEvent(Coll) -> stopEvent (enqueued) -> per channel startEvent(KernelCh, parent =
  *   the op, GPU timer) -> recordEventState(KernelChStop, GPU timer) -> stopEvent(KernelCh);
  *   with --p2p, a Send to rank+1 and a Recv from rank-1 on "pipeline", same shape.
+ *
+ * With --ce CUDA_LIB (v6 only) the all-reduces become copy-engine all-gathers as NCCL
+ * 2.29+ reports them: startEvent(CeColl, stream) -> CeSync start/stop -> CeBatch start/stop
+ * -> CeSync start/stop -> stopEvent(CeColl), all at enqueue time. CUDA_LIB is the stand-in
+ * driver (fake_cuda.c, soname libcuda.so.1), loaded before the plugin as CUDA is; each
+ * rank's stream is a struct rw_fake_stream whose recorded events this program completes in
+ * order, as the GPU would: the op's start when its copies begin, its stop once every rank
+ * is in (the final barrier). A fault leaves the stream where it stands.
  *
  * A collective's kernels end only when every rank's kernel started (as on a GPU: an
  * all-reduce needs everyone); a rank that waits longer than --hold-ms stays inside its
@@ -17,7 +26,8 @@
  *   nostart   the rank's GPU never starts op OP (its host keeps enqueuing OP..OP+5);
  *   notjoin   the rank's process stops issuing at OP and stays alive for --hold-ms;
  *   exit      the rank's process exits with status 3 before OP;
- *   chnoend   one channel of OP never ends on the rank (the others do).
+ *   chnoend   one channel of OP never ends on the rank (the others do); with --ce: the
+ *             rank's copies of OP start and never finish.
  *
  * Each rank's GPU UUID is 52570000-0000-0000-0000-0000000000RR (RR = rank): the shim
  * reads it from RINGWATCH_GPU_UUID. The GPU timer is CLOCK_REALTIME (as a GPU's global
@@ -34,6 +44,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fake_cuda.h"
 #include "nccl_profiler_api.h"
 
 #define MAX_OPS 4096
@@ -51,12 +62,15 @@ struct shared {
 	_Atomic int started[MAX_OPS + 1];
 };
 
-static int g_ranks = 4, g_ops = 20, g_p2p = 0, g_period_ms = 20, g_hold_ms = 3000, g_tail_ms = 1500;
+static int g_ranks = 4, g_ops = 20, g_p2p = 0, g_period_ms = 20, g_hold_ms = 3000, g_tail_ms = 1500, g_version = 0;
+static const char *g_ce_cuda; /* --ce: the stand-in CUDA driver */
+static struct rw_fake_stream g_stream; /* this rank's stream (after fork: one per rank) */
 static struct fault g_faults[MAX_FAULTS];
 static int g_nfaults;
 static struct shared *g_shared;
 
-/* The plugin, normalised to v5's shape. */
+/* The plugin: the one version this rank drives. */
+static const ncclProfiler_v6_t *g_v6;
 static const ncclProfiler_v5_t *g_v5;
 static const ncclProfiler_v4_t *g_v4;
 
@@ -90,11 +104,16 @@ static void *init_comm(uint64_t id, const char *name, int rank)
 {
 	void *ctx = NULL;
 	int mask = 0;
-	int rc = g_v5 ? g_v5->init(&ctx, id, &mask, name, 1, g_ranks, rank, logfn)
-		      : g_v4->init(&ctx, &mask, name, id, 1, g_ranks, rank, logfn);
+	int rc = g_v6	? g_v6->init(&ctx, id, &mask, name, 1, g_ranks, rank, logfn)
+		 : g_v5 ? g_v5->init(&ctx, id, &mask, name, 1, g_ranks, rank, logfn)
+			: g_v4->init(&ctx, &mask, name, id, 1, g_ranks, rank, logfn);
 	if (rc != 0 || !(mask & ncclProfileKernelCh)) {
 		fprintf(stderr, "rank %d: plugin init failed (%d) or no kernel-channel events (mask %#x)\n", rank, rc,
 			mask);
+		exit(2);
+	}
+	if (g_ce_cuda && !(mask & ncclProfileCeColl)) {
+		fprintf(stderr, "rank %d: --ce but the plugin did not ask for copy-engine events (mask %#x)\n", rank, mask);
 		exit(2);
 	}
 	return ctx;
@@ -133,7 +152,11 @@ static void *start(void *ctx, uint64_t type, int rank, void *parent, const char 
 		   uint64_t seq)
 {
 	void *h = NULL;
-	if (g_v5) {
+	if (g_v6) {
+		ncclProfilerEventDescr_v6_t d;
+		FILL_DESCR(d, type, rank, parent, func, peer, channel, seq);
+		g_v6->startEvent(ctx, &h, &d);
+	} else if (g_v5) {
 		ncclProfilerEventDescr_v5_t d;
 		FILL_DESCR(d, type, rank, parent, func, peer, channel, seq);
 		g_v5->startEvent(ctx, &h, &d);
@@ -147,7 +170,9 @@ static void *start(void *ctx, uint64_t type, int rank, void *parent, const char 
 
 static void stop(void *h)
 {
-	if (g_v5)
+	if (g_v6)
+		g_v6->stopEvent(h);
+	else if (g_v5)
 		g_v5->stopEvent(h);
 	else
 		g_v4->stopEvent(h);
@@ -155,7 +180,10 @@ static void stop(void *h)
 
 static void channel_stop(void *h)
 {
-	if (g_v5) {
+	if (g_v6) {
+		ncclProfilerEventStateArgs_v6_t a = { .kernelCh = { now_ns(CLOCK_REALTIME) } };
+		g_v6->recordEventState(h, RW_NCCL_KERNEL_CH_STOP, &a);
+	} else if (g_v5) {
 		ncclProfilerEventStateArgs_v5_t a = { .kernelCh = { now_ns(CLOCK_REALTIME) } };
 		g_v5->recordEventState(h, RW_NCCL_KERNEL_CH_STOP, &a);
 	} else {
@@ -174,23 +202,86 @@ static void p2p(void *ctx, int rank, const char *func, int peer)
 	channel_stop(ch);
 }
 
+/* A v6 child event of a copy-engine collective (CeSync or CeBatch): start and stop. */
+static void ce_child(void *ctx, int rank, void *parent, uint64_t type)
+{
+	ncclProfilerEventDescr_v6_t d;
+	memset(&d, 0, sizeof(d));
+	d.type = type;
+	d.parentObj = parent;
+	d.rank = rank;
+	if (type == ncclProfileCeSync) {
+		d.ceCollSync.nRanks = g_ranks;
+	} else {
+		d.ceCollBatch.numOps = g_ranks;
+		d.ceCollBatch.totalBytes = (size_t)g_ranks << 22;
+	}
+	void *h = NULL;
+	g_v6->startEvent(ctx, &h, &d);
+	g_v6->stopEvent(h);
+}
+
+/* A copy-engine all-gather as NCCL 2.29+ launches it: every event at enqueue time. */
+static void *ce_collective(void *ctx, int rank, uint64_t barrier_seq)
+{
+	ncclProfilerEventDescr_v6_t d;
+	memset(&d, 0, sizeof(d));
+	d.type = ncclProfileCeColl;
+	d.rank = rank;
+	d.ceColl.seqNumber = barrier_seq;
+	d.ceColl.func = "AllGather";
+	d.ceColl.count = 1 << 20;
+	d.ceColl.root = -1;
+	d.ceColl.datatype = "ncclFloat32";
+	d.ceColl.syncStrategy = "UC";
+	d.ceColl.ceSeqNum = (uint32_t)barrier_seq;
+	d.ceColl.stream = &g_stream;
+	void *h = NULL;
+	g_v6->startEvent(ctx, &h, &d);
+	ce_child(ctx, rank, h, ncclProfileCeSync);  /* the ready barrier */
+	ce_child(ctx, rank, h, ncclProfileCeBatch); /* the copies */
+	ce_child(ctx, rank, h, ncclProfileCeSync);  /* the final barrier */
+	g_v6->stopEvent(h);
+	return h;
+}
+
+/* The "GPU" finishes the next recorded event on this rank's stream. */
+static void gpu_complete_next(void)
+{
+	atomic_fetch_add(&g_stream.done, 1);
+}
+
 static void run_rank(int rank, const char *plugin)
 {
 	char uuid[64];
 	snprintf(uuid, sizeof(uuid), "52570000-0000-0000-0000-0000000000%02x", rank);
 	setenv("RINGWATCH_GPU_UUID", uuid, 1);
+	if (g_ce_cuda && !dlopen(g_ce_cuda, RTLD_NOW | RTLD_GLOBAL)) {
+		fprintf(stderr, "rank %d: dlopen %s: %s\n", rank, g_ce_cuda, dlerror());
+		exit(2);
+	}
 	void *lib = dlopen(plugin, RTLD_NOW | RTLD_LOCAL);
 	if (!lib) {
 		fprintf(stderr, "rank %d: dlopen %s: %s\n", rank, plugin, dlerror());
 		exit(2);
 	}
-	g_v5 = dlsym(lib, "ncclProfiler_v5");
-	if (!g_v5)
+	/* As NCCL's loader: the newest symbol first (or only the one asked for). */
+	if (!g_version || g_version == 6)
+		g_v6 = dlsym(lib, "ncclProfiler_v6");
+	if ((!g_version && !g_v6) || g_version == 5)
+		g_v5 = dlsym(lib, "ncclProfiler_v5");
+	if ((!g_version && !g_v6 && !g_v5) || g_version == 4)
 		g_v4 = dlsym(lib, "ncclProfiler_v4");
-	if (!g_v5 && !g_v4) {
-		fprintf(stderr, "rank %d: %s exports neither ncclProfiler_v5 nor ncclProfiler_v4\n", rank, plugin);
+	if (!g_v6 && !g_v5 && !g_v4) {
+		fprintf(stderr, "rank %d: %s exports no ncclProfiler_v%d\n", rank, plugin, g_version ? g_version : 6);
 		exit(2);
 	}
+	if (g_ce_cuda && !g_v6) {
+		fprintf(stderr, "rank %d: --ce needs ncclProfiler_v6\n", rank);
+		exit(2);
+	}
+	if (rank == 0)
+		printf("driving ncclProfiler_v%d%s\n", g_v6 ? 6 : g_v5 ? 5 : 4, g_ce_cuda ? " (copy-engine collectives)" : "");
 	void *world = init_comm(0x5257574f524c4400ull, "world", rank);
 	void *pipe = g_p2p ? init_comm(0x5257504950450000ull, "pipeline", rank) : NULL;
 	int gpu_blocked_at = 0; /* the op the GPU is stuck in (0: none) */
@@ -204,6 +295,27 @@ static void run_rank(int rank, const char *plugin)
 		/* The host runs ahead of a stuck GPU by a few ops, then waits. */
 		if (gpu_blocked_at && k > gpu_blocked_at + 5)
 			break;
+		if (g_ce_cuda) {
+			/* Every event at enqueue; then the stream runs (or not) as a GPU's would. */
+			ce_collective(world, rank, (uint64_t)(2 * k));
+			if (gpu_blocked_at || fault_at(F_NOSTART, rank, k)) {
+				gpu_blocked_at = gpu_blocked_at ? gpu_blocked_at : k;
+				sleep_ms(g_period_ms);
+				continue;
+			}
+			gpu_complete_next(); /* the copies begin */
+			atomic_fetch_add(&g_shared->started[k], 1);
+			uint64_t give_up = now_ns(CLOCK_MONOTONIC) + (uint64_t)g_hold_ms * 1000000ull;
+			while (atomic_load(&g_shared->started[k]) < g_ranks && now_ns(CLOCK_MONOTONIC) < give_up)
+				sleep_ms(1);
+			if (atomic_load(&g_shared->started[k]) < g_ranks || fault_at(F_CHNOEND, rank, k)) {
+				gpu_blocked_at = k; /* inside the copies or the final barrier */
+				continue;
+			}
+			gpu_complete_next(); /* the final barrier passed: the stop event */
+			sleep_ms(g_period_ms);
+			continue;
+		}
 		void *op = start(world, ncclProfileColl, rank, NULL, "AllReduce", 0, 0, (uint64_t)(k - 1));
 		stop(op); /* enqueued: NOT completed */
 		if (gpu_blocked_at) {
@@ -278,6 +390,10 @@ int main(int argc, char **argv)
 		i++;
 		if (strcmp(a, "--ranks") == 0)
 			g_ranks = atoi(v);
+		else if (strcmp(a, "--version") == 0)
+			g_version = atoi(v);
+		else if (strcmp(a, "--ce") == 0)
+			g_ce_cuda = v;
 		else if (strcmp(a, "--ops") == 0)
 			g_ops = atoi(v);
 		else if (strcmp(a, "--period-ms") == 0)
@@ -292,7 +408,7 @@ int main(int argc, char **argv)
 		} else
 			goto usage;
 	}
-	if (g_ranks < 1 || g_ranks > 64 || g_ops < 1 || g_ops > MAX_OPS)
+	if (g_ranks < 1 || g_ranks > 64 || g_ops < 1 || g_ops > MAX_OPS || (g_version && (g_version < 4 || g_version > 6)))
 		goto usage;
 	const char *plugin = getenv("NCCL_PROFILER_PLUGIN");
 	if (!plugin || !*plugin) {
@@ -323,6 +439,6 @@ int main(int argc, char **argv)
 usage:
 	fprintf(stderr,
 		"usage: rw-nccl-workload [--ranks N] [--ops K] [--p2p] [--period-ms P] [--hold-ms H] [--tail-ms T]\n"
-		"                        [--fault nostart|notjoin|exit|chnoend:RANK:OP]...\n");
+		"                        [--version 4|5|6] [--ce CUDA_LIB] [--fault nostart|notjoin|exit|chnoend:RANK:OP]...\n");
 	return 2;
 }

@@ -17,6 +17,8 @@ use node_shipper::driver::RunOptions;
 const SHIM: &str = env!("RINGWATCH_NCCL_SHIM");
 const WORKLOAD: &str = env!("RINGWATCH_NCCL_WORKLOAD");
 const CHECK_LAYOUT: &str = env!("RINGWATCH_NCCL_CHECK_LAYOUT");
+/// The workload's stand-in CUDA driver (copy-engine collectives' events).
+const FAKE_CUDA: &str = env!("RINGWATCH_NCCL_FAKE_CUDA");
 
 mod common;
 use common::{Pins, bpf_of, ci, kernel_unavailable, shipper_cfg, skip};
@@ -28,12 +30,26 @@ fn nccl_shim_exports_match_the_documented_interface() {
         println!("SKIP: the NCCL shim was not built here (no C compiler)");
         return;
     }
-    let out = Command::new(CHECK_LAYOUT).arg(SHIM).output().expect("check-layout runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "layout checks failed");
-    assert!(text.contains("exported: ncclProfiler_v5") && text.contains("exported: ncclProfiler_v4"));
-    assert!(!text.contains("FAIL"));
+    // Without a CUDA driver in the process (v6 must not ask for copy-engine events), then
+    // with the stand-in driver (it must, and a copy-engine collective completes only as
+    // its stream does).
+    for with_driver in [false, true] {
+        let mut cmd = Command::new(CHECK_LAYOUT);
+        cmd.arg(SHIM);
+        if with_driver {
+            cmd.arg(FAKE_CUDA);
+        }
+        let out = cmd.output().expect("check-layout runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "layout checks failed");
+        for v in 4..=6 {
+            assert!(text.contains(&format!("exported: ncclProfiler_v{v}")), "v{v} exported");
+            assert!(text.contains(&format!("ok   ncclProfiler_v{v} finalize")), "v{v} driven to the end");
+        }
+        assert_eq!(text.contains("copy-engine fields read at the ceColl offsets"), with_driver);
+        assert!(!text.contains("FAIL"));
+    }
 }
 
 /// Why the kernel part cannot run here (None: it can). Under `CI=true`, a failure.
@@ -403,15 +419,16 @@ async fn kernel_nccl_p0_overflow_is_telemetry_loss_not_degradation() {
     if unavailable("kernel_nccl_p0_overflow_is_telemetry_loss_not_degradation").is_some() {
         return;
     }
-    // A 4 KiB P0 ring (≈ 26 frames) drained every 250 ms, ops every 2 ms: the ring
-    // overflows during collectives while every GPU is fine. PROGRESS (updated before the
-    // reserve) still says each op completed.
-    let o = run(
-        "overflow",
-        &["--ops", "150", "--period-ms", "2"],
-        &[("p0_ring_bytes", "4096"), ("ring_drain_interval_us", "250000")],
-    )
-    .await;
+    overflow_is_telemetry_loss("overflow", &[]).await;
+}
+
+/// A 4 KiB P0 ring (≈ 26 frames) drained every 250 ms, ops every 2 ms: the ring overflows
+/// during collectives while every GPU is fine. PROGRESS (updated before the reserve) still
+/// says each op completed: inferred completions with `telemetry_loss`, nobody degraded.
+async fn overflow_is_telemetry_loss(tag: &str, extra: &[&str]) {
+    let mut args = vec!["--ops", "150", "--period-ms", "2"];
+    args.extend_from_slice(extra);
+    let o = run(tag, &args, &[("p0_ring_bytes", "4096"), ("ring_drain_interval_us", "250000")]).await;
     assert!(o.p0_dropped > 0, "the P0 ring overflowed");
     let inferred: Vec<_> = o.collectives().filter(|v| v.outcome == "completed_inferred").collect();
     assert!(!inferred.is_empty(), "some completions were inferred");
@@ -422,22 +439,6 @@ async fn kernel_nccl_p0_overflow_is_telemetry_loss_not_degradation() {
     assert!(o.collectives().all(|v| v.outcome == "completed" || v.outcome == "completed_inferred"), "no other outcome");
     no_gpu_degraded_except(&o, None);
     println!("{} of {} rank-verdicts inferred from PROGRESS / later ops", inferred.len(), o.collectives().count());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kernel_nccl_gpu_that_never_starts_is_stuck_and_only_its_gpu_degraded() {
-    if unavailable("kernel_nccl_gpu_that_never_starts_is_stuck_and_only_its_gpu_degraded").is_some() {
-        return;
-    }
-    let o = run("nostart", &["--ops", "8", "--fault", "nostart:2:5"], &[]).await;
-    let v = o.world(5, 2).expect("verdict for rank 2 in op 5");
-    assert_eq!(v.outcome, "stuck", "{v:?}");
-    assert_eq!(o.gpu_health(2), "degraded");
-    no_gpu_degraded_except(&o, Some(2));
-    for r in [0, 1, 3] {
-        let p = o.world(5, r).expect("peer verdict");
-        assert!(p.outcome.starts_with("waiting_on"), "peer {r} waits on the stuck GPU: {p:?}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -464,13 +465,102 @@ async fn kernel_nccl_exited_process_is_not_joined_process_exited() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_each_exported_version_is_driven_through_uprobes() {
+    if unavailable("kernel_nccl_each_exported_version_is_driven_through_uprobes").is_some() {
+        return;
+    }
+    // NCCL 2.27 loads v4, 2.28 v5, 2.29.2+ v6 (the default runs above): each symbol's
+    // table, driven alone, gives completed verdicts through the same uprobes.
+    for v in ["4", "5"] {
+        let o = run(&format!("v{v}"), &["--ops", "6", "--version", v], &[]).await;
+        assert!(o.workload_stdout.contains(&format!("driving ncclProfiler_v{v}")), "{}", o.workload_stdout);
+        all_completed(&o, 6);
+        no_gpu_degraded_except(&o, None);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_copy_engine_collectives_complete_through_uprobes() {
+    if unavailable("kernel_nccl_copy_engine_collectives_complete_through_uprobes").is_some() {
+        return;
+    }
+    // NCCL ≥ 2.29.2 with its copy-engine policy: the shim (v6) sees only CeColl enqueue
+    // events; completion comes from the CUDA events it records on the op's stream.
+    let o = run("ce", &["--ops", "12", "--ce", FAKE_CUDA], &[]).await;
+    assert!(o.workload_stdout.contains("driving ncclProfiler_v6 (copy-engine collectives)"));
+    all_completed(&o, 12);
+    assert_eq!(o.p0_dropped, 0);
+    no_gpu_degraded_except(&o, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_copy_engine_p0_overflow_is_telemetry_loss_not_degradation() {
+    if unavailable("kernel_nccl_copy_engine_p0_overflow_is_telemetry_loss_not_degradation").is_some() {
+        return;
+    }
+    // As with kernel channels: the copy-engine completions the ring lost are inferred.
+    overflow_is_telemetry_loss("ce-overflow", &["--ce", FAKE_CUDA]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_gpu_that_never_starts_is_stuck_and_only_its_gpu_degraded() {
+    if unavailable("kernel_nccl_gpu_that_never_starts_is_stuck_and_only_its_gpu_degraded").is_some() {
+        return;
+    }
+    never_starts_is_stuck("nostart", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_copy_engine_hang_is_stuck_and_only_its_gpu_degraded() {
+    if unavailable("kernel_nccl_copy_engine_hang_is_stuck_and_only_its_gpu_degraded").is_some() {
+        return;
+    }
+    // Copy-engine collectives: rank 2's stream never reaches op 5's copies.
+    never_starts_is_stuck("ce-nostart", &["--ce", FAKE_CUDA]).await;
+}
+
+/// Rank 2's GPU never starts op 5 (its host enqueues on): stuck there, its peers wait on
+/// it, ops before it completed; no other GPU degraded.
+async fn never_starts_is_stuck(tag: &str, extra: &[&str]) {
+    let mut args = vec!["--ops", "8", "--fault", "nostart:2:5"];
+    args.extend_from_slice(extra);
+    let o = run(tag, &args, &[]).await;
+    let v = o.world(5, 2).expect("verdict for rank 2 in op 5");
+    assert_eq!(v.outcome, "stuck", "{v:?}");
+    assert_eq!(o.gpu_health(2), "degraded");
+    no_gpu_degraded_except(&o, Some(2));
+    for r in [0, 1, 3] {
+        let p = o.world(5, r).expect("peer verdict");
+        assert!(p.outcome.starts_with("waiting_on"), "peer {r} waits on the stuck GPU: {p:?}");
+    }
+    all_completed(&o, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kernel_nccl_channel_that_never_ends_is_not_completed() {
     if unavailable("kernel_nccl_channel_that_never_ends_is_not_completed").is_some() {
         return;
     }
-    let o = run("chnoend", &["--ops", "8", "--fault", "chnoend:0:5"], &[]).await;
+    never_ends_is_not_completed("chnoend", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_copy_engine_op_that_never_finishes_is_not_completed() {
+    if unavailable("kernel_nccl_copy_engine_op_that_never_finishes_is_not_completed").is_some() {
+        return;
+    }
+    // Rank 0's copies of op 5 start and its final barrier never passes on its stream.
+    never_ends_is_not_completed("ce-noend", &["--ce", FAKE_CUDA]).await;
+}
+
+/// Rank 0's op 5 starts and never ends (one channel, or a copy-engine op's stop event):
+/// not completed; every other rank finished it.
+async fn never_ends_is_not_completed(tag: &str, extra: &[&str]) {
+    let mut args = vec!["--ops", "8", "--fault", "chnoend:0:5"];
+    args.extend_from_slice(extra);
+    let o = run(tag, &args, &[]).await;
     let v = o.world(5, 0).expect("verdict for rank 0 in op 5");
-    assert!(!v.outcome.starts_with("completed"), "one channel never ended: not completed: {v:?}");
+    assert!(!v.outcome.starts_with("completed"), "op 5 never ended on rank 0: not completed: {v:?}");
     for r in 1..4 {
         let p = o.world(5, r).expect("peer verdict");
         assert!(p.outcome.starts_with("completed"), "rank {r} finished op 5: {p:?}");

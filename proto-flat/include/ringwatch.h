@@ -175,6 +175,13 @@ enum rw_shipper_gap_reason {
 #define RW_ACTIVATION_PROXY_CTRL (1u << 5)
 #define RW_ACTIVATION_KERNEL_CH (1u << 6) /* kernel channel events: the completion source */
 #define RW_ACTIVATION_NET_PLUGIN (1u << 7)
+#define RW_ACTIVATION_GROUP_API (1u << 8)
+#define RW_ACTIVATION_COLL_API (1u << 9)
+#define RW_ACTIVATION_P2P_API (1u << 10)
+#define RW_ACTIVATION_KERNEL_LAUNCH (1u << 11)
+#define RW_ACTIVATION_CE_COLL (1u << 12) /* copy-engine collectives (v6): the shim's stream events complete them */
+#define RW_ACTIVATION_CE_SYNC (1u << 13)
+#define RW_ACTIVATION_CE_BATCH (1u << 14)
 
 /* stream_id = class:8 | ring:8 | cpu:16 */
 #define RW_STREAM_ID(class, ring, cpu) \

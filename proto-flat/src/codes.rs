@@ -450,8 +450,18 @@ pub mod activation {
     /// Kernel channels (GPU timer): `kernel_start` / `kernel_end`, the completion source.
     pub const KERNEL_CH: u32 = 1 << 6;
     pub const NET_PLUGIN: u32 = 1 << 7;
+    pub const GROUP_API: u32 = 1 << 8;
+    pub const COLL_API: u32 = 1 << 9;
+    pub const P2P_API: u32 = 1 << 10;
+    pub const KERNEL_LAUNCH: u32 = 1 << 11;
+    /// Copy-engine collectives (NCCL profiler v6): the shim completes them from the CUDA
+    /// events it records on their stream (`kernel_start` / `kernel_end`), a completion
+    /// source.
+    pub const CE_COLL: u32 = 1 << 12;
+    pub const CE_SYNC: u32 = 1 << 13;
+    pub const CE_BATCH: u32 = 1 << 14;
     /// Without one of these, completion can never be proven.
-    pub const COMPLETION_SOURCES: u32 = KERNEL_CH | PROXY_OP;
+    pub const COMPLETION_SOURCES: u32 = KERNEL_CH | PROXY_OP | CE_COLL;
     /// Every bit, as `(mask, name)`.
     pub const ALL: &[(u32, &str)] = &[
         (GROUP, "group"),
@@ -462,6 +472,13 @@ pub mod activation {
         (PROXY_CTRL, "proxy_ctrl"),
         (KERNEL_CH, "kernel_ch"),
         (NET_PLUGIN, "net_plugin"),
+        (GROUP_API, "group_api"),
+        (COLL_API, "coll_api"),
+        (P2P_API, "p2p_api"),
+        (KERNEL_LAUNCH, "kernel_launch"),
+        (CE_COLL, "ce_coll"),
+        (CE_SYNC, "ce_sync"),
+        (CE_BATCH, "ce_batch"),
     ];
 }
 

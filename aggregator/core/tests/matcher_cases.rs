@@ -24,6 +24,8 @@ struct Case {
     seq: u64,
     verdicts: std::collections::BTreeMap<(OpRef, u32), Verdict>,
     events: Vec<MatcherEvent>,
+    /// The activation mask every PROGRESS entry reports.
+    mask: u32,
 }
 
 impl Case {
@@ -35,6 +37,7 @@ impl Case {
             seq: 0,
             verdicts: Default::default(),
             events: Vec::new(),
+            mask: MASK,
         }
     }
 
@@ -140,7 +143,7 @@ impl Case {
             exit_code: 0,
             gpu_uuid: [u8::try_from(node).unwrap(); 16],
             cgroup_id: 1,
-            activation_mask: MASK,
+            activation_mask: self.mask,
             last_enqueued_op: enq,
             last_kernel_started_op: kst,
             last_completed_op: done,
@@ -1203,4 +1206,41 @@ fn recovery_memory_is_capped_and_keeps_the_blocking_root() {
         c.tick(S);
     }
     assert_eq!(c.outcome(k, 4_202, 0), (Outcome::Completed, true), "judged on its own after the recovery");
+}
+
+#[test]
+fn copy_engine_collectives_are_a_completion_source() {
+    // NCCL ≥ 2.29.2 running collectives on the copy engine, profiled through v6: the shim
+    // asks for CE collectives (no kernel channels are involved) and completes them from
+    // the CUDA events it records on their stream. A rank whose stream never reaches the op
+    // is stuck — not indeterminate for want of a source — and a mask with enqueue events
+    // only stays indeterminate(no_completion_source).
+    let ce = activation::COLL | activation::P2P | activation::CE_COLL;
+    for (mask, expect) in [
+        (ce, Outcome::Stuck),
+        (activation::COLL | activation::P2P, Outcome::Indeterminate(Indeterminate::NoCompletionSource)),
+    ] {
+        let mut c = Case::new();
+        c.mask = mask;
+        let k = comm(300);
+        hang(&mut c, k);
+        assert_eq!(c.outcome(k, 1, 1), (expect, true), "mask {mask:#x}");
+    }
+    // And with the CE source, an op whose every rank's stop event completed is completed.
+    let mut c = Case::new();
+    c.mask = ce;
+    let k = comm(301);
+    for rank in 0..2u32 {
+        let node = u64::from(rank) + 1;
+        c.frame(node, 10 + rank, k, 1, rank, 2, Phase::EnqueueStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 2, Phase::EnqueueEnd, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 2, Phase::KernelStart, None, 1);
+        c.frame(node, 10 + rank, k, 1, rank, 2, Phase::KernelEnd, None, 1);
+        c.progress(node, 10 + rank, k, rank, 1, 1, 1, ProcState::Running);
+    }
+    c.tick(S);
+    c.watermarks(&[1, 2]);
+    c.tick(S / 10);
+    assert_eq!(c.outcome(k, 1, 0), (Outcome::Completed, true));
+    assert_eq!(c.outcome(k, 1, 1), (Outcome::Completed, true));
 }

@@ -18,9 +18,15 @@ const PROGRAMS: &[&str] = &["ringwatch"];
 fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
     let dir = manifest.join("nccl-shim");
-    for f in
-        ["ringwatch_profiler.c", "workload.c", "check_layout.c", "nccl_profiler_api.h", "fake_cuda.c", "fake_cuda.h"]
-    {
+    for f in [
+        "ringwatch_profiler.c",
+        "workload.c",
+        "check_layout.c",
+        "nccl_profiler_api.h",
+        "fake_cuda.c",
+        "fake_cuda.h",
+        "chain_test_plugin.c",
+    ] {
         println!("cargo::rerun-if-changed={}", dir.join(f).display());
     }
     let include = manifest.join("../proto-flat/include");
@@ -74,12 +80,23 @@ fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
             .arg(&fake_cuda)
             .output()
             .is_ok_and(|o| o.status.success());
+    // A second profiler plugin for the shim's chaining checks.
+    let chain = out.join("libchain-test-plugin.so");
+    let chain_ok = Command::new(&cc)
+        .args(common)
+        .args(["-fPIC", "-shared", "-fvisibility=hidden"])
+        .arg(dir.join("chain_test_plugin.c"))
+        .arg("-o")
+        .arg(&chain)
+        .output()
+        .is_ok_and(|o| o.status.success());
     match (shim_ok, workload_ok) {
-        (Ok(a), Ok(b)) if a.status.success() && b.status.success() && checker_ok && fake_ok => {
+        (Ok(a), Ok(b)) if a.status.success() && b.status.success() && checker_ok && fake_ok && chain_ok => {
             println!("cargo::rustc-env=RINGWATCH_NCCL_SHIM={}", shim.display());
             println!("cargo::rustc-env=RINGWATCH_NCCL_WORKLOAD={}", workload.display());
             println!("cargo::rustc-env=RINGWATCH_NCCL_CHECK_LAYOUT={}", checker.display());
             println!("cargo::rustc-env=RINGWATCH_NCCL_FAKE_CUDA={}", fake_cuda.display());
+            println!("cargo::rustc-env=RINGWATCH_NCCL_CHAIN_TEST={}", chain.display());
         }
         other => {
             let why = match other {
@@ -95,6 +112,7 @@ fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
             println!("cargo::rustc-env=RINGWATCH_NCCL_WORKLOAD=");
             println!("cargo::rustc-env=RINGWATCH_NCCL_CHECK_LAYOUT=");
             println!("cargo::rustc-env=RINGWATCH_NCCL_FAKE_CUDA=");
+            println!("cargo::rustc-env=RINGWATCH_NCCL_CHAIN_TEST=");
         }
     }
 }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * check-layout SHIM.so [CUDA_LIB]: loads the shim as NCCL would and checks, from outside,
+ * check-layout SHIM.so [CUDA_LIB] [--chain PLUGIN]: loads the shim as NCCL would and checks, from outside,
  * every exported ncclProfiler_v* against NCCL's documented interface (LP64) — without the
  * shim's own header: the descriptors are written byte by byte at the documented offsets,
  * and the frames the shim emits are caught by interposing its probe functions (this
@@ -15,7 +15,11 @@
  * does not ask for copy-engine events; with CUDA_LIB (the workload's stand-in driver,
  * loaded first as CUDA is) it does, and a copy-engine collective written at the ceColl
  * offsets comes out as enqueue_start/enqueue_end at once and kernel_start/kernel_end only
- * as its stream completes the events the shim recorded. Prints one line per check; exit 0
+ * as its stream completes the events the shim recorded. With --chain (the shim started with
+ * RINGWATCH_PROFILER_CHAIN=PLUGIN, chain_test_plugin.c), every version's run also checks
+ * what the second plugin got: its mask added to the shim's, each collective and kernel
+ * channel it asked for with its own handle as parent, their stops and state records, its
+ * finalize, and nothing it did not ask for (P2P, copy-engine). Prints one line per check; exit 0
  * when all hold, 1 otherwise, 2 when the shim does not load.
  */
 #define _GNU_SOURCE
@@ -25,6 +29,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -72,6 +77,37 @@ struct fake_stream {
 	_Atomic uint64_t recorded, done;
 };
 static int g_have_cuda;
+static void *g_chain_lib; /* --chain: the second plugin, as the shim loaded it */
+
+/* The second plugin's counters (chain_test_plugin.c). */
+struct chain_counts {
+	unsigned long inits, finalizes, stops, records, bad_parents, ce_seen, coll, kernel_ch, p2p;
+};
+static struct chain_counts chain_counts(void)
+{
+	struct chain_counts c = { 0 };
+	if (!g_chain_lib)
+		return c;
+#define RD(field, sym)                                                                             \
+	do {                                                                                       \
+		unsigned long *p_ = dlsym(g_chain_lib, sym);                                       \
+		c.field = p_ ? __atomic_load_n(p_, __ATOMIC_ACQUIRE) : 0;                          \
+	} while (0)
+	RD(inits, "chain_inits");
+	RD(finalizes, "chain_finalizes");
+	RD(stops, "chain_stops");
+	RD(records, "chain_records");
+	RD(bad_parents, "chain_bad_parents");
+	RD(ce_seen, "chain_ce_seen");
+#undef RD
+	unsigned long *starts = dlsym(g_chain_lib, "chain_starts");
+	if (starts) {
+		c.coll = starts[1];
+		c.p2p = starts[2];
+		c.kernel_ch = starts[6];
+	}
+	return c;
+}
 
 /* NCCL's documented event types, state and offsets (LP64). */
 #define TYPE_COLL 2
@@ -148,6 +184,7 @@ static void check_version(void *lib, int v)
 	}
 
 	g_ncoll = g_np2p = 0;
+	struct chain_counts before = chain_counts();
 	void *ctx = NULL;
 	int mask = 0;
 	uint64_t comm = 0x1234567800000000ull + (uint64_t)v;
@@ -245,6 +282,22 @@ static void check_version(void *lib, int v)
 	      g_ncoll > 6 ? g_coll[6].op : 0, g_ncoll > 6 ? g_coll[6].dtype : 0);
 	CHECK(unknown && *unknown == unknown_before + 1, "%s: the unknown name is counted (rw_shim_unknown_names)", sym);
 	CHECK(((finalize_fn)p[5])(ctx) == 0, "%s finalize", sym);
+	if (g_chain_lib) {
+		struct chain_counts after = chain_counts();
+		CHECK(mask & (1 << 3), "%s chained: the second plugin's proxy-op bit added to the mask (%#x)", sym, mask);
+		CHECK(after.inits == before.inits + 1 && after.finalizes == before.finalizes + 1,
+		      "%s chained: the second plugin's init and finalize called once each", sym);
+		CHECK(after.coll == before.coll + 3 && after.kernel_ch == before.kernel_ch + 3 &&
+			      after.p2p == before.p2p && after.ce_seen == before.ce_seen,
+		      "%s chained: it got the 3 collectives and 3 kernel channels it asked for, no P2P (coll +%lu, "
+		      "channels +%lu, p2p +%lu)",
+		      sym, after.coll - before.coll, after.kernel_ch - before.kernel_ch, after.p2p - before.p2p);
+		CHECK(after.bad_parents == before.bad_parents,
+		      "%s chained: each kernel channel's parent is the second plugin's own collective handle", sym);
+		CHECK(after.stops == before.stops + 6 && after.records == before.records + 3,
+		      "%s chained: 6 stops and 3 state records forwarded (+%lu, +%lu)", sym, after.stops - before.stops,
+		      after.records - before.records);
+	}
 }
 
 /* Waits (up to 10 s: the shim's poller runs every 200 us) until `n` collective frames came. */
@@ -322,25 +375,45 @@ static void check_copy_engine(void *lib)
 	CHECK(wait_frames(4) && g_coll[3].phase == RW_PHASE_KERNEL_END && g_coll[3].comm_op_seq == 1,
 	      "ncclProfiler_v6: kernel_end once the stream completed the stop event (after the final barrier)");
 	CHECK(((finalize_fn)p[5])(ctx) == 0, "ncclProfiler_v6 finalize");
+	if (g_chain_lib)
+		CHECK(chain_counts().ce_seen == 0, "ncclProfiler_v6 chained to a v5 plugin: no copy-engine event reaches it");
 }
 
 int main(int argc, char **argv)
 {
-	if (argc != 2 && argc != 3) {
-		fprintf(stderr, "usage: check-layout /full/path/libnccl-profiler-ringwatch.so [/full/path/fake/libcuda.so.1]\n");
+	const char *chain = NULL;
+	for (int i = 2; i < argc; i++) {
+		if (strcmp(argv[i], "--chain") == 0 && i + 1 < argc) {
+			chain = argv[++i];
+		} else if (!g_have_cuda && argv[i][0] != '-') {
+			if (!dlopen(argv[i], RTLD_NOW | RTLD_GLOBAL)) {
+				fprintf(stderr, "dlopen %s: %s\n", argv[i], dlerror());
+				return 2;
+			}
+			g_have_cuda = 1;
+		} else {
+			argc = 0;
+		}
+	}
+	if (argc < 2) {
+		fprintf(stderr, "usage: check-layout /full/path/libnccl-profiler-ringwatch.so [/full/path/fake/libcuda.so.1] "
+				"[--chain /full/path/second-plugin.so]\n");
 		return 2;
 	}
-	if (argc == 3) {
-		if (!dlopen(argv[2], RTLD_NOW | RTLD_GLOBAL)) {
-			fprintf(stderr, "dlopen %s: %s\n", argv[2], dlerror());
-			return 2;
-		}
-		g_have_cuda = 1;
-	}
+	if (chain)
+		setenv("RINGWATCH_PROFILER_CHAIN", chain, 1);
 	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
 	if (!lib) {
 		fprintf(stderr, "dlopen %s: %s\n", argv[1], dlerror());
 		return 2;
+	}
+	if (chain) {
+		/* The shim loads it at the first init; the same handle then. */
+		g_chain_lib = dlopen(chain, RTLD_NOW | RTLD_LOCAL);
+		if (!g_chain_lib) {
+			fprintf(stderr, "dlopen %s: %s\n", chain, dlerror());
+			return 2;
+		}
 	}
 	int found = 0;
 	for (int v = 1; v <= 9; v++) {

@@ -29,7 +29,6 @@
  *    emitted). GPU timer values become host CLOCK_MONOTONIC through a paired
  *    (CLOCK_REALTIME, CLOCK_MONOTONIC) read refreshed every second: the GPU's global timer
  *    runs in Unix-epoch nanoseconds (the driver keeps it on host real time).
- *
  *  - copy-engine collectives (v6): NCCL reports only host-side enqueue events for them
  *    (CeColl start, then its stop once the copies and the final barrier are enqueued).
  *    The shim records a CUDA event on the collective's stream at each (driver API,
@@ -38,6 +37,8 @@
  *    the final barrier included, done on the GPU — into kernel_end, at the poll's host
  *    time (every RINGWATCH_CE_POLL_US, default 200 us). Without the driver's event API
  *    the shim does not ask NCCL for CE events at all (counted in rw_shim_ce_unavailable).
+ *  - chaining (opt-in, RINGWATCH_PROFILER_CHAIN): every call forwarded to a second plugin
+ *    with its own context and handles (the section "chaining" below).
  *
  * Thread safety: NCCL calls from its user threads and its proxy thread; all counters are
  * under one mutex per communicator (events are short).
@@ -360,25 +361,25 @@ static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_
 	return RW_NCCL_SUCCESS;
 }
 
+static ncclResult_t chain_init(int v, void **context, uint64_t id, int *mask, const char *name, int n_nodes,
+			       int nranks, int rank, ncclDebugLogger_t logfn);
+
 static ncclResult_t rw_init_v5(void **context, uint64_t comm_id, int *mask, const char *name, int n_nodes, int nranks,
 			       int rank, ncclDebugLogger_t logfn)
 {
-	(void)logfn;
-	return rw_init(context, mask, name, comm_id, n_nodes, nranks, rank, 5);
+	return chain_init(5, context, comm_id, mask, name, n_nodes, nranks, rank, logfn);
 }
 
 static ncclResult_t rw_init_v6(void **context, uint64_t comm_id, int *mask, const char *name, int n_nodes, int nranks,
 			       int rank, ncclDebugLogger_t logfn)
 {
-	(void)logfn;
-	return rw_init(context, mask, name, comm_id, n_nodes, nranks, rank, 6);
+	return chain_init(6, context, comm_id, mask, name, n_nodes, nranks, rank, logfn);
 }
 
 static ncclResult_t rw_init_v4(void **context, int *mask, const char *name, uint64_t hash, int n_nodes, int nranks,
 			       int rank, ncclDebugLogger_t logfn)
 {
-	(void)logfn;
-	return rw_init(context, mask, name, hash, n_nodes, nranks, rank, 4);
+	return chain_init(4, context, hash, mask, name, n_nodes, nranks, rank, logfn);
 }
 
 /* Ops waiting for their channels, process-wide: past this many, a new op is freed at its
@@ -811,29 +812,292 @@ static ncclResult_t rw_finalize(void *context)
 	return RW_NCCL_SUCCESS;
 }
 
+/* ---- chaining to a second profiler plugin (opt-in) ----
+ *
+ * NCCL loads one profiler plugin per process. RINGWATCH_PROFILER_CHAIN=/full/path/other.so
+ * makes the shim load a second one (NVIDIA's Inspector, a site's own) and forward every
+ * call to it with its own context: its init's mask is added to the shim's (an event only
+ * it asked for reaches only it), its handles and parent pointers are its own. The second
+ * plugin must export the same version NCCL loaded the shim with; under v6, a plugin with
+ * only v5 gets v5's share (no copy-engine events, as NCCL's own adapter does). Otherwise
+ * chaining stays off, said once through NCCL's logger (or stderr) and counted.
+ *
+ * Handles given to NCCL while chaining are slots of a fixed pool (65,536 per process,
+ * reused only once stopped): one slot pairs the shim's handle with the other plugin's, so
+ * a child event's parent is translated for each. A stopped slot stays readable until
+ * reused, so a child started after its parent stopped still finds both parents; with no
+ * free slot among the next 64 the event reaches only the shim (rw_shim_chain_dropped). */
+
+RW_EXPORT _Atomic unsigned long rw_shim_chain_failures;
+RW_EXPORT _Atomic unsigned long rw_shim_chain_dropped;
+
+typedef int (*chain_init_v56_fn)(void **, uint64_t, int *, const char *, int, int, int, ncclDebugLogger_t);
+typedef int (*chain_init_v4_fn)(void **, int *, const char *, uint64_t, int, int, int, ncclDebugLogger_t);
+typedef int (*chain_start_fn)(void *, void **, void *);
+typedef int (*chain_stop_fn)(void *);
+typedef int (*chain_record_fn)(void *, int, void *);
+typedef int (*chain_finalize_fn)(void *);
+
+/* What one of the shim's versions forwards to (resolved at that version's first init). */
+struct chain_target {
+	pthread_mutex_t lock;
+	int resolved, active;
+	int their_version;
+	void *init; /* chain_init_v56_fn or chain_init_v4_fn */
+	chain_start_fn start;
+	chain_stop_fn stop;
+	chain_record_fn record;
+	chain_finalize_fn finalize;
+};
+static struct chain_target g_chain[7] = {
+	[4] = { .lock = PTHREAD_MUTEX_INITIALIZER },
+	[5] = { .lock = PTHREAD_MUTEX_INITIALIZER },
+	[6] = { .lock = PTHREAD_MUTEX_INITIALIZER },
+};
+
+struct chain_ctx {
+	void *ours, *theirs; /* theirs: NULL when its init failed */
+	int their_mask;
+};
+
+#define RW_CHAIN_SLOTS 65536
+enum { SLOT_FREE, SLOT_LIVE, SLOT_STOPPED };
+struct chain_slot {
+	_Atomic int state;
+	int theirs_valid;
+	int version; /* the shim's version it was made under */
+	void *ours, *theirs;
+};
+static struct chain_slot *g_slots;
+static _Atomic unsigned g_slot_cursor;
+
+static void chain_log(ncclDebugLogger_t logfn, const char *msg, const char *detail)
+{
+	if (logfn)
+		logfn(2 /* NCCL_LOG_WARN */, 1 /* NCCL_INIT */, __FILE__, __LINE__, "ringwatch: %s%s", msg, detail);
+	else
+		fprintf(stderr, "ringwatch profiler shim: %s%s\n", msg, detail);
+}
+
+static void chain_resolve(int v, ncclDebugLogger_t logfn)
+{
+	struct chain_target *t = &g_chain[v];
+	pthread_mutex_lock(&t->lock);
+	if (t->resolved) {
+		pthread_mutex_unlock(&t->lock);
+		return;
+	}
+	t->resolved = 1;
+	const char *path = getenv("RINGWATCH_PROFILER_CHAIN");
+	if (!path || !*path) {
+		pthread_mutex_unlock(&t->lock);
+		return;
+	}
+	void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	void **table = NULL;
+	char sym[32];
+	if (lib) {
+		for (int tv = v; tv >= (v == 6 ? 5 : v) && !table; tv--) {
+			snprintf(sym, sizeof(sym), "ncclProfiler_v%d", tv);
+			table = dlsym(lib, sym);
+			t->their_version = tv;
+		}
+	}
+	if (!g_slots)
+		g_slots = calloc(RW_CHAIN_SLOTS, sizeof(*g_slots));
+	if (!lib || !table || !g_slots || !table[1] || !table[2] || !table[3] || !table[4] || !table[5]) {
+		atomic_fetch_add(&rw_shim_chain_failures, 1);
+		snprintf(sym, sizeof(sym), "ncclProfiler_v%d", v);
+		chain_log(logfn, !lib ? "RINGWATCH_PROFILER_CHAIN: cannot load " : "RINGWATCH_PROFILER_CHAIN: no usable table for ",
+			  !lib ? path : sym);
+		pthread_mutex_unlock(&t->lock);
+		return;
+	}
+	t->init = table[1];
+	t->start = (chain_start_fn)table[2];
+	t->stop = (chain_stop_fn)table[3];
+	t->record = (chain_record_fn)table[4];
+	t->finalize = (chain_finalize_fn)table[5];
+	t->active = 1;
+	chain_log(logfn, "chained to ", path);
+	pthread_mutex_unlock(&t->lock);
+}
+
+static int is_slot(const void *p)
+{
+	const char *b = (const char *)g_slots;
+	const char *q = p;
+	return g_slots && q >= b && q < b + sizeof(*g_slots) * RW_CHAIN_SLOTS &&
+	       (size_t)(q - b) % sizeof(*g_slots) == 0;
+}
+
+static struct chain_slot *slot_alloc(void)
+{
+	for (int i = 0; i < 64; i++) {
+		struct chain_slot *s = &g_slots[atomic_fetch_add(&g_slot_cursor, 1) % RW_CHAIN_SLOTS];
+		int st = atomic_load(&s->state);
+		if (st != SLOT_LIVE && atomic_compare_exchange_strong(&s->state, &st, SLOT_LIVE))
+			return s;
+	}
+	atomic_fetch_add(&rw_shim_chain_dropped, 1);
+	return NULL;
+}
+
+/* A parent pointer NCCL passed, for the shim (ours) or the other plugin (!ours). */
+static void *parent_for(void *p, int ours)
+{
+	if (!is_slot(p))
+		return ours ? p : NULL;
+	struct chain_slot *s = p;
+	return ours ? s->ours : s->theirs_valid ? s->theirs : NULL;
+}
+
+#define RW_CE_BITS (ncclProfileCeColl | ncclProfileCeSync | ncclProfileCeBatch)
+
+static ncclResult_t chain_init(int v, void **context, uint64_t id, int *mask, const char *name, int n_nodes,
+			       int nranks, int rank, ncclDebugLogger_t logfn)
+{
+	chain_resolve(v, logfn);
+	struct chain_target *t = &g_chain[v];
+	void *ours = NULL;
+	ncclResult_t rc = rw_init(&ours, mask, name, id, n_nodes, nranks, rank, v);
+	if (rc != RW_NCCL_SUCCESS || !t->active) {
+		*context = ours;
+		return rc;
+	}
+	struct chain_ctx *cc = calloc(1, sizeof(*cc));
+	if (!cc) {
+		*context = ours;
+		return rc;
+	}
+	cc->ours = ours;
+	int their_mask = 0;
+	int their_rc = v == 4 ? ((chain_init_v4_fn)t->init)(&cc->theirs, &their_mask, name, id, n_nodes, nranks, rank, logfn)
+			      : ((chain_init_v56_fn)t->init)(&cc->theirs, id, &their_mask, name, n_nodes, nranks, rank, logfn);
+	if (their_rc != 0) {
+		atomic_fetch_add(&rw_shim_chain_failures, 1);
+		chain_log(logfn, "the chained plugin's init failed: ", "it gets no events of this communicator");
+		cc->theirs = NULL;
+		their_mask = 0;
+	}
+	cc->their_mask = t->their_version < 6 ? their_mask & ~RW_CE_BITS : their_mask;
+	*mask |= cc->their_mask;
+	*context = cc;
+	return RW_NCCL_SUCCESS;
+}
+
+/* startEvent while chaining: each plugin gets its own copy of the descriptor with its own
+ * parents; only an event type the other plugin asked for reaches it. */
+#define RW_CHAIN_START(v, descr_t, ours_start, patch)                                              \
+	static ncclResult_t chain_start_v##v(void *context, void **handle, descr_t *d)             \
+	{                                                                                          \
+		if (!g_chain[v].active)                                                            \
+			return ours_start(context, handle, d);                                     \
+		struct chain_ctx *cc = context;                                                    \
+		struct chain_slot *s = slot_alloc();                                               \
+		descr_t mine = *d;                                                                 \
+		mine.parentObj = parent_for(d->parentObj, 1);                                      \
+		patch(mine, d, 1);                                                                 \
+		void *ours_h = NULL;                                                               \
+		ours_start(cc->ours, &ours_h, &mine);                                              \
+		if (!s) {                                                                          \
+			*handle = ours_h;                                                          \
+			return RW_NCCL_SUCCESS;                                                    \
+		}                                                                                  \
+		s->ours = ours_h;                                                                  \
+		s->theirs = NULL;                                                                  \
+		s->theirs_valid = 0;                                                               \
+		s->version = v;                                                                    \
+		if (cc->theirs && ((uint64_t)d->type & (uint64_t)cc->their_mask)) {                \
+			descr_t theirs = *d;                                                       \
+			theirs.parentObj = parent_for(d->parentObj, 0);                            \
+			patch(theirs, d, 0);                                                       \
+			s->theirs_valid = g_chain[v].start(cc->theirs, &s->theirs, &theirs) == 0; \
+		}                                                                                  \
+		*handle = s;                                                                       \
+		return RW_NCCL_SUCCESS;                                                            \
+	}
+
+#define RW_PATCH_NONE(copy, d, ours) ((void)0)
+/* v5/v6: a collective's and a P2P op's parentGroup is a handle too. */
+#define RW_PATCH_GROUPS(copy, d, ours)                                                             \
+	do {                                                                                       \
+		if ((d)->type == ncclProfileColl)                                                  \
+			(copy).coll.parentGroup = parent_for((d)->coll.parentGroup, ours);         \
+		else if ((d)->type == ncclProfileP2p)                                              \
+			(copy).p2p.parentGroup = parent_for((d)->p2p.parentGroup, ours);           \
+	} while (0)
+
+RW_CHAIN_START(4, ncclProfilerEventDescr_v4_t, rw_start_v4, RW_PATCH_NONE)
+RW_CHAIN_START(5, ncclProfilerEventDescr_v5_t, rw_start_v5, RW_PATCH_GROUPS)
+RW_CHAIN_START(6, ncclProfilerEventDescr_v6_t, rw_start_v6, RW_PATCH_GROUPS)
+
+static ncclResult_t chain_stop(void *handle)
+{
+	if (!is_slot(handle))
+		return rw_stop(handle);
+	struct chain_slot *s = handle;
+	rw_stop(s->ours);
+	if (s->theirs_valid)
+		g_chain[s->version].stop(s->theirs);
+	atomic_store(&s->state, SLOT_STOPPED);
+	return RW_NCCL_SUCCESS;
+}
+
+#define RW_CHAIN_RECORD(v, args_t, ours_record)                                                    \
+	static ncclResult_t chain_record_v##v(void *handle, ncclProfilerEventState_t state, args_t *a) \
+	{                                                                                          \
+		if (!is_slot(handle))                                                              \
+			return ours_record(handle, state, a);                                      \
+		struct chain_slot *s = handle;                                                     \
+		ours_record(s->ours, state, a);                                                    \
+		if (s->theirs_valid)                                                               \
+			g_chain[v].record(s->theirs, state, a);                                    \
+		return RW_NCCL_SUCCESS;                                                            \
+	}
+RW_CHAIN_RECORD(4, ncclProfilerEventStateArgs_v4_t, rw_record_v4)
+RW_CHAIN_RECORD(5, ncclProfilerEventStateArgs_v5_t, rw_record_v5)
+RW_CHAIN_RECORD(6, ncclProfilerEventStateArgs_v6_t, rw_record_v6)
+
+#define RW_CHAIN_FINALIZE(v)                                                                       \
+	static ncclResult_t chain_finalize_v##v(void *context)                                     \
+	{                                                                                          \
+		if (!g_chain[v].active)                                                            \
+			return rw_finalize(context);                                               \
+		struct chain_ctx *cc = context;                                                    \
+		if (cc && cc->theirs)                                                              \
+			g_chain[v].finalize(cc->theirs);                                           \
+		ncclResult_t rc = rw_finalize(cc ? cc->ours : NULL);                               \
+		free(cc);                                                                          \
+		return rc;                                                                         \
+	}
+RW_CHAIN_FINALIZE(4)
+RW_CHAIN_FINALIZE(5)
+RW_CHAIN_FINALIZE(6)
+
 RW_EXPORT const ncclProfiler_v6_t ncclProfiler_v6 = {
 	.name = "ringwatch",
 	.init = rw_init_v6,
-	.startEvent = rw_start_v6,
-	.stopEvent = rw_stop,
-	.recordEventState = rw_record_v6,
-	.finalize = rw_finalize,
+	.startEvent = chain_start_v6,
+	.stopEvent = chain_stop,
+	.recordEventState = chain_record_v6,
+	.finalize = chain_finalize_v6,
 };
 
 RW_EXPORT const ncclProfiler_v5_t ncclProfiler_v5 = {
 	.name = "ringwatch",
 	.init = rw_init_v5,
-	.startEvent = rw_start_v5,
-	.stopEvent = rw_stop,
-	.recordEventState = rw_record_v5,
-	.finalize = rw_finalize,
+	.startEvent = chain_start_v5,
+	.stopEvent = chain_stop,
+	.recordEventState = chain_record_v5,
+	.finalize = chain_finalize_v5,
 };
 
 RW_EXPORT const ncclProfiler_v4_t ncclProfiler_v4 = {
 	.name = "ringwatch",
 	.init = rw_init_v4,
-	.startEvent = rw_start_v4,
-	.stopEvent = rw_stop,
-	.recordEventState = rw_record_v4,
-	.finalize = rw_finalize,
+	.startEvent = chain_start_v4,
+	.stopEvent = chain_stop,
+	.recordEventState = chain_record_v4,
+	.finalize = chain_finalize_v4,
 };

@@ -19,6 +19,8 @@ const WORKLOAD: &str = env!("RINGWATCH_NCCL_WORKLOAD");
 const CHECK_LAYOUT: &str = env!("RINGWATCH_NCCL_CHECK_LAYOUT");
 /// The workload's stand-in CUDA driver (copy-engine collectives' events).
 const FAKE_CUDA: &str = env!("RINGWATCH_NCCL_FAKE_CUDA");
+/// A second profiler plugin that counts what the shim forwards to it.
+const CHAIN_TEST: &str = env!("RINGWATCH_NCCL_CHAIN_TEST");
 
 mod common;
 use common::{Pins, bpf_of, ci, kernel_unavailable, shipper_cfg, skip};
@@ -32,12 +34,16 @@ fn nccl_shim_exports_match_the_documented_interface() {
     }
     // Without a CUDA driver in the process (v6 must not ask for copy-engine events), then
     // with the stand-in driver (it must, and a copy-engine collective completes only as
-    // its stream does).
-    for with_driver in [false, true] {
+    // its stream does), then chained to a second plugin (every version forwards what it
+    // asked for, with its own handles; the shim's own frames unchanged).
+    for (with_driver, chained) in [(false, false), (true, false), (true, true)] {
         let mut cmd = Command::new(CHECK_LAYOUT);
         cmd.arg(SHIM);
         if with_driver {
             cmd.arg(FAKE_CUDA);
+        }
+        if chained {
+            cmd.args(["--chain", CHAIN_TEST]);
         }
         let out = cmd.output().expect("check-layout runs");
         let text = String::from_utf8_lossy(&out.stdout);
@@ -48,6 +54,7 @@ fn nccl_shim_exports_match_the_documented_interface() {
             assert!(text.contains(&format!("ok   ncclProfiler_v{v} finalize")), "v{v} driven to the end");
         }
         assert_eq!(text.contains("copy-engine fields read at the ceColl offsets"), with_driver);
+        assert_eq!(text.matches("chained: each kernel channel's parent").count(), if chained { 3 } else { 0 });
         assert!(!text.contains("FAIL"));
     }
 }
@@ -138,6 +145,8 @@ struct Launch<'a> {
     bind_at: Option<&'a std::path::Path>,
     /// Called with the shipper's BPF configuration before the shipper opens its rings.
     before: Option<BeforeOpen<'a>>,
+    /// Extra environment of the workload (the ranks).
+    env: &'a [(&'a str, &'a str)],
 }
 
 /// A cgroup v2 path shaped like kubelet's (systemd driver) for one pod and container,
@@ -237,6 +246,7 @@ async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], launch: Launch<
     let plugin = launch.bind_at.map_or_else(|| shim.clone(), |p| p.display().to_string());
     let workload = workload
         .env("NCCL_PROFILER_PLUGIN", &plugin)
+        .envs(launch.env.iter().copied())
         .args(["--ranks", "4", "--hold-ms", "3000", "--tail-ms", "1000"])
         .args(args)
         .output();
@@ -565,4 +575,19 @@ async fn never_ends_is_not_completed(tag: &str, extra: &[&str]) {
         let p = o.world(5, r).expect("peer verdict");
         assert!(p.outcome.starts_with("completed"), "rank {r} finished op 5: {p:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_chained_to_a_second_plugin_still_matches() {
+    if unavailable("kernel_nccl_chained_to_a_second_plugin_still_matches").is_some() {
+        return;
+    }
+    // A site's own plugin chained behind the shim: the shim's frames through the uprobes
+    // are unchanged (what the second plugin receives is checked by check_layout).
+    let env = [("RINGWATCH_PROFILER_CHAIN", CHAIN_TEST)];
+    let o = run_in("chain", &["--ops", "8", "--p2p"], &[], Launch { env: &env, ..Launch::default() }).await;
+    all_completed(&o, 8);
+    let p2p: Vec<_> = o.verdicts.iter().filter(|v| v.op.kind == "p2p").collect();
+    assert!(!p2p.is_empty() && p2p.iter().all(|v| v.outcome == "completed" && v.is_final), "{p2p:?}");
+    no_gpu_degraded_except(&o, None);
 }

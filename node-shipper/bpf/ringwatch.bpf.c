@@ -19,6 +19,8 @@
  * being counted and recorded while the shipper is down.
  *
  * Programs here:
+ *   rw_uprobe_proxy_step  uprobe on the shim's rw_probe_proxy_step: one bulk proxy frame per
+ *                  NCCL proxy step (RDMA clusters), sampled like XDP's packets;
  *   rw_bulk_xdp    XDP: counts every packet and its bytes on its interface (rw_if_counters,
  *                  before sampling), then one 48-byte bulk packet frame per packet
  *                  (sampled). Attached to
@@ -182,6 +184,43 @@ static __always_inline void count_interface(__u32 ifindex, __u64 len)
 	}
 }
 
+/* The bulk producers' common path: 1. sampling (keep 1 in 2^level, deterministically per
+ * CPU), 2. the seq before the reserve, 3. the reserve, unless still shedding after an
+ * overflow (hysteresis: without it a producer faster than the reader fills every slot the
+ * reader frees, one record at a time, and an overflow leaves thousands of one-seq holes
+ * instead of one). NULL when sampled out or dropped, each counted. */
+static __always_inline void *bulk_reserve(struct rw_ring_counters *c, __u32 size, __u32 *level_out, __u64 *seq_out)
+{
+	__u32 zero = 0;
+	struct rw_sampling_control *ctl = bpf_map_lookup_elem(&rw_control, &zero);
+	__u32 level = ctl ? ctl->bulk_level : 0;
+	if (level > RW_MAX_SAMPLING_LEVEL)
+		level = RW_MAX_SAMPLING_LEVEL;
+	__u64 tick = __sync_fetch_and_add(&c->sample_tick, 1);
+	if (tick & ((1ull << level) - 1)) {
+		__sync_fetch_and_add(&c->sampled_out, 1);
+		return NULL;
+	}
+	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
+	if (c->shedding) {
+		if (bpf_ringbuf_query(&rw_bulk_ring, BPF_RB_AVAIL_DATA) >
+		    bpf_ringbuf_query(&rw_bulk_ring, BPF_RB_RING_SIZE) / 2) {
+			__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
+			return NULL;
+		}
+		c->shedding = 0;
+	}
+	void *f = bpf_ringbuf_reserve(&rw_bulk_ring, size, 0);
+	if (!f) {
+		c->shedding = 1;
+		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
+		return NULL;
+	}
+	*level_out = level;
+	*seq_out = seq;
+	return f;
+}
+
 SEC("xdp")
 int rw_bulk_xdp(struct xdp_md *ctx)
 {
@@ -192,36 +231,12 @@ int rw_bulk_xdp(struct xdp_md *ctx)
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
 	count_interface(ctx->ingress_ifindex, (__u64)(data_end - data));
-	__u32 zero = 0;
-	struct rw_sampling_control *ctl = bpf_map_lookup_elem(&rw_control, &zero);
-	__u32 level = ctl ? ctl->bulk_level : 0;
-	if (level > RW_MAX_SAMPLING_LEVEL)
-		level = RW_MAX_SAMPLING_LEVEL;
-	/* 1. sampling: keep 1 in 2^level, deterministically per CPU */
-	__u64 tick = __sync_fetch_and_add(&c->sample_tick, 1);
-	if (tick & ((1ull << level) - 1)) {
-		__sync_fetch_and_add(&c->sampled_out, 1);
+	/* 1-3. sampling, the seq, the reserve */
+	__u32 level;
+	__u64 seq;
+	struct rw_bulk_packet_frame *f = bulk_reserve(c, sizeof(*f), &level, &seq);
+	if (!f)
 		return XDP_PASS;
-	}
-	/* 2. the seq before the reserve */
-	__u64 seq = __sync_fetch_and_add(&c->seq, 1);
-	/* 3. reserve, unless still shedding after an overflow (hysteresis: without it a
-	 * producer faster than the reader fills every slot the reader frees, one record at
-	 * a time, and an overflow leaves thousands of one-seq holes instead of one) */
-	if (c->shedding) {
-		if (bpf_ringbuf_query(&rw_bulk_ring, BPF_RB_AVAIL_DATA) >
-		    bpf_ringbuf_query(&rw_bulk_ring, BPF_RB_RING_SIZE) / 2) {
-			__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
-			return XDP_PASS;
-		}
-		c->shedding = 0;
-	}
-	struct rw_bulk_packet_frame *f = bpf_ringbuf_reserve(&rw_bulk_ring, sizeof(*f), 0);
-	if (!f) {
-		c->shedding = 1;
-		__sync_fetch_and_add(&c->drops[RW_LOSS_CAUSE_KERNEL_RING_FULL - 1], 1);
-		return XDP_PASS;
-	}
 	/* 4. fill and submit */
 	fill_header(&f->hdr, RW_FRAME_KIND_BULK_PACKET, level ? RW_FLAG_SAMPLED : 0, sizeof(*f), RW_CLASS_P2,
 		    RW_RING_BULK, seq);
@@ -242,6 +257,32 @@ int rw_bulk_xdp(struct xdp_md *ctx)
 	f->queue = (__u16)ctx->rx_queue_index;
 	bpf_ringbuf_submit(f, BPF_RB_NO_WAKEUP);
 	return XDP_PASS;
+}
+
+/* RDMA clusters (XDP sees no RDMA data): one bulk proxy frame per NCCL proxy step the
+ * shim reports (comm, step, bytes, rank, peer, channel), sampled and accounted exactly as
+ * XDP's packets, on the same bulk ring and streams. */
+SEC("uprobe")
+int rw_uprobe_proxy_step(struct pt_regs *ctx)
+{
+	const struct rw_bulk_proxy_frame *arg = (const struct rw_bulk_proxy_frame *)PT_REGS_PARM1(ctx);
+	struct rw_ring_counters *c = counters_of(RW_RING_BULK);
+	if (!c)
+		return 0;
+	struct rw_bulk_proxy_frame in;
+	if (bpf_probe_read_user(&in, sizeof(in), arg))
+		return 0;
+	__u32 level;
+	__u64 seq;
+	struct rw_bulk_proxy_frame *f = bulk_reserve(c, sizeof(*f), &level, &seq);
+	if (!f)
+		return 0;
+	__builtin_memcpy(f, &in, sizeof(in));
+	fill_header(&f->hdr, RW_FRAME_KIND_BULK_PROXY, level ? RW_FLAG_SAMPLED : 0, sizeof(*f), RW_CLASS_P2,
+		    RW_RING_BULK, seq);
+	f->weight = (__u16)(1u << level);
+	bpf_ringbuf_submit(f, BPF_RB_NO_WAKEUP);
+	return 0;
 }
 
 SEC("xdp")

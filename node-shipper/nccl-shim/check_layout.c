@@ -67,6 +67,15 @@ __attribute__((visibility("default"))) void rw_probe_p2p(const struct rw_p2p_fra
 		g_p2p[g_np2p++] = *f;
 }
 
+static struct rw_bulk_proxy_frame g_proxy[4];
+static int g_nproxy;
+
+__attribute__((visibility("default"))) void rw_probe_proxy_step(const struct rw_bulk_proxy_frame *f)
+{
+	if (g_nproxy < 4)
+		g_proxy[g_nproxy++] = *f;
+}
+
 __attribute__((visibility("default"))) void rw_probe_comm_init(const struct rw_progress_entry *e)
 {
 	(void)e;
@@ -112,6 +121,8 @@ static struct chain_counts chain_counts(void)
 /* NCCL's documented event types, state and offsets (LP64). */
 #define TYPE_COLL 2
 #define TYPE_P2P 4
+#define TYPE_PROXY_OP 8
+#define TYPE_PROXY_STEP 16
 #define TYPE_KERNEL_CH 64
 #define TYPE_CE_COLL (1 << 12)
 #define TYPE_CE_SYNC (1 << 13)
@@ -379,6 +390,69 @@ static void check_copy_engine(void *lib)
 		CHECK(chain_counts().ce_seen == 0, "ncclProfiler_v6 chained to a v5 plugin: no copy-engine event reaches it");
 }
 
+/* RINGWATCH_PROXY_STEPS=1 (RDMA bulk telemetry): a proxy op written at the proxyOp offsets
+ * (pid 24, channelId 28, peer 32, nSteps 36, chunkSize 40, isSend 44), parent the
+ * collective; a step (proxyStep.step 24) under it; its states' transSize at 0 of the
+ * state args: at the step's stop, one bulk proxy frame with the comm, rank, peer, channel,
+ * step and the largest transSize. */
+static void check_proxy_steps(void *lib, int v)
+{
+	char sym[32];
+	snprintf(sym, sizeof(sym), "ncclProfiler_v%d", v);
+	void **p = dlsym(lib, sym);
+	if (!p)
+		return;
+	setenv("RINGWATCH_PROXY_STEPS", "1", 1);
+	g_ncoll = g_nproxy = 0;
+	void *ctx = NULL;
+	int mask = 0;
+	uint64_t comm = 0x1234567800000070ull + (uint64_t)v;
+	int rc = v >= 5 ? ((init_v5_fn)p[1])(&ctx, comm, &mask, "layout-proxy", 1, 8, 3, NULL)
+			: ((init_v4_fn)p[1])(&ctx, &mask, "layout-proxy", comm, 1, 8, 3, NULL);
+	unsetenv("RINGWATCH_PROXY_STEPS");
+	CHECK(rc == 0 && (mask & TYPE_PROXY_OP) && (mask & TYPE_PROXY_STEP),
+	      "%s with RINGWATCH_PROXY_STEPS=1 asks for proxy ops and steps (mask %#x)", sym, mask);
+	unsigned char d[128];
+	descr_type(d, sizeof(d), v, TYPE_COLL);
+	putp(d, 32, "AllReduce");
+	d[80] = 1;
+	void *coll = NULL;
+	((start_fn)p[2])(ctx, &coll, d);
+	descr_type(d, sizeof(d), v, TYPE_PROXY_OP);
+	putp(d, 8, coll);
+	put32(d, 24, 4242);
+	d[28] = 5;
+	put32(d, 32, 2);
+	put32(d, 36, 1);
+	put32(d, 40, 65536);
+	put32(d, 44, 1);
+	void *op = NULL;
+	((start_fn)p[2])(ctx, &op, d);
+	descr_type(d, sizeof(d), v, TYPE_PROXY_STEP);
+	putp(d, 8, op);
+	put32(d, 24, 7);
+	void *step = NULL;
+	((start_fn)p[2])(ctx, &step, d);
+	unsigned char args[16];
+	put64(args, 0, 4096);
+	((record_fn)p[4])(step, 9, args);
+	put64(args, 0, 65536);
+	((record_fn)p[4])(step, 10, args);
+	CHECK(g_nproxy == 0, "%s: no bulk frame before the step stops", sym);
+	((stop_fn)p[3])(step);
+	((stop_fn)p[3])(op);
+	((stop_fn)p[3])(coll);
+	CHECK(g_nproxy == 1, "%s: one bulk proxy frame per step (%d)", sym, g_nproxy);
+	if (g_nproxy >= 1) {
+		const struct rw_bulk_proxy_frame *f = &g_proxy[0];
+		CHECK(f->hdr.kind == RW_FRAME_KIND_BULK_PROXY && f->hdr.length == sizeof(*f) && f->comm_hash == comm &&
+			      f->rank == 3 && f->peer == 2 && f->channel == 5 && f->step == 7 && f->bytes == 65536,
+		      "%s: the step's frame: comm, rank %u, peer %u, channel %u, step %llu, bytes %llu", sym, f->rank,
+		      f->peer, f->channel, (unsigned long long)f->step, (unsigned long long)f->bytes);
+	}
+	CHECK(((finalize_fn)p[5])(ctx) == 0, "%s finalize (proxy steps)", sym);
+}
+
 int main(int argc, char **argv)
 {
 	const char *chain = NULL;
@@ -430,6 +504,8 @@ int main(int argc, char **argv)
 	check_version(lib, 4);
 	if (g_have_cuda)
 		check_copy_engine(lib);
+	for (int v = 6; v >= 4; v--)
+		check_proxy_steps(lib, v);
 	printf("%s\n", g_failed ? "LAYOUT CHECK FAILED" : "all layout checks hold");
 	return g_failed ? 1 : 0;
 }

@@ -79,6 +79,8 @@
 
 RW_PROBE(rw_probe_collective, struct rw_collective_frame)
 RW_PROBE(rw_probe_p2p, struct rw_p2p_frame)
+/* One NCCL proxy step (RDMA clusters: bulk telemetry where XDP sees no data traffic). */
+RW_PROBE(rw_probe_proxy_step, struct rw_bulk_proxy_frame)
 /* A communicator's PROGRESS entry at init (the uprobe creates it in the map). */
 RW_PROBE(rw_probe_comm_init, struct rw_progress_entry)
 
@@ -213,7 +215,7 @@ struct comm {
 	uint64_t *p2p_send, *p2p_recv; /* per peer */
 };
 
-enum ev_kind { EV_GROUP = 1, EV_COLL, EV_P2P, EV_KERNEL_CH, EV_OTHER };
+enum ev_kind { EV_GROUP = 1, EV_COLL, EV_P2P, EV_KERNEL_CH, EV_OTHER, EV_PROXY_OP, EV_PROXY_STEP };
 
 struct event {
 	enum ev_kind kind;
@@ -228,6 +230,7 @@ struct event {
 	union {
 		struct rw_collective_frame coll;
 		struct rw_p2p_frame p2p;
+		struct rw_bulk_proxy_frame proxy; /* a proxy op's identity; a step's frame */
 	};
 	uint16_t n_channels;
 	_Atomic uint16_t ch_started, ch_ended;
@@ -238,12 +241,21 @@ static struct event g_other_event = { .kind = EV_OTHER };
 
 static _Atomic long g_live_ops;
 
+/* Proxy ops and steps alive (RINGWATCH_PROXY_STEPS): past RW_MAX_LIVE_PROXY a new one is
+ * not tracked (its steps give no frames; counted in rw_shim_untracked_proxy). */
+#define RW_MAX_LIVE_PROXY 65536
+static _Atomic long g_live_proxy;
+RW_EXPORT _Atomic unsigned long rw_shim_untracked_proxy;
+
 static void release(struct event *e)
 {
-	if (e && (e->kind == EV_COLL || e->kind == EV_P2P || e->kind == EV_KERNEL_CH) &&
+	if (e && (e->kind == EV_COLL || e->kind == EV_P2P || e->kind == EV_KERNEL_CH || e->kind == EV_PROXY_OP ||
+		  e->kind == EV_PROXY_STEP) &&
 	    atomic_fetch_sub(&e->refs, 1) == 1) {
-		if (e->kind != EV_KERNEL_CH)
+		if (e->kind == EV_COLL || e->kind == EV_P2P)
 			atomic_fetch_sub(&g_live_ops, 1);
+		else if (e->kind == EV_PROXY_OP || e->kind == EV_PROXY_STEP)
+			atomic_fetch_sub(&g_live_proxy, 1);
 		free(e);
 	}
 }
@@ -312,6 +324,13 @@ static void emit(struct event *op, uint8_t phase, uint64_t ts)
 static int ce_available(void);
 RW_EXPORT _Atomic unsigned long rw_shim_ce_unavailable;
 
+/* RINGWATCH_PROXY_STEPS=1: ask NCCL for proxy ops and steps, one bulk frame per step. */
+static int proxy_steps_wanted(void)
+{
+	const char *v = getenv("RINGWATCH_PROXY_STEPS");
+	return v && strcmp(v, "1") == 0;
+}
+
 static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_t hash, int n_nodes, int nranks,
 			    int rank, int version)
 {
@@ -338,6 +357,8 @@ static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_
 	 * v6, copy-engine collectives too (their completion source: CUDA events on their
 	 * stream), when the driver's event API is there. */
 	*mask = ncclProfileColl | ncclProfileP2p | ncclProfileKernelCh;
+	if (proxy_steps_wanted())
+		*mask |= ncclProfileProxyOp | ncclProfileProxyStep;
 	if (version >= 6) {
 		if (ce_available())
 			*mask |= ncclProfileCeColl;
@@ -594,8 +615,21 @@ struct start {
 	uint8_t n_channels;
 	int peer;
 	uint64_t ptimer; /* kernel channel: its GPU timer at start */
+	uint8_t channel; /* proxy op */
+	int step;        /* proxy step */
 	void *stream;    /* copy-engine collective: its stream */
 };
+
+/* A frame's header fields the shim sets (the kernel sets the rest) and its communicator. */
+#define RW_FRAME_IDENT(f, kind_, c)                                                                \
+	do {                                                                                       \
+		(f)->hdr.version = RW_WIRE_VERSION;                                                \
+		(f)->hdr.kind = (kind_);                                                           \
+		(f)->hdr.length = sizeof(*(f));                                                    \
+		(f)->comm_hash = (c)->hash;                                                        \
+		(f)->comm_disambiguator = (c)->disambiguator;                                      \
+		(f)->comm_instance = (c)->instance;                                                \
+	} while (0)
 
 static ncclResult_t rw_start(void *context, void **handle, const struct start *s)
 {
@@ -612,12 +646,7 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 			return RW_NCCL_SUCCESS;
 		e->ce = s->type == ncclProfileCeColl;
 		struct rw_collective_frame *f = &e->coll;
-		f->hdr.version = RW_WIRE_VERSION;
-		f->hdr.kind = RW_FRAME_KIND_COLLECTIVE;
-		f->hdr.length = sizeof(*f);
-		f->comm_hash = c->hash;
-		f->comm_disambiguator = c->disambiguator;
-		f->comm_instance = c->instance;
+		RW_FRAME_IDENT(f, RW_FRAME_KIND_COLLECTIVE, c);
 		pthread_mutex_lock(&c->lock);
 		f->comm_op_seq = ++c->comm_op_seq;
 		pthread_mutex_unlock(&c->lock);
@@ -645,12 +674,7 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 		if (!e)
 			return RW_NCCL_SUCCESS;
 		struct rw_p2p_frame *f = &e->p2p;
-		f->hdr.version = RW_WIRE_VERSION;
-		f->hdr.kind = RW_FRAME_KIND_P2P;
-		f->hdr.length = sizeof(*f);
-		f->comm_hash = c->hash;
-		f->comm_disambiguator = c->disambiguator;
-		f->comm_instance = c->instance;
+		RW_FRAME_IDENT(f, RW_FRAME_KIND_P2P, c);
 		f->op = op_code(s->func);
 		int peer = (s->peer >= 0 && s->peer < c->nranks) ? s->peer : 0;
 		pthread_mutex_lock(&c->lock);
@@ -684,6 +708,35 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 		if (atomic_fetch_add(&op->ch_started, 1) == 0)
 			emit(op, RW_PHASE_KERNEL_START, gpu_to_mono(s->ptimer));
 		*handle = ch;
+	} else if (s->type == ncclProfileProxyOp || s->type == ncclProfileProxyStep) {
+		struct event *op = s->parent;
+		if (s->type == ncclProfileProxyStep && (!op || op->kind != EV_PROXY_OP))
+			return RW_NCCL_SUCCESS; /* no proxy op to name its peer and channel */
+		if (atomic_load(&g_live_proxy) >= RW_MAX_LIVE_PROXY) {
+			atomic_fetch_add(&rw_shim_untracked_proxy, 1);
+			return RW_NCCL_SUCCESS;
+		}
+		struct event *e = calloc(1, sizeof(*e));
+		if (!e)
+			return RW_NCCL_SUCCESS;
+		atomic_fetch_add(&g_live_proxy, 1);
+		e->comm = c;
+		atomic_store(&e->refs, 1);
+		if (s->type == ncclProfileProxyOp) {
+			e->kind = EV_PROXY_OP;
+			struct rw_bulk_proxy_frame *f = &e->proxy;
+			RW_FRAME_IDENT(f, RW_FRAME_KIND_BULK_PROXY, c);
+			f->rank = (uint32_t)c->rank;
+			f->peer = s->peer < 0 ? UINT32_MAX : (uint32_t)s->peer;
+			f->channel = s->channel;
+			f->weight = 1;
+		} else {
+			/* The step carries a copy of its op's identity: nothing points back. */
+			e->kind = EV_PROXY_STEP;
+			e->proxy = op->proxy;
+			e->proxy.step = s->step < 0 ? 0 : (uint64_t)s->step;
+		}
+		*handle = e;
 	}
 	return RW_NCCL_SUCCESS;
 }
@@ -708,6 +761,11 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 			(s).n_channels = (d)->p2p.nChannels;                                       \
 		} else if ((d)->type == ncclProfileKernelCh) {                                     \
 			(s).ptimer = (d)->kernelCh.pTimer;                                         \
+		} else if ((d)->type == ncclProfileProxyOp) {                                      \
+			(s).peer = (d)->proxyOp.peer;                                              \
+			(s).channel = (d)->proxyOp.channelId;                                      \
+		} else if ((d)->type == ncclProfileProxyStep) {                                    \
+			(s).step = (d)->proxyStep.step;                                            \
 		}                                                                                  \
 	} while (0)
 
@@ -773,15 +831,27 @@ static ncclResult_t rw_stop(void *handle)
 	} else if (e->kind == EV_KERNEL_CH) {
 		channel_ended(e, 0);
 		release(e);
+	} else if (e->kind == EV_PROXY_STEP) {
+		/* The step is over: its frame, with the bytes its states reported. */
+		struct rw_bulk_proxy_frame f = e->proxy;
+		f.hdr.ts_ns = clock_ns(CLOCK_MONOTONIC);
+		rw_probe_proxy_step(&f);
+		release(e);
+	} else if (e->kind == EV_PROXY_OP) {
+		release(e);
 	}
 	return RW_NCCL_SUCCESS;
 }
 
-static ncclResult_t rw_record(void *handle, ncclProfilerEventState_t state, uint64_t ptimer)
+/* `value`: the state args' first 8 bytes — a kernel channel's GPU timer, a proxy step's
+ * transSize (the bytes moved so far). */
+static ncclResult_t rw_record(void *handle, ncclProfilerEventState_t state, uint64_t value)
 {
-	struct event *ch = handle;
-	if (ch && ch->kind == EV_KERNEL_CH && state == RW_NCCL_KERNEL_CH_STOP)
-		channel_ended(ch, ptimer);
+	struct event *e = handle;
+	if (e && e->kind == EV_KERNEL_CH && state == RW_NCCL_KERNEL_CH_STOP)
+		channel_ended(e, value);
+	else if (e && e->kind == EV_PROXY_STEP && value > e->proxy.bytes)
+		e->proxy.bytes = value;
 	return RW_NCCL_SUCCESS;
 }
 

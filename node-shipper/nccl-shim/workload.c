@@ -18,6 +18,10 @@
  * order, as the GPU would: the op's start when its copies begin, its stop once every rank
  * is in (the final barrier). A fault leaves the stream where it stands.
  *
+ * With --proxy-steps N (and RINGWATCH_PROXY_STEPS=1 set for the shim), each all-reduce also
+ * has a proxy op (a send to rank+1 on channel 0) with N steps, each recording its bytes,
+ * as NCCL's proxy thread reports network transfers: the shim's RDMA bulk frames.
+ *
  * A collective's kernels end only when every rank's kernel started (as on a GPU: an
  * all-reduce needs everyone); a rank that waits longer than --hold-ms stays inside its
  * kernel (never ends it), keeps enqueuing a few more ops (the host runs ahead), then idles.
@@ -64,6 +68,7 @@ struct shared {
 
 static int g_ranks = 4, g_ops = 20, g_p2p = 0, g_period_ms = 20, g_hold_ms = 3000, g_tail_ms = 1500, g_version = 0;
 static const char *g_ce_cuda; /* --ce: the stand-in CUDA driver */
+static int g_proxy_steps;     /* --proxy-steps: steps per all-reduce's proxy op */
 static struct rw_fake_stream g_stream; /* this rank's stream (after fork: one per rank) */
 static struct fault g_faults[MAX_FAULTS];
 static int g_nfaults;
@@ -193,6 +198,69 @@ static void channel_stop(void *h)
 	stop(h);
 }
 
+/* A proxy op or step descriptor of any version (the arms share their names). */
+#define FILL_PROXY(d, type_, rank_, parent_, peer_, step_)                                         \
+	do {                                                                                       \
+		memset(&(d), 0, sizeof(d));                                                        \
+		(d).type = (type_);                                                                \
+		(d).parentObj = (parent_);                                                         \
+		(d).rank = (rank_);                                                                \
+		if ((type_) == ncclProfileProxyOp) {                                               \
+			(d).proxyOp.pid = getpid();                                                \
+			(d).proxyOp.channelId = 0;                                                 \
+			(d).proxyOp.peer = (peer_);                                                \
+			(d).proxyOp.nSteps = g_proxy_steps;                                        \
+			(d).proxyOp.chunkSize = 1 << 19;                                           \
+			(d).proxyOp.isSend = 1;                                                    \
+		} else {                                                                           \
+			(d).proxyStep.step = (step_);                                              \
+		}                                                                                  \
+	} while (0)
+
+static void *proxy_start(void *ctx, uint64_t type, int rank, void *parent, int peer, int step)
+{
+	void *h = NULL;
+	if (g_v6) {
+		ncclProfilerEventDescr_v6_t d;
+		FILL_PROXY(d, type, rank, parent, peer, step);
+		g_v6->startEvent(ctx, &h, &d);
+	} else if (g_v5) {
+		ncclProfilerEventDescr_v5_t d;
+		FILL_PROXY(d, type, rank, parent, peer, step);
+		g_v5->startEvent(ctx, &h, &d);
+	} else {
+		ncclProfilerEventDescr_v4_t d;
+		FILL_PROXY(d, (uint8_t)type, rank, parent, peer, step);
+		g_v4->startEvent(ctx, &h, &d);
+	}
+	return h;
+}
+
+/* A step's state with the bytes moved (ncclProfilerProxyStepSendWait = 10). */
+static void proxy_step_bytes(void *h, size_t bytes)
+{
+	ncclProfilerEventStateArgs_v5_t a = { .proxyStep = { bytes } };
+	if (g_v6)
+		g_v6->recordEventState(h, 10, &a);
+	else if (g_v5)
+		g_v5->recordEventState(h, 10, &a);
+	else
+		g_v4->recordEventState(h, 10, (ncclProfilerEventStateArgs_v4_t *)&a);
+}
+
+/* The all-reduce's network part as NCCL's proxy thread reports it: a send to rank+1. */
+static void proxy_op(void *ctx, int rank, void *coll)
+{
+	void *op = proxy_start(ctx, ncclProfileProxyOp, rank, coll, (rank + 1) % g_ranks, 0);
+	for (int st = 0; st < g_proxy_steps; st++) {
+		void *h = proxy_start(ctx, ncclProfileProxyStep, rank, op, 0, st);
+		proxy_step_bytes(h, (size_t)1 << 18);
+		proxy_step_bytes(h, (size_t)1 << 19);
+		stop(h);
+	}
+	stop(op);
+}
+
 /* A P2P op with one channel that runs to the end. */
 static void p2p(void *ctx, int rank, const char *func, int peer)
 {
@@ -256,6 +324,8 @@ static void run_rank(int rank, const char *plugin)
 	char uuid[64];
 	snprintf(uuid, sizeof(uuid), "52570000-0000-0000-0000-0000000000%02x", rank);
 	setenv("RINGWATCH_GPU_UUID", uuid, 1);
+	if (g_proxy_steps)
+		setenv("RINGWATCH_PROXY_STEPS", "1", 1);
 	if (g_ce_cuda && !dlopen(g_ce_cuda, RTLD_NOW | RTLD_GLOBAL)) {
 		fprintf(stderr, "rank %d: dlopen %s: %s\n", rank, g_ce_cuda, dlerror());
 		exit(2);
@@ -331,6 +401,8 @@ static void run_rank(int rank, const char *plugin)
 		for (int c = 0; c < N_CHANNELS; c++)
 			ch[c] = start(world, ncclProfileKernelCh, rank, op, NULL, 0, c, 0);
 		atomic_fetch_add(&g_shared->started[k], 1);
+		if (g_proxy_steps)
+			proxy_op(world, rank, op);
 		/* An all-reduce finishes only when every rank's kernel is in. */
 		uint64_t give_up = now_ns(CLOCK_MONOTONIC) + (uint64_t)g_hold_ms * 1000000ull;
 		while (atomic_load(&g_shared->started[k]) < g_ranks && now_ns(CLOCK_MONOTONIC) < give_up)
@@ -394,6 +466,8 @@ int main(int argc, char **argv)
 			g_version = atoi(v);
 		else if (strcmp(a, "--ce") == 0)
 			g_ce_cuda = v;
+		else if (strcmp(a, "--proxy-steps") == 0)
+			g_proxy_steps = atoi(v);
 		else if (strcmp(a, "--ops") == 0)
 			g_ops = atoi(v);
 		else if (strcmp(a, "--period-ms") == 0)
@@ -408,7 +482,8 @@ int main(int argc, char **argv)
 		} else
 			goto usage;
 	}
-	if (g_ranks < 1 || g_ranks > 64 || g_ops < 1 || g_ops > MAX_OPS || (g_version && (g_version < 4 || g_version > 6)))
+	if (g_ranks < 1 || g_ranks > 64 || g_ops < 1 || g_ops > MAX_OPS || (g_version && (g_version < 4 || g_version > 6)) ||
+	    g_proxy_steps < 0 || g_proxy_steps > 64)
 		goto usage;
 	const char *plugin = getenv("NCCL_PROFILER_PLUGIN");
 	if (!plugin || !*plugin) {
@@ -439,6 +514,6 @@ int main(int argc, char **argv)
 usage:
 	fprintf(stderr,
 		"usage: rw-nccl-workload [--ranks N] [--ops K] [--p2p] [--period-ms P] [--hold-ms H] [--tail-ms T]\n"
-		"                        [--version 4|5|6] [--ce CUDA_LIB] [--fault nostart|notjoin|exit|chnoend:RANK:OP]...\n");
+		"                        [--version 4|5|6] [--ce CUDA_LIB] [--proxy-steps N] [--fault nostart|notjoin|exit|chnoend:RANK:OP]...\n");
 	return 2;
 }

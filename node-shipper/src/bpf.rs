@@ -73,11 +73,14 @@ const PINNED_MAPS: [&str; 10] =
 const BULK_PROG: &str = "rw_bulk_xdp";
 const P0_TEST_PROG: &str = "rw_p0_test_xdp";
 /// uprobe program → the shim's probe function it attaches to.
-const NCCL_PROBES: [(&str, &str); 3] = [
+const NCCL_PROBES: [(&str, &str); 4] = [
     ("rw_uprobe_comm_init", "rw_probe_comm_init"),
     ("rw_uprobe_collective", "rw_probe_collective"),
     ("rw_uprobe_p2p", "rw_probe_p2p"),
+    ("rw_uprobe_proxy_step", "rw_probe_proxy_step"),
 ];
+/// Probe functions a shim built before them lacks: such a shim is probed without them.
+const NCCL_OPTIONAL_PROBES: [&str; 1] = ["rw_probe_proxy_step"];
 const EXIT_PROG: &str = "rw_on_exit";
 /// PROGRESS entries one heartbeat carries at most (the most recently updated first): a
 /// heartbeat must fit one batch.
@@ -959,9 +962,19 @@ fn attach_nccl(ebpf: &mut Ebpf, pin_dir: &Path, shim: &Path) -> Result<(), LoadE
             .program_mut(prog_name)
             .and_then(|p| p.try_into().ok())
             .ok_or_else(|| LoadError::Kernel { what: prog_name.into(), detail: "missing".into() })?;
-        let id = prog.attach(symbol, shim, aya::programs::uprobe::UProbeScope::AllProcesses).map_err(|e| {
-            LoadError::Kernel { what: format!("uprobe on {symbol} in {}", shim.display()), detail: chain(&e) }
-        })?;
+        let id = match prog.attach(symbol, shim, aya::programs::uprobe::UProbeScope::AllProcesses) {
+            Ok(id) => id,
+            Err(e) if NCCL_OPTIONAL_PROBES.contains(&symbol) => {
+                tracing::warn!(shim = %shim.display(), symbol, error = %chain(&e), "the shim has no such probe (built before it?): not probed");
+                continue;
+            }
+            Err(e) => {
+                return Err(LoadError::Kernel {
+                    what: format!("uprobe on {symbol} in {}", shim.display()),
+                    detail: chain(&e),
+                });
+            }
+        };
         let link = prog
             .take_link(id)
             .map_err(|e| LoadError::Kernel { what: format!("the uprobe link on {symbol}"), detail: chain(&e) })?;

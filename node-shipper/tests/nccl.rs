@@ -74,6 +74,9 @@ struct Outcome {
     /// Kernel counters of the P0 ring: attempted, ring-full drops.
     p0_attempted: u64,
     p0_dropped: u64,
+    /// Kernel counters of the bulk ring: attempted (took a seq), sampled out.
+    bulk_attempted: u64,
+    bulk_sampled_out: u64,
     workload_stdout: String,
 }
 
@@ -115,6 +118,7 @@ impl Outcome {
             println!("{}: health {}, gpus {:?}", n.name, n.health, n.gpus);
         }
         println!("P0 ring: attempted {}, dropped {}", self.p0_attempted, self.p0_dropped);
+        println!("bulk ring: attempted {}, sampled out {}", self.bulk_attempted, self.bulk_sampled_out);
         for v in self.verdicts.iter().filter(|v| v.gpu_uuid.chars().all(|c| c == '0')).take(3) {
             println!("no GPU known: {v:?}");
         }
@@ -271,9 +275,21 @@ async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], launch: Launch<
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    let nodes: NodesDto = aggregator::api::client::get_json(agg.http_addr, "/v1/nodes").await.expect("nodes");
     let counters = producer.counters().expect("counters");
     let p0: Vec<_> = counters.iter().filter(|(id, _)| id.ring() == proto_flat::kernel::RING_P0).collect();
+    let bulk: Vec<_> = counters.iter().filter(|(id, _)| id.ring() == proto_flat::kernel::RING_BULK).collect();
+    let bulk_attempted: u64 = bulk.iter().map(|(_, c)| c.seq.get()).sum();
+    // Bulk frames (proxy steps) travel apart from the verdicts' P0 frames: wait until the
+    // aggregator received or lost every one the kernel counted (bounded, printed).
+    let by = Instant::now() + Duration::from_secs(20);
+    let nodes = loop {
+        let nodes: NodesDto = aggregator::api::client::get_json(agg.http_addr, "/v1/nodes").await.expect("nodes");
+        let seen: u64 = nodes.nodes.iter().filter_map(|n| n.bulk.as_ref()).map(|b| b.received + b.lost).sum();
+        if seen >= bulk_attempted || Instant::now() > by {
+            break nodes;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
     let _ = stop_tx.send(());
     let _ = shipper.await;
     agg.shutdown();
@@ -284,6 +300,8 @@ async fn run_in(tag: &str, args: &[&str], ring: &[(&str, &str)], launch: Launch<
         nodes,
         p0_attempted: p0.iter().map(|(_, c)| c.seq.get()).sum(),
         p0_dropped: p0.iter().map(|(_, c)| c.drops[0].get()).sum(),
+        bulk_attempted,
+        bulk_sampled_out: bulk.iter().map(|(_, c)| c.sampled_out.get()).sum(),
         workload_stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
     };
     o.print();
@@ -590,4 +608,36 @@ async fn kernel_nccl_chained_to_a_second_plugin_still_matches() {
     let p2p: Vec<_> = o.verdicts.iter().filter(|v| v.op.kind == "p2p").collect();
     assert!(!p2p.is_empty() && p2p.iter().all(|v| v.outcome == "completed" && v.is_final), "{p2p:?}");
     no_gpu_degraded_except(&o, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nccl_proxy_steps_are_bulk_frames_for_rdma_clusters() {
+    if unavailable("kernel_nccl_proxy_steps_are_bulk_frames_for_rdma_clusters").is_some() {
+        return;
+    }
+    // RINGWATCH_PROXY_STEPS=1 (the workload sets it with --proxy-steps): each all-reduce's
+    // proxy op (a send to rank+1) reports 4 steps; each step is one bulk proxy frame
+    // through the uprobe into the bulk ring, accounted like XDP's packets.
+    // Unsampled, then at bulk sampling level 2 (1 in 4 kept, per CPU, as XDP's packets).
+    for level in ["0", "2"] {
+        let ring = [("bulk_sampling_level", level), ("bulk_sampling_max_level", level)];
+        let o = run(&format!("proxy-{level}"), &["--ops", "6", "--proxy-steps", "4"], &ring).await;
+        all_completed(&o, 6);
+        let steps = 6 * 4 * 4;
+        assert_eq!(o.bulk_attempted + o.bulk_sampled_out, steps, "the kernel counted every step, kept or sampled out");
+        if level == "0" {
+            assert_eq!(o.bulk_sampled_out, 0);
+        } else {
+            assert!(o.bulk_sampled_out >= steps / 2, "most steps sampled out at level 2: {}", o.bulk_sampled_out);
+        }
+        let bulk: Vec<_> = o.nodes.nodes.iter().filter_map(|n| n.bulk.as_ref()).collect();
+        let received: u64 = bulk.iter().map(|b| b.received).sum();
+        let lost: u64 = bulk.iter().map(|b| b.lost).sum();
+        println!(
+            "level {level}: bulk at the aggregator: received {received}, lost {lost} of {} kept steps",
+            o.bulk_attempted
+        );
+        assert_eq!((received, lost), (o.bulk_attempted, 0), "every kept step's frame received, nothing lost here");
+        no_gpu_degraded_except(&o, None);
+    }
 }

@@ -469,8 +469,18 @@ static struct {
  * their completion cannot: the op is left without kernel phases, as an untracked op). */
 RW_EXPORT _Atomic unsigned long rw_shim_ce_untracked;
 
+/* A forked child has no poller thread and must not wait on its parent's ops. */
+static void ce_atfork_child(void)
+{
+	pthread_mutex_init(&g_ce.lock, NULL);
+	pthread_cond_init(&g_ce.wake, NULL);
+	g_ce.head = g_ce.tail = NULL;
+	g_ce.thread_started = 0;
+}
+
 static void ce_resolve(void)
 {
+	pthread_atfork(NULL, NULL, ce_atfork_child);
 	void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
 	if (!cuda)
 		return;

@@ -8,7 +8,9 @@
 //! - `iterate_seq`: decode every frame (typed view of its body) and read its seq;
 //! - `validate`: framing, lanes and the summary against the frames (scratch reused);
 //! - `full`: envelope + validate + scan_seq, as the aggregator's bulk ingest does per
-//!   batch.
+//!   batch;
+//! - `build`: the shipper's side, `BatchWriter::begin` + `push_frame` per frame (16 CPUs'
+//!   streams interleaved frame by frame) + `finish` (summary, totals, CRC32C).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use proto_flat::batch::{BatchMeta, BatchView, BatchWriter, RunningTotals, SummaryCheck};
@@ -75,6 +77,28 @@ fn bench(c: &mut Criterion) {
                 sum = sum.wrapping_add(h.expect("valid").0.seq.get());
             }
             black_box(sum)
+        });
+    });
+    let built: Vec<Vec<u8>> = (0..frames)
+        .map(|i| {
+            let cpu = u16::try_from(i % 16).unwrap_or(0);
+            sample::bulk_packet(StreamId::new(Class::P2, 1, cpu), i / 16, 1_000 + i * 120).as_bytes().to_vec()
+        })
+        .collect();
+    let mut w = BatchWriter::with_capacity(70 * 1024);
+    g.bench_function("build", |b| {
+        b.iter(|| {
+            w.begin(&BatchMeta {
+                node_id: 3,
+                epoch: 1,
+                shipper_session: 1,
+                lane: Class::P2.code(),
+                ..Default::default()
+            });
+            for f in &built {
+                w.push_frame(black_box(f)).expect("frame fits");
+            }
+            black_box(w.finish(&RunningTotals::default()).len())
         });
     });
     g.finish();

@@ -35,7 +35,9 @@ fn build_nccl_shim(manifest: &std::path::Path, out: &std::path::Path) {
     let workload = out.join("rw-nccl-workload");
     let shim_ok = Command::new(&cc)
         .args(common)
-        .args(["-fPIC", "-shared", "-fvisibility=hidden", "-I"])
+        // -z nodelete: NCCL dlcloses the plugin after the last communicator; the shim's
+        // copy-engine poller thread must never find its code unmapped.
+        .args(["-fPIC", "-shared", "-fvisibility=hidden", "-Wl,-z,nodelete", "-I"])
         .arg(&dir)
         .arg("-I")
         .arg(&include)

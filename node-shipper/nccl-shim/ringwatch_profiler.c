@@ -213,6 +213,7 @@ struct comm {
 	uint8_t uuid[16];
 	uint64_t comm_op_seq;
 	uint64_t *p2p_send, *p2p_recv; /* per peer */
+	uint64_t mask; /* the event types the shim itself asked for (a chained plugin may ask for more) */
 };
 
 enum ev_kind { EV_GROUP = 1, EV_COLL, EV_P2P, EV_KERNEL_CH, EV_OTHER, EV_PROXY_OP, EV_PROXY_STEP };
@@ -374,6 +375,7 @@ static ncclResult_t rw_init(void **context, int *mask, const char *name, uint64_
 	p.rank = (uint32_t)rank;
 	p.pid = c->pid;
 	memcpy(p.gpu_uuid, c->uuid, 16);
+	c->mask = (uint64_t)(uint32_t)*mask;
 	p.activation_mask = (uint32_t)*mask;
 	p.proc_state = RW_PROC_STATE_RUNNING;
 	p.last_update_ns = clock_ns(CLOCK_MONOTONIC);
@@ -426,12 +428,20 @@ static struct event *new_op(struct comm *c, enum ev_kind kind)
 static void expect_channels(struct event *e, uint16_t n)
 {
 	e->n_channels = n;
-	if (atomic_load(&g_live_ops) > RW_MAX_LIVE_OPS) {
-		atomic_fetch_add(&rw_shim_untracked_ops, 1);
-		e->n_channels = 0;
-		return;
-	}
 	atomic_fetch_add(&e->refs, n);
+}
+
+/* An op past RW_MAX_LIVE_OPS: its enqueue_start went out (its comm_op_seq is taken, as on
+ * every rank), then it is freed and NCCL gets this shared handle, so no later event —
+ * its stop, its channels — can reach freed memory; it gets no further frames. */
+static struct event g_untracked_event = { .kind = EV_OTHER };
+
+static int over_op_cap(void)
+{
+	if (atomic_load(&g_live_ops) <= RW_MAX_LIVE_OPS)
+		return 0;
+	atomic_fetch_add(&rw_shim_untracked_ops, 1);
+	return 1;
 }
 
 /* ---- copy-engine collectives: CUDA events on the collective's stream ---- */
@@ -514,42 +524,75 @@ static void ce_destroy_events(struct event *e)
 	e->ce_start = e->ce_stop = NULL;
 }
 
+/* One pending op's events, queried: 1 when it is done with (completed, or a query failed
+ * for good: CUDA_ERROR_NOT_READY is the only "not yet"). */
+static int ce_poll_one(struct event *e, void **current)
+{
+	if (e->ce_ctx != *current && g_ce.ctx_set(e->ce_ctx) == RW_CU_SUCCESS)
+		*current = e->ce_ctx;
+	if (!e->ce_started) {
+		int q = g_ce.query(e->ce_start);
+		if (q == RW_CU_SUCCESS) {
+			e->ce_started = 1;
+			emit(e, RW_PHASE_KERNEL_START, clock_ns(CLOCK_MONOTONIC));
+		} else if (q != RW_CU_NOT_READY) {
+			atomic_fetch_add(&rw_shim_ce_untracked, 1);
+			return 1;
+		}
+	}
+	if (e->ce_started) {
+		int q = g_ce.query(e->ce_stop);
+		if (q == RW_CU_SUCCESS) {
+			emit(e, RW_PHASE_KERNEL_END, clock_ns(CLOCK_MONOTONIC));
+			return 1;
+		}
+		if (q != RW_CU_NOT_READY) {
+			atomic_fetch_add(&rw_shim_ce_untracked, 1);
+			return 1;
+		}
+	}
+	return 0;
+}
+
 static void *ce_poller(void *arg)
 {
 	(void)arg;
 	void *current = NULL;
-	pthread_mutex_lock(&g_ce.lock);
 	for (;;) {
+		/* Take the pending list; new ops append to an empty one meanwhile (the launching
+		 * thread never waits on the queries). */
+		pthread_mutex_lock(&g_ce.lock);
 		while (!g_ce.head)
 			pthread_cond_wait(&g_ce.wake, &g_ce.lock);
+		struct event *list = g_ce.head;
+		g_ce.head = g_ce.tail = NULL;
+		pthread_mutex_unlock(&g_ce.lock);
 		/* Every pending op (ranks' and communicators' streams complete independently). */
-		struct event **at = &g_ce.head;
-		struct event *prev = NULL;
-		while (*at) {
-			struct event *e = *at;
-			if (e->ce_ctx != current && g_ce.ctx_set(e->ce_ctx) == RW_CU_SUCCESS)
-				current = e->ce_ctx;
-			if (!e->ce_started && g_ce.query(e->ce_start) == RW_CU_SUCCESS) {
-				e->ce_started = 1;
-				emit(e, RW_PHASE_KERNEL_START, clock_ns(CLOCK_MONOTONIC));
-			}
-			if (e->ce_started && g_ce.query(e->ce_stop) == RW_CU_SUCCESS) {
-				emit(e, RW_PHASE_KERNEL_END, clock_ns(CLOCK_MONOTONIC));
-				*at = e->ce_next;
-				if (g_ce.tail == e)
-					g_ce.tail = prev;
+		struct event *keep = NULL, *keep_tail = NULL;
+		while (list) {
+			struct event *e = list;
+			list = e->ce_next;
+			e->ce_next = NULL;
+			if (ce_poll_one(e, &current)) {
 				ce_destroy_events(e);
 				release(e);
-				continue;
+			} else if (keep_tail) {
+				keep_tail->ce_next = e;
+				keep_tail = e;
+			} else {
+				keep = keep_tail = e;
 			}
-			prev = e;
-			at = &e->ce_next;
 		}
-		if (g_ce.head) {
-			pthread_mutex_unlock(&g_ce.lock);
-			usleep(g_ce.poll_us);
-			pthread_mutex_lock(&g_ce.lock);
-		}
+		if (!keep)
+			continue;
+		/* What is still pending goes back in front of what arrived meanwhile. */
+		pthread_mutex_lock(&g_ce.lock);
+		keep_tail->ce_next = g_ce.head;
+		g_ce.head = keep;
+		if (!g_ce.tail)
+			g_ce.tail = keep_tail;
+		pthread_mutex_unlock(&g_ce.lock);
+		usleep(g_ce.poll_us);
 	}
 	return NULL;
 }
@@ -560,10 +603,6 @@ static int ce_track_start(struct event *e, void *stream)
 {
 	if (!ce_available())
 		return 0;
-	if (atomic_load(&g_live_ops) > RW_MAX_LIVE_OPS) {
-		atomic_fetch_add(&rw_shim_untracked_ops, 1);
-		return 0;
-	}
 	e->ce_stream = stream;
 	if (g_ce.ctx_get(&e->ce_ctx) != RW_CU_SUCCESS ||
 	    g_ce.create(&e->ce_start, RW_CU_EVENT_DISABLE_TIMING) != RW_CU_SUCCESS ||
@@ -647,6 +686,9 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 	*handle = &g_other_event;
 	if (!c)
 		return RW_NCCL_SUCCESS;
+	/* Only what the shim asked for: a chained plugin's extra types are not its business. */
+	if (!(s->type & c->mask))
+		return RW_NCCL_SUCCESS;
 	uint64_t now = clock_ns(CLOCK_MONOTONIC);
 	if (s->type == ncclProfileGroup) {
 		*handle = &g_group_event;
@@ -670,14 +712,18 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 		f->n_channels = s->n_channels ? s->n_channels : 1;
 		f->op = op_code(s->func);
 		f->dtype = dtype_code(s->datatype);
-		if (e->ce) {
-			/* One completion for the whole op: the stop event on its stream. */
-			f->n_channels = 1;
-			e->ce_tracked = ce_track_start(e, s->stream);
-		} else {
-			expect_channels(e, f->n_channels);
-		}
+		if (e->ce)
+			f->n_channels = 1; /* one completion for the whole op: the stop event on its stream */
 		emit(e, RW_PHASE_ENQUEUE_START, now);
+		if (over_op_cap()) {
+			release(e);
+			*handle = &g_untracked_event;
+			return RW_NCCL_SUCCESS;
+		}
+		if (e->ce)
+			e->ce_tracked = ce_track_start(e, s->stream);
+		else
+			expect_channels(e, f->n_channels);
 		*handle = e;
 	} else if (s->type == ncclProfileP2p) {
 		struct event *e = new_op(c, EV_P2P);
@@ -698,12 +744,17 @@ static ncclResult_t rw_start(void *context, void **handle, const struct start *s
 		f->pid = c->pid;
 		f->n_channels = s->n_channels ? s->n_channels : 1;
 		f->dtype = dtype_code(s->datatype);
-		expect_channels(e, f->n_channels);
 		emit(e, RW_PHASE_ENQUEUE_START, now);
+		if (over_op_cap()) {
+			release(e);
+			*handle = &g_untracked_event;
+			return RW_NCCL_SUCCESS;
+		}
+		expect_channels(e, f->n_channels);
 		*handle = e;
 	} else if (s->type == ncclProfileKernelCh) {
 		struct event *op = s->parent;
-		if (!op || (op->kind != EV_COLL && op->kind != EV_P2P) || op->n_channels == 0)
+		if (!op || (op->kind != EV_COLL && op->kind != EV_P2P) || op->n_channels == 0 || op->comm != c)
 			return RW_NCCL_SUCCESS;
 		/* More channels than the op announced: nothing holds the op for it. */
 		if (atomic_load(&op->ch_started) >= op->n_channels)
@@ -902,11 +953,12 @@ static ncclResult_t rw_finalize(void *context)
  * only v5 gets v5's share (no copy-engine events, as NCCL's own adapter does). Otherwise
  * chaining stays off, said once through NCCL's logger (or stderr) and counted.
  *
- * Handles given to NCCL while chaining are slots of a fixed pool (65,536 per process,
- * reused only once stopped): one slot pairs the shim's handle with the other plugin's, so
- * a child event's parent is translated for each. A stopped slot stays readable until
- * reused, so a child started after its parent stopped still finds both parents; with no
- * free slot among the next 64 the event reaches only the shim (rw_shim_chain_dropped). */
+ * Handles given to NCCL while chaining pair the shim's handle with the other plugin's, so
+ * a child event's parent is translated for each. Events that can be parents get slots of
+ * a fixed pool (16,384 per process, reused only once stopped; a slot keeps the shim's op
+ * alive until reused), so a child started after its parent stopped still finds both
+ * parents; events that never are parents get a pair freed at their stop. With no free
+ * slot among the next 64 the event reaches only the shim (rw_shim_chain_dropped). */
 
 RW_EXPORT _Atomic unsigned long rw_shim_chain_failures;
 RW_EXPORT _Atomic unsigned long rw_shim_chain_dropped;
@@ -940,12 +992,20 @@ struct chain_ctx {
 	int their_mask;
 };
 
-#define RW_CHAIN_SLOTS 65536
+/* Parent-capable events' pairs: a pool, reused only once stopped; a pair whose shim side
+ * is an op the shim holds keeps a reference on it until reused, so a late child's parent
+ * is never freed memory. Events that are never parents get a pair of their own, freed at
+ * their stop. */
+#define RW_CHAIN_SLOTS 16384
+#define RW_PAIR_MAGIC 0x5257504149523031ull
 enum { SLOT_FREE, SLOT_LIVE, SLOT_STOPPED };
 struct chain_slot {
+	uint64_t magic;
 	_Atomic int state;
 	int theirs_valid;
 	int version; /* the shim's version it was made under */
+	int leaf;    /* a pair of its own (never a parent), freed at stop */
+	int ours_held;
 	void *ours, *theirs;
 };
 static struct chain_slot *g_slots;
@@ -1011,13 +1071,52 @@ static int is_slot(const void *p)
 	       (size_t)(q - b) % sizeof(*g_slots) == 0;
 }
 
-static struct chain_slot *slot_alloc(void)
+/* The pair behind a handle NCCL passes back, or NULL for one of the shim's own (every
+ * handle NCCL holds came from this shim: a pair, an event, or a shared static one). */
+static struct chain_slot *pair_of(void *h)
 {
+	if (is_slot(h))
+		return h;
+	struct chain_slot *p = h;
+	return p && p->magic == RW_PAIR_MAGIC ? p : NULL;
+}
+
+/* An op of the shim's own that a pair may hold a reference on. */
+static struct event *held_op(void *ours)
+{
+	struct event *e = ours;
+	if (!e || e == &g_group_event || e == &g_other_event || e == &g_untracked_event)
+		return NULL;
+	return e->kind == EV_COLL || e->kind == EV_P2P || e->kind == EV_PROXY_OP ? e : NULL;
+}
+
+static struct chain_slot *slot_alloc(uint64_t type)
+{
+	/* Never parents: kernel channels, proxy steps and control, net plugin, kernel launch,
+	 * CE sync and batch. */
+	const uint64_t leaves = ncclProfileKernelCh | ncclProfileProxyStep | ncclProfileProxyCtrl |
+				ncclProfileNetPlugin | ncclProfileKernelLaunch | ncclProfileCeSync |
+				ncclProfileCeBatch;
+	if (type & leaves) {
+		struct chain_slot *p = calloc(1, sizeof(*p));
+		if (!p) {
+			atomic_fetch_add(&rw_shim_chain_dropped, 1);
+			return NULL;
+		}
+		p->magic = RW_PAIR_MAGIC;
+		p->leaf = 1;
+		return p;
+	}
 	for (int i = 0; i < 64; i++) {
 		struct chain_slot *s = &g_slots[atomic_fetch_add(&g_slot_cursor, 1) % RW_CHAIN_SLOTS];
 		int st = atomic_load(&s->state);
-		if (st != SLOT_LIVE && atomic_compare_exchange_strong(&s->state, &st, SLOT_LIVE))
+		if (st != SLOT_LIVE && atomic_compare_exchange_strong(&s->state, &st, SLOT_LIVE)) {
+			if (s->ours_held)
+				release(s->ours);
+			s->ours_held = 0;
+			s->magic = RW_PAIR_MAGIC;
 			return s;
+		}
 	}
 	atomic_fetch_add(&rw_shim_chain_dropped, 1);
 	return NULL;
@@ -1026,9 +1125,9 @@ static struct chain_slot *slot_alloc(void)
 /* A parent pointer NCCL passed, for the shim (ours) or the other plugin (!ours). */
 static void *parent_for(void *p, int ours)
 {
-	if (!is_slot(p))
+	struct chain_slot *s = pair_of(p);
+	if (!s)
 		return ours ? p : NULL;
-	struct chain_slot *s = p;
 	return ours ? s->ours : s->theirs_valid ? s->theirs : NULL;
 }
 
@@ -1047,8 +1146,9 @@ static ncclResult_t chain_init(int v, void **context, uint64_t id, int *mask, co
 	}
 	struct chain_ctx *cc = calloc(1, sizeof(*cc));
 	if (!cc) {
-		*context = ours;
-		return rc;
+		/* Every context of a chaining version is a chain_ctx: fail this init instead. */
+		rw_finalize(ours);
+		return 1; /* ncclSystemError */
 	}
 	cc->ours = ours;
 	int their_mask = 0;
@@ -1074,7 +1174,7 @@ static ncclResult_t chain_init(int v, void **context, uint64_t id, int *mask, co
 		if (!g_chain[v].active)                                                            \
 			return ours_start(context, handle, d);                                     \
 		struct chain_ctx *cc = context;                                                    \
-		struct chain_slot *s = slot_alloc();                                               \
+		struct chain_slot *s = slot_alloc((uint64_t)d->type);                              \
 		descr_t mine = *d;                                                                 \
 		mine.parentObj = parent_for(d->parentObj, 1);                                      \
 		patch(mine, d, 1);                                                                 \
@@ -1085,6 +1185,10 @@ static ncclResult_t chain_init(int v, void **context, uint64_t id, int *mask, co
 			return RW_NCCL_SUCCESS;                                                    \
 		}                                                                                  \
 		s->ours = ours_h;                                                                  \
+		if (!s->leaf && held_op(ours_h)) {                                                 \
+			atomic_fetch_add(&held_op(ours_h)->refs, 1);                               \
+			s->ours_held = 1;                                                          \
+		}                                                                                  \
 		s->theirs = NULL;                                                                  \
 		s->theirs_valid = 0;                                                               \
 		s->version = v;                                                                    \
@@ -1114,22 +1218,25 @@ RW_CHAIN_START(6, ncclProfilerEventDescr_v6_t, rw_start_v6, RW_PATCH_GROUPS)
 
 static ncclResult_t chain_stop(void *handle)
 {
-	if (!is_slot(handle))
+	struct chain_slot *s = pair_of(handle);
+	if (!s)
 		return rw_stop(handle);
-	struct chain_slot *s = handle;
 	rw_stop(s->ours);
 	if (s->theirs_valid)
 		g_chain[s->version].stop(s->theirs);
-	atomic_store(&s->state, SLOT_STOPPED);
+	if (s->leaf)
+		free(s);
+	else
+		atomic_store(&s->state, SLOT_STOPPED);
 	return RW_NCCL_SUCCESS;
 }
 
 #define RW_CHAIN_RECORD(v, args_t, ours_record)                                                    \
 	static ncclResult_t chain_record_v##v(void *handle, ncclProfilerEventState_t state, args_t *a) \
 	{                                                                                          \
-		if (!is_slot(handle))                                                              \
+		struct chain_slot *s = pair_of(handle);                                            \
+		if (!s)                                                                            \
 			return ours_record(handle, state, a);                                      \
-		struct chain_slot *s = handle;                                                     \
 		ours_record(s->ours, state, a);                                                    \
 		if (s->theirs_valid)                                                               \
 			g_chain[v].record(s->theirs, state, a);                                    \

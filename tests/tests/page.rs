@@ -155,6 +155,22 @@ async fn wait_page(c: &Client, what: &str, script: &str, ok: impl Fn(&Value) -> 
     }
 }
 
+/// Clicks the element `css` names, finding it again if the live page re-rendered it between
+/// the find and the click (a stale element reference), until [`STATE_LIMIT`].
+async fn click(c: &Client, css: &str) {
+    let started = Instant::now();
+    loop {
+        let e = c.find(Locator::Css(css)).await.unwrap_or_else(|e| panic!("{css}: {e}"));
+        match e.click().await {
+            Ok(()) => return,
+            Err(err) if err.is_stale_element_reference() && started.elapsed() < STATE_LIMIT => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(err) => panic!("click {css}: {err:?}"),
+        }
+    }
+}
+
 /// The grid as the page shows it: per node, its cells' `data-health`, labels and titles.
 const GRID: &str = "return [...document.querySelectorAll('#grid tr[data-node]')].map(r => ({
     node: r.dataset.node,
@@ -302,7 +318,7 @@ async fn demo(token: Option<&str>) {
     assert_eq!(healthy, 0, "the other nodes' GPUs healthy (their peers' waits blame nobody): {grid}");
 
     // Node 5 GPU 2: the reason and evidence on click.
-    c.find(Locator::Css(&format!(".cell[data-uuid='{n5g2}']"))).await.expect("the cell").click().await.expect("click");
+    click(&c, &format!(".cell[data-uuid='{n5g2}']")).await;
     let detail = wait_page(
         &c,
         "node 5 GPU 2's evidence",

@@ -916,20 +916,16 @@ static ncclResult_t rw_record(void *handle, ncclProfilerEventState_t state, uint
 	return RW_NCCL_SUCCESS;
 }
 
-static ncclResult_t rw_record_v5(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v5_t *a)
-{
-	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
-}
-
-static ncclResult_t rw_record_v6(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v6_t *a)
-{
-	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
-}
-
-static ncclResult_t rw_record_v4(void *handle, ncclProfilerEventState_t state, ncclProfilerEventStateArgs_v4_t *a)
-{
-	return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);
-}
+/* The state args' first 8 bytes, in every version: kernelCh.pTimer / proxyStep.transSize. */
+#define RW_RECORD(v)                                                                               \
+	static ncclResult_t rw_record_v##v(void *handle, ncclProfilerEventState_t state,           \
+					   ncclProfilerEventStateArgs_v##v##_t *a)                  \
+	{                                                                                          \
+		return rw_record(handle, state, a ? a->kernelCh.pTimer : 0);                       \
+	}
+RW_RECORD(4)
+RW_RECORD(5)
+RW_RECORD(6)
 
 static ncclResult_t rw_finalize(void *context)
 {
@@ -1262,29 +1258,16 @@ RW_CHAIN_FINALIZE(4)
 RW_CHAIN_FINALIZE(5)
 RW_CHAIN_FINALIZE(6)
 
-RW_EXPORT const ncclProfiler_v6_t ncclProfiler_v6 = {
-	.name = "ringwatch",
-	.init = rw_init_v6,
-	.startEvent = chain_start_v6,
-	.stopEvent = chain_stop,
-	.recordEventState = chain_record_v6,
-	.finalize = chain_finalize_v6,
-};
-
-RW_EXPORT const ncclProfiler_v5_t ncclProfiler_v5 = {
-	.name = "ringwatch",
-	.init = rw_init_v5,
-	.startEvent = chain_start_v5,
-	.stopEvent = chain_stop,
-	.recordEventState = chain_record_v5,
-	.finalize = chain_finalize_v5,
-};
-
-RW_EXPORT const ncclProfiler_v4_t ncclProfiler_v4 = {
-	.name = "ringwatch",
-	.init = rw_init_v4,
-	.startEvent = chain_start_v4,
-	.stopEvent = chain_stop,
-	.recordEventState = chain_record_v4,
-	.finalize = chain_finalize_v4,
-};
+/* The exported tables: NCCL tries the newest version it knows first. */
+#define RW_EXPORT_TABLE(v)                                                                         \
+	RW_EXPORT const ncclProfiler_v##v##_t ncclProfiler_v##v = {                                \
+		.name = "ringwatch",                                                               \
+		.init = rw_init_v##v,                                                              \
+		.startEvent = chain_start_v##v,                                                    \
+		.stopEvent = chain_stop,                                                           \
+		.recordEventState = chain_record_v##v,                                             \
+		.finalize = chain_finalize_v##v,                                                   \
+	};
+RW_EXPORT_TABLE(6)
+RW_EXPORT_TABLE(5)
+RW_EXPORT_TABLE(4)

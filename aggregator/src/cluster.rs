@@ -603,6 +603,10 @@ pub async fn consume_records(s: Arc<Shared>, cfg: ClusterConfig, js: jetstream::
         let now = s.now();
         let Ok(mut core) = s.core() else { return };
         let (applied, skipped) = core.apply_bus_records(now, &batch.records);
+        // Evaluate what these records changed now, not at the timer task's next turn: a
+        // shard's `applied_seq` then means its verdicts for them are made (in `for_bus`),
+        // which is what a reader of it (an operator, a drained check) takes it to mean.
+        core.handle_timeout(now);
         core.set_bus_position(last);
         s.drain_events(&mut core);
         drop(core);

@@ -148,10 +148,11 @@ impl PressureCgroup {
 
     /// Starts `loops` page-cache thrashers reading a `bytes` file on the root disk (not
     /// tmpfs: its pages would be shared memory, not reclaimable cache) in `dir`, written
-    /// and dropped from the cache first so its pages are charged to the readers. They run
-    /// with `oom_score_adj` 1000: when the kernel's reclaim gives up under the thrash (on
-    /// the v1 memcg here it sometimes does with tens of MiB of clean cache left), the OOM
-    /// killer takes a thrasher before anything else in the cgroup.
+    /// and dropped from the cache first so its pages are charged to the readers. Their `cat`s
+    /// run with `oom_score_adj` 1000 (the loops at 999): when the kernel's reclaim gives
+    /// up under the thrash (on the v1 memcg here it sometimes does with tens of MiB of
+    /// clean cache left), the OOM killer takes a `cat` before anything else in the
+    /// cgroup, and its loop starts another.
     ///
     /// # Panics
     /// The file cannot be written.
@@ -178,12 +179,16 @@ impl PressureCgroup {
         assert!(st.success(), "writing {}", file.display());
         self.file = Some(file.clone());
         // The thrashers stand for the workload beside the shipper: the OOM killer's first
-        // choice (`oom_score_adj` 1000, what the kubelet gives BestEffort pods).
+        // choice (`oom_score_adj` 1000, what the kubelet gives BestEffort pods). Each
+        // loop's shell sits one below its `cat`, so a kill takes a `cat` and the loop
+        // starts the next: a run of OOM kills (this v1 memcg's reclaim can give up
+        // several times in a row) does not use the thrashers up and leave the shipper the
+        // only task to kill.
         for _ in 0..loops {
             self.spawn_in(
                 v2,
                 &format!(
-                    "echo 1000 > /proc/self/oom_score_adj && while :; do cat {} > /dev/null; done",
+                    "echo 999 > /proc/self/oom_score_adj && while :; do sh -c \"echo 1000 > /proc/self/oom_score_adj && exec cat {}\" > /dev/null; done",
                     file.display()
                 ),
             );

@@ -95,13 +95,14 @@ async fn healthz(addr: SocketAddr) -> Option<serde_json::Value> {
     serde_json::from_str(&body).ok()
 }
 
-/// A process's resident anonymous memory (`RssAnon`), bytes; 0 once it is gone.
-fn rss_anon(pid: u32) -> u64 {
+/// A process's resident memory of one kind (`RssAnon`, `RssFile`), bytes; 0 once it is
+/// gone.
+fn rss(pid: u32, kind: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|t| {
             t.lines()
-                .find_map(|l| l.strip_prefix("RssAnon:"))
+                .find_map(|l| l.strip_prefix(kind).and_then(|r| r.strip_prefix(':')))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .map_or(0, |kb: u64| kb << 10)
@@ -207,16 +208,21 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     let mut levels = Vec::new();
     let mut last_level = String::new();
     let mut frames_at_10s = None;
-    let mut peak_anon = 0;
+    let (mut peak_anon, mut last_file, mut peak_file) = (0, 0, 0);
     while started.elapsed() < RUN {
         if let Some(st) = sh.child.try_wait().expect("wait") {
             panic!(
-                "the shipper ended under pressure after {:?}: {st:?} (oom kills {})",
+                "the shipper ended under pressure after {:?}: {st:?} (oom kills {}; its anonymous peak {peak_anon} bytes, file-backed resident {last_file} bytes when last read)",
                 started.elapsed(),
                 s.cg.oom_kills()
             );
         }
-        peak_anon = peak_anon.max(rss_anon(sh.child.id()));
+        peak_anon = peak_anon.max(rss(sh.child.id(), "RssAnon"));
+        let file = rss(sh.child.id(), "RssFile");
+        if file > 0 {
+            last_file = file;
+            peak_file = peak_file.max(file);
+        }
         if first_stall.is_none() && some_total(&pressure_file) > base {
             first_stall = Some(started.elapsed());
         }
@@ -294,7 +300,7 @@ async fn kernel_shipper_in_a_64_mib_memcg_sheds_under_pressure_and_lives_while_s
     // inactive cache charged), the OOM killer takes one of them, and the shipper lives
     // (asserted above). Printed: the kills, and the shipper's anonymous peak.
     println!(
-        "oom kills in the cgroup (thrashers): {}; shipper anonymous peak {peak_anon} bytes (limit {LIMIT}, headroom {headroom})",
+        "oom kills in the cgroup (thrashers): {}; shipper anonymous peak {peak_anon} bytes, file-backed resident peak {peak_file} bytes (limit {LIMIT}, headroom {headroom})",
         s.cg.oom_kills()
     );
     s.agg.shutdown();
